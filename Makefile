@@ -1,0 +1,30 @@
+# unicon: `make demo` and `make test` are all a newcomer needs (see README).
+# The virtual environment is (re)built when the pins (constraints.txt) or pyproject.toml change.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.unicon-installed
+TORCHSORT_VERSION := $(shell grep -i '^torchsort==' constraints.txt | cut -d= -f3)
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup test demo clean-env lint
+
+setup: $(STAMP)
+
+$(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q -c constraints.txt torch torchvision
+	PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION)
+	$(VPY) -m pip install -q -c constraints.txt -e '.[dev,deepspeed]'
+	@touch $@
+
+test: $(STAMP)
+	WANDB_MODE=offline $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/unicon train experiment=shapes_demo $(ARGS)
+
+clean-env:
+	rm -rf $(VENV)

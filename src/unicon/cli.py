@@ -1,0 +1,113 @@
+"""The ``unicon`` command line: train, evaluate, build-data, report, bench.
+
+Each subcommand lives with the code it drives; this file only routes ``argv`` there:
+
+=========================  ==============================================
+``unicon train``           ``unicon.training.run.cli``
+``unicon evaluate cococon`` ``unicon.evaluation.cococon.cli``
+``unicon evaluate drift``   ``unicon.evaluation.drift.cli``
+``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli``
+``unicon build-data shapes`` ``data_builders/shapes.py: main``
+``unicon report``          ``unicon.report.cli``
+``unicon bench scoring``   ``unicon.models.bench.cli``
+``unicon bench train``     ``unicon.training.bench.cli``
+``unicon bench chains``    ``unicon.evaluation.drift.bench_cli``
+=========================  ==============================================
+
+User mistakes (:class:`unicon.errors.UserError`, :class:`unicon.config.ConfigError`, a missing
+file) are printed as one line, ``unicon: error: ...``, with exit code 2. Anything else is a bug
+and keeps its traceback (exit code 1). Set ``UNICON_DEBUG=1`` to see tracebacks for all errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from unicon.config import ConfigError
+from unicon.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# command -> (module, function, one-line help); nested dicts are command groups
+COMMANDS: dict = {
+    "train": ("unicon.training.run", "cli", "train a unified model (consistency training or pretraining)"),
+    "evaluate": {
+        "cococon": ("unicon.evaluation.cococon", "cli", "CocoCon cross-task consistency C_k, rho_rank, accuracies"),
+        "drift": ("unicon.evaluation.drift", "cli", "semantic drift chains (MCD, MGG)"),
+        "ureason": ("unicon.evaluation.ureason", "cli", "UReason reasoning-to-image, three settings"),
+    },
+    "build-data": {
+        "shapes": ("data_builders/shapes.py", "main", "build the embedded ShapesWorld datasets"),
+    },
+    "report": ("unicon.report", "cli", "summarise a run directory (metrics.jsonl + evaluation outputs)"),
+    "bench": {
+        "scoring": ("unicon.models.bench", "cli", "batched vs naive likelihood scoring (samples/s)"),
+        "train": ("unicon.training.bench", "cli", "consistency vs standard update throughput"),
+        "chains": ("unicon.evaluation.drift", "bench_cli", "batched vs one-at-a-time drift chains"),
+    },
+}
+
+
+def _usage(table: dict, prefix: str) -> str:
+    lines = [f"usage: {prefix} <command> [options]", "", "commands:"]
+    for name, entry in table.items():
+        desc = entry[2] if isinstance(entry, tuple) else "{" + ",".join(entry) + "}"
+        lines.append(f"  {name:<12} {desc}")
+    lines += ["", f"Run '{prefix} <command> --help' for the options of a command."]
+    return "\n".join(lines)
+
+
+def _resolve(target: str, func: str) -> Callable[[list[str]], int]:
+    if target.endswith(".py"):  # a builder script at the repository root
+        path = REPO_ROOT / target
+        if not path.is_file():
+            raise UserError(f"{path} not found (is unicon installed from a source checkout?)")
+        spec = importlib.util.spec_from_file_location(f"unicon_builder_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    table, prefix = COMMANDS, "unicon"
+    while True:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_usage(table, prefix))
+            return 0 if argv else 2
+        if argv[0] in ("-V", "--version") and table is COMMANDS:
+            from unicon import __version__
+
+            print(f"unicon {__version__}")
+            return 0
+        name, argv = argv[0], argv[1:]
+        if name not in table:
+            print(f"{prefix}: error: unknown command '{name}' (choose from {', '.join(table)})", file=sys.stderr)
+            return 2
+        entry, prefix = table[name], f"{prefix} {name}"
+        if isinstance(entry, tuple):
+            break
+        table = entry
+    debug = bool(os.environ.get("UNICON_DEBUG"))
+    try:
+        return int(_resolve(entry[0], entry[1])(argv) or 0)
+    except (UserError, ConfigError, FileNotFoundError) as e:
+        if debug:
+            raise
+        msg = str(e) if not isinstance(e, FileNotFoundError) or not e.filename else f"no such file: {e.filename}"
+        print(f"unicon: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("unicon: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Dataset loaders: CocoCon-schema contrast sets, the pretraining mixture, GenEval, UReason, drift seeds."""

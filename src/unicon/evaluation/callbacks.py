@@ -1,0 +1,127 @@
+"""Epoch-end evaluation: the shared callback base and logging of scalars and tables.
+
+Each suite (``cococon``, ``drift``, ``ureason``) subclasses :class:`EvalCallback` in its own
+module and implements only ``evaluate(trainer, model) -> {metric: value}``. The base decides
+*when* to run (every ``every_n_epochs`` training epochs), puts the model in eval mode under
+``torch.no_grad``, times the run, isolates failures (an exception is logged and reported as
+``<suite>/failed = 1`` unless ``fail_on_error``), and sends the scalars to every logger of the
+trainer (W&B or CSV, and ``metrics.jsonl``).
+
+Under DDP every rank calls ``evaluate`` (the suites shard their work and sync metric states);
+the loggers write on rank zero only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+
+def log_metrics(loggers: Sequence[Logger], metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Send finite-or-not scalar metrics to every logger (rank zero only inside the loggers)."""
+    scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
+    for lg in loggers:
+        lg.log_metrics(scalars, step=step)
+
+
+def _safe_key(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+
+
+@rank_zero_only
+def log_table(
+    loggers: Sequence[Logger], key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int | None = None
+) -> None:
+    """Log a table whose cells may be PIL images.
+
+    W&B gets a ``wandb.Table`` (images as ``wandb.Image``). Every logger with a directory also
+    gets ``<dir>/tables/<key>.jsonl`` with images saved beside it as PNG, so nothing depends on W&B.
+    """
+    written: set[str] = set()
+    for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            import wandb
+
+            data = [[wandb.Image(c) if isinstance(c, Image.Image) else c for c in row] for row in rows]
+            lg.experiment.log({key: wandb.Table(columns=list(columns), data=data)}, step=step)
+            continue
+        base = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
+        if not base or base in written:
+            continue
+        written.add(base)
+        out = Path(base) / "tables"
+        img_dir = out / _safe_key(key)
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / f"{_safe_key(key)}.jsonl").open("a") as f:
+            for i, row in enumerate(rows):
+                rec = {"step": step}
+                for col, cell in zip(columns, row):
+                    if isinstance(cell, Image.Image):
+                        img_dir.mkdir(parents=True, exist_ok=True)
+                        p = img_dir / f"step{step}_{i}_{_safe_key(col)}.png"
+                        cell.save(p)
+                        cell = str(p.relative_to(out))
+                    rec[col] = cell
+                f.write(json.dumps(rec, default=str) + "\n")
+
+
+class EvalCallback(Callback):
+    """Runs a suite's ``evaluate`` at the end of every ``every_n_epochs``-th training epoch."""
+
+    #: metric prefix and artefact folder name, e.g. "cococon"
+    name: str = "eval"
+
+    def __init__(self, every_n_epochs: int = 1, fail_on_error: bool = False):
+        if every_n_epochs < 1:
+            raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.every_n_epochs = every_n_epochs
+        self.fail_on_error = fail_on_error
+        self.last_metrics: dict[str, float] = {}
+
+    # -- to implement -------------------------------------------------------------------------
+    def evaluate(self, trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
+        raise NotImplementedError
+
+    # -- helpers for subclasses -----------------------------------------------------------------
+    def output_dir(self, trainer: Trainer) -> Path:
+        """``<run_dir>/eval/<name>/epoch-<e>``: where a suite writes per-sample files and plots."""
+        d = Path(trainer.default_root_dir) / "eval" / self.name / f"epoch-{trainer.current_epoch + 1}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    # -- Lightning hook -------------------------------------------------------------------------
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        if trainer.sanity_checking:
+            return
+        model = getattr(pl_module, "model", pl_module)
+        was_training = model.training
+        model.eval()
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                metrics = dict(self.evaluate(trainer, model))
+            metrics[f"{self.name}/failed"] = 0.0
+        except Exception:
+            if self.fail_on_error:
+                raise
+            log.exception("%s evaluation failed at epoch %d; training continues", self.name, trainer.current_epoch)
+            metrics = {f"{self.name}/failed": 1.0}
+        finally:
+            model.train(was_training)
+        metrics[f"{self.name}/seconds"] = time.perf_counter() - start
+        self.last_metrics = metrics
+        log_metrics(trainer.loggers, metrics, step=trainer.global_step)

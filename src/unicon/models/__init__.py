@@ -1,0 +1,1 @@
+"""Unified model backends behind one interface (base.UnifiedModel)."""

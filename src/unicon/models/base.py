@@ -1,0 +1,243 @@
+"""The one interface every unified vision-language backend implements.
+
+A *unified model* understands images (captioning, VQA, grounding: I2T) and
+generates them (T2I). Everything else in unicon -- consistency training,
+CocoCon, drift chains, UReason -- talks to a model only through
+:class:`UnifiedModel`, so a new backend (OFA, Janus, ...) is one file/folder in
+``unicon.models`` that subclasses it.
+
+Conventions shared by all backends
+----------------------------------
+* **Images** are passed as a list of ``PIL.Image.Image`` *or* as a float tensor
+  ``[B, 3, H, W]`` already produced by :meth:`UnifiedModel.prepare_images`
+  (the data loaders do this in worker processes for speed).
+* **Boxes** are ``[x, y, w, h]`` in pixels of the *original* image, as in COCO
+  and the CocoCon file.
+* **Likelihood scores** are negative log-likelihoods: lower means more likely.
+  ``Scores.nll[b, k]`` is the *length-normalised* NLL (mean over the target
+  tokens, EOS included) of candidate ``k`` of example ``b``; ``Scores.sum_nll`` is
+  the summed NLL. Both are differentiable when grad is enabled.
+* **Ragged candidate lists** are padded to ``K = max_b K_b``; ``Scores.mask`` is
+  True for real candidates. Padded entries hold 0.0 (never inf/nan, so that
+  masked arithmetic keeps finite gradients).
+* An **empty candidate list** for an example is a ``ValueError`` naming the
+  example index. A candidate longer than the model's maximum target length is
+  truncated and counted in ``Scores.num_truncated`` (and a warning is logged);
+  it is never cut silently.
+* **Batched scoring** must run the encoder (or the shared prefix) once per
+  example and reuse it for all K candidates.
+
+The three scoring directions mirror CocoCon section 4.3:
+
+====================  =========================  ======================
+method                input varies?              output (scored) varies?
+====================  =========================  ======================
+``score_text``        no (image + prompt)        yes (K captions/answers)
+``score_boxes``       yes (K expressions)        no (the gold box)
+``score_image``       yes (K prompts)            no (the gold image's codes)
+====================  =========================  ======================
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+from PIL import Image
+from torch import nn
+
+ImageBatch = Union[Sequence[Image.Image], torch.Tensor]
+Box = Sequence[float]  # [x, y, w, h] in pixels
+
+
+@dataclass
+class Scores:
+    """Per-candidate negative log-likelihoods, ``[B, K]`` each."""
+
+    nll: torch.Tensor  # length-normalised (mean over target tokens)
+    sum_nll: torch.Tensor  # summed over target tokens
+    mask: torch.Tensor  # bool, True where a real candidate
+    num_tokens: torch.Tensor  # long, target length used (after truncation)
+    num_truncated: int = 0  # candidates that had to be cut to max length
+
+    def __post_init__(self) -> None:
+        if self.nll.shape != self.mask.shape:
+            raise ValueError(f"nll {tuple(self.nll.shape)} and mask {tuple(self.mask.shape)} differ")
+
+
+@dataclass
+class TextGeneration:
+    """Free text produced by ``reason`` (think-then-draw traces)."""
+
+    text: str
+    truncated: bool = False  # True when generation stopped at max_new_tokens
+    num_tokens: int = 0
+
+
+@dataclass
+class ImageGenerationConfig:
+    """Options shared by every backend's ``generate_image``.
+
+    ``guidance_scale`` > 1 enables classifier-free guidance: logits are
+    ``l_uncond + s * (l_cond - l_uncond)``. ``do_sample=False`` is greedy.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    guidance_scale: float = 1.0
+    seed: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class ImageTokenizer(abc.ABC):
+    """Discrete image tokenizer: pixels <-> a grid of code indices.
+
+    Implemented by the exact ShapesWorld tokenizer (one code per grid cell),
+    and by VQ tokenizers (VQGAN for OFA, Janus's VQ-VAE).
+
+    * ``encode(images)`` takes a float tensor ``[B, 3, H, W]`` in ``[0, 1]`` (or a
+      list of PIL images) and returns ``LongTensor [B, h, w]`` of indices in
+      ``[0, codebook_size)``.
+    * ``decode(codes)`` takes ``LongTensor [B, h, w]`` and returns a float tensor
+      ``[B, 3, H, W]`` in ``[0, 1]``.
+    """
+
+    codebook_size: int
+    grid_size: tuple[int, int]  # (h, w) of the code grid
+    image_size: tuple[int, int]  # (H, W) of decoded images
+
+    @abc.abstractmethod
+    def encode(self, images: ImageBatch) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_to_pil(self, codes: torch.Tensor) -> list[Image.Image]:
+        return tensor_to_pil(self.decode(codes))
+
+
+class UnifiedModel(nn.Module, abc.ABC):
+    """A model that scores and generates both text (I2T) and images (T2I)."""
+
+    #: human-readable backend name, e.g. ``"ofa"`` or ``"janus"``
+    backend: str = "abstract"
+    #: the tokenizer whose codes ``score_image``/``generate_image`` use
+    image_tokenizer: ImageTokenizer | None = None
+
+    # ---- inputs -----------------------------------------------------------------
+    @abc.abstractmethod
+    def prepare_images(self, images: ImageBatch) -> torch.Tensor:
+        """Convert/resize/normalise images to the encoder's input tensor.
+
+        Images of another mode are converted to RGB; anything that is not an
+        image is refused with a ``ValueError``. Tensors are passed through
+        after a shape check.
+        """
+
+    # ---- likelihood scoring ---------------------------------------------------------
+    @abc.abstractmethod
+    def score_text(
+        self, images: ImageBatch, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
+    ) -> Scores:
+        """NLL of each candidate text given (image, prompt). [B] x [B][K] -> [B, K]."""
+
+    @abc.abstractmethod
+    def score_boxes(
+        self, images: ImageBatch, expressions: Sequence[Sequence[str]], boxes: Sequence[Box]
+    ) -> Scores:
+        """NLL of the fixed box ``boxes[b]`` given (image, expression k). [B][K] -> [B, K].
+
+        ``boxes[b]`` is in pixels of ``images[b]`` (``image_sizes`` must be known:
+        PIL inputs carry them; tensor inputs are assumed already at model size).
+        """
+
+    @abc.abstractmethod
+    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
+        """NLL of the image's own tokens given each prompt k. [B][K] x [B] -> [B, K]."""
+
+    # ---- generation -----------------------------------------------------------------
+    @abc.abstractmethod
+    def caption(self, images: ImageBatch, prompt: str | None = None, **generate_kwargs) -> list[str]:
+        """One caption per image (``prompt`` overrides the backend's captioning prompt)."""
+
+    @abc.abstractmethod
+    def answer(self, images: ImageBatch, questions: Sequence[str], **generate_kwargs) -> list[str]: ...
+
+    @abc.abstractmethod
+    def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:
+        """``[B, 4]`` boxes ``[x, y, w, h]`` in pixels of each input image."""
+
+    @abc.abstractmethod
+    def generate_image(
+        self,
+        prompts: Sequence[str],
+        context: Sequence[str] | None = None,
+        config: ImageGenerationConfig | None = None,
+    ) -> list[Image.Image]:
+        """Text-to-image through image tokens and ``image_tokenizer.decode``.
+
+        ``context[b]``, when given, is extra conditioning text (e.g. a reasoning
+        trace) placed before the prompt -- UReason's setting 2.
+        """
+
+    @abc.abstractmethod
+    def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
+        """Free text generation used for think-then-draw."""
+
+    # ---- persistence ----------------------------------------------------------------
+    @abc.abstractmethod
+    def save_pretrained(self, path: str) -> None: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def from_pretrained(cls, path: str, **kwargs) -> "UnifiedModel": ...
+
+
+# ---- small shared helpers ---------------------------------------------------------------
+
+def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """``[B, 3, H, W]`` floats in [0, 1] -> list of RGB PIL images."""
+    arr = (images.detach().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(a, mode="RGB") for a in arr]
+
+
+def pil_to_tensor(images: Sequence[Image.Image]) -> torch.Tensor:
+    """List of PIL images (same size) -> ``[B, 3, H, W]`` floats in [0, 1]; non-RGB is converted."""
+    import numpy as np
+
+    out = []
+    for i, im in enumerate(images):
+        if not isinstance(im, Image.Image):
+            raise ValueError(f"image {i} is a {type(im).__name__}, expected a PIL image")
+        out.append(torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0))
+    sizes = {tuple(t.shape) for t in out}
+    if len(sizes) > 1:
+        raise ValueError(f"images have different sizes {sorted(sizes)}; resize them first")
+    return torch.stack(out).permute(0, 3, 1, 2).contiguous()
+
+
+def pad_scores(values: list[list[torch.Tensor]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged per-example lists of scalar tensors into ``([B, K], mask)`` with 0.0 padding."""
+    B = len(values)
+    K = max((len(v) for v in values), default=0)
+    out = like.new_zeros(B, K)
+    mask = torch.zeros(B, K, dtype=torch.bool, device=like.device)
+    rows = []
+    for b, v in enumerate(values):
+        row = torch.stack(v) if v else like.new_zeros(0)
+        rows.append(torch.cat([row, like.new_zeros(K - len(v))]))
+        mask[b, : len(v)] = True
+    if rows:
+        out = torch.stack(rows)
+    return out, mask
+
+
+def check_candidates(candidates: Sequence[Sequence], what: str = "candidates") -> None:
+    """Raise ``ValueError`` naming the first example with an empty candidate list."""
+    for b, c in enumerate(candidates):
+        if len(c) == 0:
+            raise ValueError(f"example {b} has an empty list of {what}")

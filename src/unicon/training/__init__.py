@@ -1,0 +1,1 @@
+"""Lightning training: ConsistencyModule (Algorithm 1), the data module, loggers, checkpoints."""

@@ -1,0 +1,1 @@
+"""Embedded synthetic worlds where every task has an exactly checkable answer."""
