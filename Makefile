@@ -23,7 +23,11 @@ $(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh
 test: $(STAMP)
 	WANDB_MODE=offline $(VPY) -m pytest -q $(PYTEST_ARGS)
 
+# The demo: build ShapesWorld (seconds), pretrain the tiny OFA once (minutes; reused afterwards),
+# then consistency training with epoch-end CocoCon / drift / UReason evaluation.
 demo: $(STAMP)
+	@test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes
+	@test -f checkpoints/shapes_pretrain/export/config.json || $(VENV)/bin/unicon train experiment=shapes_pretrain
 	$(VENV)/bin/unicon train experiment=shapes_demo $(ARGS)
 
 clean-env:

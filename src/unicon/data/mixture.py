@@ -1,0 +1,104 @@
+"""The standard pretraining mixture: ``mixture_<split>.jsonl`` of a ShapesWorld root.
+
+One row per task example (layout in the team brief)::
+
+    {"id", "scene_id", "image": "images/train/00042.png", "task": "caption"|"vqa"|"grounding"|"t2i",
+     "text": question / referring expression / t2i caption / null, "target": caption / answer /
+     [x, y, w, h] / null, "qtype", "scene"}
+
+:class:`MixtureDataset` reads and validates the rows once (a bad row is a ``ValueError``
+naming ``file:line`` and the key) and opens images lazily in ``__getitem__`` so that
+multi-worker loading decodes PNGs in parallel. :func:`collate_mixture` keeps images as PIL
+(``UnifiedModel.score_*`` accept them and know the image sizes needed for boxes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from PIL import Image
+from torch.utils.data import Dataset
+
+TASKS = ("caption", "vqa", "grounding", "t2i")
+
+
+def _row_error(path: Path, line: int, msg: str) -> ValueError:
+    return ValueError(f"{path}:{line}: {msg}")
+
+
+def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[str, Any]]:
+    """Rows of a mixture file, validated, restricted to ``tasks``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no pretraining-mixture file {path} (build it with `unicon build-data shapes`)")
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"data.tasks: unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _row_error(path, n, f"not valid JSON ({e.msg})") from None
+        for key in ("id", "image", "task"):
+            if key not in row:
+                raise _row_error(path, n, f"missing key '{key}'")
+        task = row["task"]
+        if task not in TASKS:
+            raise _row_error(path, n, f"unknown task {task!r}")
+        if task in ("vqa", "grounding", "t2i") and not row.get("text"):
+            raise _row_error(path, n, f"task {task} needs a non-empty 'text'")
+        if task in ("caption", "vqa") and not isinstance(row.get("target"), str):
+            raise _row_error(path, n, f"task {task} needs a string 'target'")
+        if task == "grounding":
+            box = row.get("target")
+            if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
+                raise _row_error(path, n, "task grounding needs 'target' = [x, y, w, h]")
+        if task in tasks:
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows for tasks {list(tasks)}")
+    return rows
+
+
+class MixtureDataset(Dataset):
+    """Examples of ``<root>/mixture_<split>.jsonl`` with their images loaded as RGB PIL."""
+
+    def __init__(self, root: str | Path, split: str = "train", tasks: Sequence[str] = TASKS):
+        self.root = Path(root)
+        self.path = self.root / f"mixture_{split}.jsonl"
+        self.rows = read_mixture(self.path, tasks)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        row = self.rows[idx]
+        image_path = self.root / row["image"]
+        try:
+            with Image.open(image_path) as im:
+                image = im.convert("RGB")
+        except (FileNotFoundError, OSError) as e:
+            raise ValueError(f"{self.path}: row id={row['id']}: cannot open image {image_path} ({e})") from None
+        return {
+            "id": str(row["id"]),
+            "task": row["task"],
+            "text": row.get("text"),
+            "target": row.get("target"),
+            "image": image,
+        }
+
+
+def collate_mixture(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """List of examples -> column lists (images stay PIL; tasks are grouped by the module)."""
+    return {
+        "ids": [e["id"] for e in examples],
+        "tasks": [e["task"] for e in examples],
+        "texts": [e["text"] for e in examples],
+        "targets": [e["target"] for e in examples],
+        "images": [e["image"] for e in examples],
+    }
