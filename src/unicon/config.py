@@ -89,6 +89,7 @@ class TrainerConfig:
     check_val_every_n_epoch: int = 1
     deterministic: bool = False
     enable_progress_bar: bool = True
+    checkpoint_every_n_steps: Optional[int] = None  # also save every N optimizer steps (default: epoch ends)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class CocoConEvalConfig:
     batch_size: int = 16
     generative: bool = True  # also compute CIDEr / VQA / loc / T2I accuracies
     table_rows: int = 16
+    skip_missing: bool = False  # skip (and count) samples whose image file is missing
 
 
 @dataclass
@@ -135,6 +137,13 @@ class DriftEvalConfig:
     i2t_prompt: Optional[str] = None
     embedders: list[str] = field(default_factory=lambda: ["scene", "clip", "text"])
     geneval: bool = True
+    geneval_prompts: Optional[str] = None  # GenEval metadata file for MGG; default the world's geneval_metadata.jsonl
+    long_prompts: bool = False  # use 'detailed_caption' (BLIP3-o rewrite) as T0
+    clip: Optional[str] = "checkpoints/shapes_clip"  # open_clip dir / '<arch>:<weights>' (python -m unicon.embedders.clip)
+    dino: Optional[str] = None  # transformers DINO directory (image->image)
+    sentence: Optional[str] = None  # sentence-transformers dir; default the bundled all-MiniLM-L6-v2
+    batch_size: int = 8
+    strips: int = 2  # chains shown in the strip plot / W&B table
 
 
 @dataclass
@@ -143,8 +152,11 @@ class UReasonEvalConfig:
     every_n_epochs: int = 1
     data: Optional[str] = None  # directory of UReason JSONL files; default the world's prompts
     judge: str = "exact"  # exact | vlm:<path> | ...
-    max_samples: Optional[int] = 32
+    chain_judge: Optional[str] = None  # causal-LM path for the reasoning-chain judge (exact judges chains itself)
+    max_samples: Optional[int] = 32  # round-robin over categories
     max_new_tokens: int = 128
+    batch_size: int = 8
+    table_rows: int = 8  # samples in the W&B table (three images side by side)
 
 
 @dataclass

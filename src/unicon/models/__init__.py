@@ -1,1 +1,223 @@
-"""Unified model backends behind one interface (base.UnifiedModel)."""
+"""Unified model backends behind one interface (``base.UnifiedModel``), and the two ways to get one.
+
+* :func:`build_model` -- a fresh (or ``pretrained``) model from the ``model:`` config section.
+* :func:`load_model` -- any checkpoint a user holds: a ``save_pretrained`` directory, an
+  OFA-Sys checkpoint directory, or a Lightning ``.ckpt`` written by ``unicon train``.
+
+OFA model configs (``configs/model/ofa_*.yaml``)::
+
+    backend: ofa
+    preset: shapes-tiny        # unicon.models.ofa.configuration_ofa.OFA_PRESETS
+    pretrained: null           # or a local directory (save_pretrained / OFA-Sys layout)
+    arch:                      # OFAConfig overrides, plus the wrapper keys below
+      d_model: 128
+      num_bins: 64             # location bins (OFA: 1000)   -- wrapper key
+      num_beams: 5             # any OFAWrapperConfig field   -- wrapper keys
+
+Wrapper keys (``num_bins`` and the fields of :class:`OFAWrapperConfig`) are split off ``arch``;
+everything else must be an ``OFAConfig`` key. Without ``pretrained``, the text vocabulary is the
+ShapesWorld world's ``tokenizer.json`` under ``world_root`` and the image codes are its exact
+``ShapesTokenizer``; ``vocab_size`` is then text + codes + bins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unicon.errors import UserError
+from unicon.models.base import UnifiedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["UnifiedModel", "build_model", "load_model"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_dict(cfg: Any) -> dict:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(cfg, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(cfg)
+    return dict(cfg)
+
+
+def build_model(model_cfg: Any, world_root: str | Path | None = None) -> UnifiedModel:
+    """The model described by a ``model:`` config section (``unicon.config.ModelConfig``)."""
+    cfg = _as_dict(model_cfg)
+    backend = cfg.get("backend", "ofa")
+    if backend == "ofa":
+        model = _build_ofa(cfg, world_root)
+    elif backend == "janus":
+        from unicon.models.janus import JanusUnifiedModel
+
+        model = JanusUnifiedModel.from_config(model_cfg)
+    else:
+        raise UserError(f"model.backend {backend!r} is unknown; expected 'ofa' or 'janus'")
+    return _apply_common(model, cfg)
+
+
+def _apply_common(model: UnifiedModel, cfg: dict) -> UnifiedModel:
+    dtype = cfg.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise UserError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if DTYPES[dtype] != torch.float32:
+        model.to(DTYPES[dtype])
+    prefixes = list(cfg.get("freeze") or [])
+    if prefixes:
+        names = [n for n, _ in model.named_parameters()]
+        for p in prefixes:
+            if not any(n.startswith(p) for n in names):
+                raise UserError(f"model.freeze: no parameter name starts with {p!r} (e.g. {names[0]!r})")
+        for n, param in model.named_parameters():
+            if any(n.startswith(p) for p in prefixes):
+                param.requires_grad_(False)
+    return model
+
+
+def _build_ofa(cfg: dict, world_root: str | Path | None) -> UnifiedModel:
+    from unicon.models.ofa.configuration_ofa import OFA_PRESETS, preset_config
+    from unicon.models.ofa.modeling_ofa import OFAModel
+    from unicon.models.ofa.tokenization import OFATokenizer
+    from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
+
+    arch = dict(cfg.get("arch") or {})
+    wrapper_keys = set(OFAWrapperConfig.__dataclass_fields__) - {"image_tokenizer", "backend"}
+    settings = {k: arch.pop(k) for k in list(arch) if k in wrapper_keys}
+    num_bins = arch.pop("num_bins", None)
+
+    if cfg.get("pretrained"):
+        if arch or num_bins is not None:
+            raise UserError(f"model.arch keys {sorted(arch) + (['num_bins'] if num_bins else [])} cannot change "
+                            f"the architecture of the pretrained model {cfg['pretrained']}")
+        return OFAUnifiedModel.from_pretrained(cfg["pretrained"], settings=settings,
+                                               allow_pickle=cfg.get("allow_pickle", False))
+
+    preset = cfg.get("preset")
+    if preset is None:
+        raise UserError("model.preset is required for backend 'ofa' without model.pretrained "
+                        f"(one of {sorted(OFA_PRESETS)})")
+    if preset not in OFA_PRESETS:
+        raise UserError(f"model.preset {preset!r} is unknown; choose one of {sorted(OFA_PRESETS)}")
+    if world_root is None:
+        raise UserError(f"model preset {preset!r} from scratch needs a world (data.root) for its vocabulary")
+    tokenizer, image_tokenizer = _world_vocab(Path(world_root), num_bins or 1000,
+                                              settings.get("max_target_length", 128))
+    try:
+        config = preset_config(preset, **arch, vocab_size=len(tokenizer))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model.arch: {e}") from None
+    image_size = settings.pop("image_size", None) or config.patch_image_size or 64
+    grid = image_tokenizer.grid_size[0]
+    if config.code_image_size // 8 != grid:
+        raise UserError(f"model.arch.code_image_size {config.code_image_size} gives a {config.code_image_size // 8}"
+                        f"-wide decoder code grid, but the world's image tokenizer is {grid}x{grid}")
+    spec = {"type": "shapes", "world": _world_config_dict(image_tokenizer)}
+    wrapper = OFAWrapperConfig.from_dict({**settings, "image_size": image_size, "image_tokenizer": spec})
+    return OFAUnifiedModel(OFAModel(config), tokenizer, wrapper, image_tokenizer)
+
+
+def _world_vocab(root: Path, num_bins: int, max_length: int):
+    """(OFATokenizer, ShapesTokenizer) of the ShapesWorld world at ``root``."""
+    from unicon.models.ofa.tokenization import OFATokenizer
+    from unicon.worlds.shapes import ShapesTokenizer, load_world
+
+    if not (root / "tokenizer.json").is_file():
+        raise UserError(f"{root}: no ShapesWorld tokenizer.json (build it: unicon build-data shapes --out {root})")
+    world = load_world(root)
+    image_tokenizer = ShapesTokenizer(world.config)
+    tokenizer = OFATokenizer.from_file(root / "tokenizer.json", image_tokenizer.codebook_size, num_bins,
+                                       max_length=max(max_length + 1, 128))
+    return tokenizer, image_tokenizer
+
+
+def _world_config_dict(image_tokenizer) -> dict:
+    cfg = image_tokenizer.cfg if hasattr(image_tokenizer, "cfg") else image_tokenizer.config
+    if hasattr(cfg, "to_dict"):
+        return cfg.to_dict()
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+def load_model(path: str | Path, **kwargs) -> UnifiedModel:
+    """Any unicon/OFA checkpoint -> a ready :class:`UnifiedModel` (eval mode).
+
+    ``path`` is a ``save_pretrained`` directory (``unicon_model.json`` names the backend), an
+    OFA-Sys checkpoint directory (``config.json`` with ``model_type: ofa`` + BPE files), or a
+    Lightning ``.ckpt`` from ``unicon train`` (its ``unicon_config`` rebuilds the model, whose
+    weights are the ``model.``-prefixed state-dict entries). ``kwargs``: ``world_root``
+    (where the run's ShapesWorld lives, default the run's ``data.root``), ``map_location``, and
+    for directories the backend's ``from_pretrained`` options (e.g. ``allow_pickle``).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {p} does not exist")
+    if p.is_file():
+        if p.suffix != ".ckpt":
+            raise UserError(f"{p}: expected a Lightning .ckpt file or a save_pretrained directory")
+        model = _load_lightning(p, **kwargs)
+    else:
+        model = _load_directory(p, **kwargs)
+    return model.eval()
+
+
+def _load_directory(p: Path, **kwargs) -> UnifiedModel:
+    meta = p / "unicon_model.json"
+    backend = None
+    if meta.is_file():
+        backend = json.loads(meta.read_text()).get("backend", "ofa")
+    elif (p / "config.json").is_file():
+        backend = json.loads((p / "config.json").read_text()).get("model_type")
+        backend = "ofa" if backend == "ofa" else backend
+    if backend == "ofa":
+        from unicon.models.ofa.unified import OFAUnifiedModel
+
+        kwargs.pop("world_root", None)
+        return OFAUnifiedModel.from_pretrained(str(p), **kwargs)
+    if backend == "janus" or (backend or "").startswith("multi_modality"):
+        from unicon.models.janus import JanusUnifiedModel
+
+        return JanusUnifiedModel.from_pretrained(str(p), **kwargs)
+    raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
+                    f"model_type is {backend!r})")
+
+
+def _load_lightning(p: Path, world_root: str | Path | None = None, map_location: str = "cpu",
+                    **kwargs) -> UnifiedModel:
+    from unicon.config import ConfigError, from_container
+
+    try:
+        ckpt = torch.load(p, map_location=map_location, weights_only=True)
+    except Exception:
+        # Lightning may store non-tensor objects (e.g. hyper-parameters); this file was written by
+        # `unicon train` and is read only after the path check above.
+        logger.info("%s: loading with weights_only=False", p)
+        ckpt = torch.load(p, map_location=map_location, weights_only=False)
+    if "unicon_config" not in ckpt or "state_dict" not in ckpt:
+        raise UserError(f"{p}: not a unicon training checkpoint (missing 'unicon_config' or 'state_dict')")
+    try:
+        cfg = from_container(ckpt["unicon_config"])
+    except ConfigError as e:
+        raise UserError(f"{p}: stored config is invalid: {e}") from None
+    # The architecture comes from the run's model section (a `pretrained` directory is read
+    # for its config and tokenizer); the weights are then replaced by the trained ones.
+    model = build_model(cfg.model, world_root=world_root or cfg.data.root)
+    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{p}: weights do not match the model; first missing: {missing[:1]}, "
+                        f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")
+    return model

@@ -1,0 +1,525 @@
+"""Build a ShapesWorld dataset directory: ``unicon build-data shapes --out data/shapes``.
+
+Writes (see the team brief for the schemas)::
+
+    world.json                      config, held-out compositions, seed, sizes, build options
+    tokenizer.json                  byte-level BPE trained on all world text (<s>=0 <pad>=1 </s>=2 <unk>=3)
+    images/<split>/<scene_id>.png   one rendered scene per file (jittered, noise per --noise)
+    mixture_<split>.jsonl           caption / vqa / grounding / t2i rows (+ "reason" rows in train)
+    cococon_<split>.json            CocoCon schema + "category" + "scene" per annotation
+    drift_seeds.jsonl               (image, caption) pairs from the test split
+    geneval_metadata.jsonl          GenEval schema with ShapesWorld classes and colours
+    ureason/direct_<cat>.jsonl      UReason direct prompts (+ target_scene, trace)
+    ureason/<cat>.jsonl             UReason think-then-refine prompts (+ target_scene, trace)
+
+Default sizes (6000 / 500 / 500 scenes, ~9 mixture rows per scene, 2000 reasoning rows) give a
+tiny OFA enough data to learn all four tasks; the default world builds in seconds. Everything is
+a function of ``--seed``: each scene's image and text use their own RNG seeded with
+``(seed, split, index)``, so the output does not depend on ``--workers``. Large worlds are
+rendered by a process pool, streamed to disk, and never held in memory.
+
+Splits are disjoint by scene. ``--held-out`` colour-shape compositions never appear in any
+training image or training text (they are listed in ``world.json``); val/test contain them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from unicon.errors import UserError
+from unicon.worlds.shapes import (
+    SPLITS,
+    UREASON_CATEGORIES,
+    Scene,
+    ShapeObject,
+    WorldConfig,
+    render,
+    scene_boxes,
+)
+from unicon.worlds.shapes_reasoning import make_reasoning_item
+from unicon.worlds.shapes_text import (
+    CATEGORIES,
+    candidate_questions,
+    describe_scene,
+    make_contrast_sample,
+    mentions_kind,
+    answer_question,
+    plural,
+    question_type,
+    referring_expressions,
+)
+
+SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>"]
+GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+UREASON_ID_RANK = {"code": 1, "attribute": 2, "spatial": 3, "arithmetic": 4}  # as in the real release
+QTYPES = ("color", "shape", "count", "exist", "relation")
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="unicon build-data shapes", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="data/shapes", help="output directory (the world root)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-train", type=int, default=6000, help="training scenes")
+    p.add_argument("--num-val", type=int, default=500)
+    p.add_argument("--num-test", type=int, default=500)
+    p.add_argument("--workers", type=int, default=0, help="render processes (0 = auto: 1 for small worlds)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing world in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    w = p.add_argument_group("world")
+    w.add_argument("--grid", type=int, default=4)
+    w.add_argument("--canvas", type=int, default=64)
+    w.add_argument("--min-objects", type=int, default=1)
+    w.add_argument("--max-objects", type=int, default=4)
+    w.add_argument("--jitter", type=int, default=1, help="max per-object pixel shift")
+    w.add_argument("--noise", type=float, default=0.0, help="Gaussian pixel noise std (0..255 units)")
+    w.add_argument("--held-out", type=int, default=4, help="colour-shape compositions kept out of training")
+    t = p.add_argument_group("tasks")
+    t.add_argument("--captions-per-scene", type=int, default=2)
+    t.add_argument("--vqa-per-scene", type=int, default=4)
+    t.add_argument("--grounding-per-scene", type=int, default=2)
+    t.add_argument("--t2i-per-scene", type=int, default=1)
+    t.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES,
+                   help="contrast-set categories")
+    t.add_argument("--min-contrast-sets", type=int, default=1)
+    t.add_argument("--max-contrast-sets", type=int, default=5)
+    t.add_argument("--num-reason-train", type=int, default=2000, help="think-then-draw rows in the train mixture")
+    t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
+    t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
+    t.add_argument("--num-drift-seeds", type=int, default=64)
+    t.add_argument("--vocab-size", type=int, default=1000)
+    return p.parse_args(argv)
+
+
+def world_config(args: argparse.Namespace) -> WorldConfig:
+    return WorldConfig(grid=args.grid, canvas=args.canvas, min_objects=args.min_objects,
+                       max_objects=args.max_objects, jitter=args.jitter, noise=args.noise)
+
+
+def validate(args: argparse.Namespace, cfg: WorldConfig) -> None:
+    """Refuse configurations that cannot be satisfied, naming the option."""
+    if args.num_train < 1 or args.num_val < 0 or args.num_test < 0:
+        raise ValueError("--num-train must be >= 1 and --num-val/--num-test >= 0")
+    for name in ("captions_per_scene", "vqa_per_scene", "grounding_per_scene", "t2i_per_scene",
+                 "num_reason_train", "num_ureason", "geneval_per_tag", "num_drift_seeds"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if not 1 <= args.min_contrast_sets <= args.max_contrast_sets <= 5:
+        raise ValueError(
+            f"need 1 <= --min-contrast-sets ({args.min_contrast_sets}) <= --max-contrast-sets "
+            f"({args.max_contrast_sets}) <= 5 (the CocoCon schema has 1-5 contrast sets per sample)"
+        )
+    alternatives = {"attribute": len(cfg.colors) - 1, "object": len(cfg.shapes) - 1,
+                    "count": cfg.max_objects - 1, "location": 3}
+    for cat in args.categories:
+        if args.min_contrast_sets > alternatives[cat]:
+            raise ValueError(
+                f"--min-contrast-sets={args.min_contrast_sets} but category {cat!r} has only "
+                f"{alternatives[cat]} alternatives in this world; lower it or drop the category"
+            )
+    most = max(alternatives[c] for c in args.categories)
+    if args.max_contrast_sets > most:
+        raise ValueError(
+            f"--max-contrast-sets={args.max_contrast_sets} is more contrast sets than alternatives: "
+            f"the categories {args.categories} offer at most {most}"
+        )
+    if args.held_out < 0 or args.held_out > min(len(cfg.colors), len(cfg.shapes)) - 1:
+        raise ValueError(
+            f"--held-out={args.held_out}: at most {min(len(cfg.colors), len(cfg.shapes)) - 1} compositions "
+            "can be held out while every colour and shape keeps a training composition"
+        )
+    if args.num_drift_seeds > args.num_test:
+        raise ValueError(f"--num-drift-seeds={args.num_drift_seeds} exceeds --num-test={args.num_test}")
+    if args.vocab_size < 300:
+        raise ValueError("--vocab-size must be >= 300 (256 byte symbols + specials + merges)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenes
+# ---------------------------------------------------------------------------------------------
+def choose_held_out(cfg: WorldConfig, k: int, seed: int) -> list[tuple[str, str]]:
+    """``k`` compositions with distinct colours and distinct shapes."""
+    rng = np.random.default_rng([seed, 11])
+    colors = rng.permutation(len(cfg.colors))[:k]
+    shapes = rng.permutation(len(cfg.shapes))[:k]
+    return sorted((cfg.color_names[c], cfg.shapes[s]) for c, s in zip(colors, shapes))
+
+
+def sample_scene(rng: np.random.Generator, cfg: WorldConfig, p_repeat: float = 0.3) -> Scene:
+    n = int(rng.integers(cfg.min_objects, cfg.max_objects + 1))
+    cells = rng.choice(cfg.grid * cfg.grid, size=n, replace=False)
+    kinds: list[tuple[str, str]] = []
+    for i in range(n):
+        if i and rng.random() < p_repeat:
+            kinds.append(kinds[rng.integers(i)])
+        else:
+            kinds.append((cfg.color_names[rng.integers(len(cfg.colors))], cfg.shapes[rng.integers(len(cfg.shapes))]))
+    return Scene(tuple(ShapeObject(s, c, int(k) // cfg.grid, int(k) % cfg.grid) for (c, s), k in zip(kinds, cells)))
+
+
+def sample_splits(cfg: WorldConfig, sizes: dict[str, int], held_out, seed: int) -> dict[str, list[Scene]]:
+    """Unique scenes per split (no scene in two splits); training scenes avoid held-out compositions."""
+    rng = np.random.default_rng([seed, 13])
+    seen: set[tuple] = set()
+    held = set(held_out)
+    out: dict[str, list[Scene]] = {}
+    for split in SPLITS:
+        scenes = []
+        misses = 0
+        while len(scenes) < sizes[split]:
+            s = sample_scene(rng, cfg)
+            if s.key() in seen or (split == "train" and any(o.kind in held for o in s.objects)):
+                misses += 1
+                if misses > 10_000 + 20 * len(seen):
+                    raise ValueError(
+                        f"cannot draw {sizes[split]} distinct {split} scenes: the world ({cfg.grid}x{cfg.grid} grid, "
+                        f"{cfg.min_objects}-{cfg.max_objects} objects) has too few; lower the split sizes"
+                    )
+                continue
+            seen.add(s.key())
+            scenes.append(s)
+        out[split] = scenes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-scene work (runs in worker processes)
+# ---------------------------------------------------------------------------------------------
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(state: dict[str, Any]) -> None:
+    _STATE.clear()
+    _STATE.update(state)
+
+
+def scene_name(scene_id: int, width: int) -> str:
+    return f"{scene_id:0{width}d}"
+
+
+def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
+    """Render one scene to disk and write all its text rows. Deterministic in (seed, split, index)."""
+    split, index, scene_id, scene_dict = task
+    cfg: WorldConfig = _STATE["cfg"]
+    args = _STATE["args"]
+    forbidden = _STATE["held_out"] if split == "train" else []
+    scene = Scene.from_dict(scene_dict)
+    name = scene_name(scene_id, _STATE["width"])
+    rel = f"images/{split}/{name}.png"
+    img_seed = int(np.random.SeedSequence([args["seed"], SPLITS.index(split), index]).generate_state(1)[0])
+    render(scene, cfg, seed=img_seed).save(Path(_STATE["out"]) / rel)
+    boxes = scene_boxes(scene, cfg, seed=img_seed)
+    rng = np.random.default_rng([args["seed"], SPLITS.index(split), index, 1])
+    sd = scene.to_dict()
+
+    def row(task_name, k, text, target, qtype=None):
+        return {"id": f"{split}-{name}-{task_name}-{k}", "scene_id": name, "image": rel, "task": task_name,
+                "text": text, "target": target, "qtype": qtype, "scene": sd}
+
+    def ok(text: str) -> bool:
+        return not (forbidden and mentions_kind(text, forbidden))
+
+    rows = []
+    captions = []
+    for k in range(args["captions_per_scene"]):
+        cap = describe_scene(scene, rng)
+        captions.append(cap)
+        rows.append(row("caption", k, None, cap))
+    questions = candidate_questions(scene, cfg, rng)
+    types = [t for t in QTYPES if any(ok(q) for q in questions[t])]
+    for k in range(args["vqa_per_scene"]):
+        if not types:
+            break
+        qtype = types[(index + k) % len(types)]
+        pool = [q for q in questions[qtype] if ok(q)]
+        q = pool[rng.integers(len(pool))]
+        rows.append(row("vqa", k, q, answer_question(q, scene, cfg), question_type(q)))
+    refs = [(e, i) for i, o in enumerate(scene.objects) for e in referring_expressions(o, scene)]
+    for k in range(min(args["grounding_per_scene"], len(refs))):
+        e, i = refs[rng.integers(len(refs))]
+        rows.append(row("grounding", k, e, list(boxes[i])))
+    for k in range(args["t2i_per_scene"]):
+        rows.append(row("t2i", k, captions[k % len(captions)] if captions else describe_scene(scene, rng), None))
+
+    ann = None
+    cats = list(args["categories"])
+    start = index % len(cats)
+    for cat in cats[start:] + cats[:start]:
+        sample = make_contrast_sample(scene, cat, cfg, rng, args["min_contrast_sets"], args["max_contrast_sets"],
+                                      forbidden=forbidden, boxes=boxes)
+        if sample is not None:
+            ann = {"id": scene_id, "image_id": scene_id, "question_id": scene_id * 1000, **sample, "scene": sd}
+            break
+    image = {"id": scene_id, "file_name": rel, "height": cfg.canvas, "width": cfg.canvas}
+    return {"rows": rows, "annotation": ann, "image": image,
+            "drift": {"id": name, "image": rel, "caption": describe_scene(scene), "scene": sd}}
+
+
+# ---------------------------------------------------------------------------------------------
+# World-level files
+# ---------------------------------------------------------------------------------------------
+def geneval_rows(cfg: WorldConfig, per_tag: int, seed: int) -> list[dict[str, Any]]:
+    """Unique GenEval-schema prompts per tag (capped by how many distinct prompts the world has)."""
+    rng = np.random.default_rng([seed, 17])
+    shapes, colors = list(cfg.shapes), list(cfg.color_names)
+
+    def a(word):
+        return "an" if word[0] in "aeiou" else "a"
+
+    def pool(tag):
+        if tag == "single_object":
+            return [{"include": [{"class": s, "count": 1}], "prompt": f"a photo of {a(s)} {s}"} for s in shapes]
+        if tag == "two_object":
+            return [{"include": [{"class": s, "count": 1}, {"class": t, "count": 1}],
+                     "prompt": f"a photo of {a(s)} {s} and {a(t)} {t}"} for s in shapes for t in shapes if s != t]
+        if tag == "counting":
+            from unicon.worlds.shapes_text import number_word
+            return [{"include": [{"class": s, "count": n}], "exclude": [{"class": s, "count": n + 1}],
+                     "prompt": f"a photo of {number_word(n)} {plural(s)}"}
+                    for s in shapes for n in range(2, cfg.max_objects + 1)]
+        if tag == "colors":
+            return [{"include": [{"class": s, "count": 1, "color": c}], "prompt": f"a photo of {a(c)} {c} {s}"}
+                    for s in shapes for c in colors]
+        if tag == "position":
+            return [{"include": [{"class": t, "count": 1}, {"class": s, "count": 1, "position": [rel, 0]}],
+                     "prompt": f"a photo of {a(s)} {s} {rel} {a(t)} {t}"}
+                    for s in shapes for t in shapes if s != t for rel in ("left of", "right of", "above", "below")]
+        return [{"include": [{"class": s, "count": 1, "color": c}, {"class": t, "count": 1, "color": d}],
+                 "prompt": f"a photo of {a(c)} {c} {s} and {a(d)} {d} {t}"}
+                for s in shapes for t in shapes if s != t for c in colors for d in colors if c != d]
+
+    out = []
+    for tag in GENEVAL_TAGS:
+        items = pool(tag)
+        for i in sorted(rng.permutation(len(items))[:per_tag].tolist()):
+            out.append({"tag": tag, **items[i]})
+    return out
+
+
+def reasoning_items(cfg: WorldConfig, args: argparse.Namespace, held_out) -> tuple[dict, list[dict]]:
+    """Evaluation items per UReason category, and training think-then-draw rows (disjoint prompts)."""
+    n = args.num_ureason
+    block = 100 if n <= 100 else 10 ** len(str(n))
+    evals: dict[str, list[dict]] = {}
+    seen: set[str] = set()
+    for cat in UREASON_CATEGORIES:
+        rng = np.random.default_rng([args.seed, 19, UREASON_CATEGORIES.index(cat)])
+        items, misses = [], 0
+        while len(items) < n:
+            it = make_reasoning_item(cat, rng, cfg)
+            if it["direct_prompt"] in seen:
+                misses += 1
+                if misses > 50 * (n + 10):
+                    raise ValueError(f"cannot draw {n} distinct {cat} reasoning prompts in this world")
+                continue
+            seen.add(it["direct_prompt"])
+            items.append({"id": UREASON_ID_RANK[cat] * block + len(items) + 1, **it})
+        evals[cat] = items
+    rng = np.random.default_rng([args.seed, 23])
+    train, tries = [], 0
+    while len(train) < args.num_reason_train:
+        cat = UREASON_CATEGORIES[len(train) % len(UREASON_CATEGORIES)]
+        it = make_reasoning_item(cat, rng, cfg, forbidden=held_out)
+        tries += 1
+        if it["direct_prompt"] in seen:
+            if tries > 50 * (args.num_reason_train + 100):
+                raise ValueError("cannot draw enough training reasoning prompts distinct from the evaluation ones")
+            continue
+        train.append({"id": f"train-reason-{len(train)}", "scene_id": None, "image": None, "task": "reason",
+                      "text": it["think_prompt"], "target": it["trace"], "qtype": cat, "scene": None,
+                      "target_scene": it["target_scene"]})
+    return evals, train
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, path: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise RuntimeError(f"special token {t} got id {tok.token_to_id(t)}, expected {i}")
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+def _world_texts(out: Path) -> Iterator[str]:
+    for split in SPLITS:
+        with open(out / f"mixture_{split}.jsonl") as f:
+            for line in f:
+                r = json.loads(line)
+                for v in (r["text"], r["target"]):
+                    if isinstance(v, str):
+                        yield v
+        data = json.loads((out / f"cococon_{split}.json").read_text())
+        for a in data["annotations"]:
+            yield from (a["caption"], a["query"], a["answer"])
+            for cs in a["contrast_sets"]:
+                yield from (cs["mutex_caption"], cs["mutex_answer"])
+    for line in open(out / "geneval_metadata.jsonl"):
+        yield json.loads(line)["prompt"]
+    for cat in UREASON_CATEGORIES:
+        for name in (f"direct_{cat}.jsonl", f"{cat}.jsonl"):
+            for line in open(out / "ureason" / name):
+                r = json.loads(line)
+                yield from (r["prompt"], r["expect_en"], r["trace"])
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = world_config(args)
+    validate(args, cfg)
+    out = Path(args.out)
+    if (out / "world.json").exists() or (out / "images").exists():
+        if not args.overwrite:
+            raise ValueError(f"{out} already holds a world; pass --overwrite to replace it")
+        for sub in ("images", "ureason"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+        for f in out.glob("*.json*"):
+            f.unlink()
+    t0 = time.time()
+    held_out = choose_held_out(cfg, args.held_out, args.seed)
+    sizes = {"train": args.num_train, "val": args.num_val, "test": args.num_test}
+    scenes = sample_splits(cfg, sizes, held_out, args.seed)
+    total = sum(sizes.values())
+    width = max(5, len(str(total - 1)))
+    for split in SPLITS:
+        (out / "images" / split).mkdir(parents=True, exist_ok=True)
+    (out / "ureason").mkdir(parents=True, exist_ok=True)
+
+    state = {"cfg": cfg, "out": str(out), "width": width, "held_out": held_out,
+             "args": {k: getattr(args, k) for k in ("seed", "captions_per_scene", "vqa_per_scene",
+                                                     "grounding_per_scene", "t2i_per_scene", "categories",
+                                                     "min_contrast_sets", "max_contrast_sets")}}
+    workers = args.workers or (1 if total < 20_000 else min(8, os.cpu_count() or 1))
+    offsets = {"train": 0, "val": sizes["train"], "test": sizes["train"] + sizes["val"]}
+    counts: dict[str, Any] = {}
+    evals, reason_train = reasoning_items(cfg, args, held_out)
+    drift = []
+    pool = mp.get_context("fork").Pool(workers, _init_worker, (state,)) if workers > 1 else None
+    if pool is None:
+        _init_worker(state)
+    try:
+        progress = _progress(args.quiet)
+        with progress:
+            bar = progress.add_task("rendering scenes", total=total)
+            for split in SPLITS:
+                tasks = [(split, i, offsets[split] + i, s.to_dict()) for i, s in enumerate(scenes[split])]
+                results = pool.imap(process_scene, tasks, chunksize=64) if pool else map(process_scene, tasks)
+                n_rows, n_ann, n_sets, by_cat, images = 0, 0, 0, {}, []
+                with open(out / f"mixture_{split}.jsonl", "w") as mix, open(out / f"cococon_{split}.json", "w") as coco:
+                    coco.write('{"annotations": [')
+                    for res in results:
+                        for r in res["rows"]:
+                            mix.write(json.dumps(r) + "\n")
+                        n_rows += len(res["rows"])
+                        if res["annotation"] is not None:
+                            a = res["annotation"]
+                            coco.write((",\n" if n_ann else "\n") + json.dumps(a))
+                            n_ann += 1
+                            n_sets += len(a["contrast_sets"])
+                            by_cat[a["category"]] = by_cat.get(a["category"], 0) + 1
+                        images.append(res["image"])
+                        if split == "test" and len(drift) < args.num_drift_seeds:
+                            drift.append(res["drift"])
+                        progress.advance(bar)
+                    if split == "train":
+                        for r in reason_train:
+                            mix.write(json.dumps(r) + "\n")
+                        n_rows += len(reason_train)
+                    coco.write('\n], "images": ' + json.dumps(images) + "}\n")
+                counts[split] = {"scenes": sizes[split], "mixture_rows": n_rows, "cococon_annotations": n_ann,
+                                 "contrast_sets": n_sets, "categories": by_cat}
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+    _write_jsonl(out / "drift_seeds.jsonl", drift)
+    geneval = geneval_rows(cfg, args.geneval_per_tag, args.seed)
+    _write_jsonl(out / "geneval_metadata.jsonl", geneval)
+    for cat, items in evals.items():
+        base = {"category": cat}
+        _write_jsonl(out / "ureason" / f"direct_{cat}.jsonl",
+                     ({"id": it["id"], "prompt": it["direct_prompt"], "expect_en": it["expect_en"], **base,
+                       "target_scene": it["target_scene"], "trace": it["trace"]} for it in items))
+        _write_jsonl(out / "ureason" / f"{cat}.jsonl",
+                     ({"id": it["id"], "prompt": it["think_prompt"], "expect_en": it["expect_en"], **base,
+                       "target_scene": it["target_scene"], "trace": it["trace"]} for it in items))
+    vocab = train_tokenizer(_world_texts(out), args.vocab_size, out / "tokenizer.json")
+    info = {
+        "name": "shapes",
+        "format_version": 1,
+        "seed": args.seed,
+        "config": cfg.to_dict(),
+        "held_out": [list(k) for k in held_out],
+        "relations": "grid: left of <=> smaller column, above <=> smaller row",
+        "splits": sizes,
+        "counts": counts,
+        "geneval_rows": len(geneval),
+        "ureason_per_category": args.num_ureason,
+        "reason_train_rows": len(reason_train),
+        "drift_seeds": len(drift),
+        "vocab_size": vocab,
+        "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
+        "build": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "quiet", "workers")},
+    }
+    (out / "world.json").write_text(json.dumps(info, indent=2) + "\n")
+    info["seconds"] = round(time.time() - t0, 2)
+    return info
+
+
+def _progress(quiet: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), disable=quiet)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        info = build(args)
+    except ValueError as e:
+        raise UserError(f"build-data shapes: {e}") from e
+    if not args.quiet:
+        c = info["counts"]
+        print(f"built ShapesWorld in {args.out} in {info['seconds']}s: "
+              + ", ".join(f"{s} {c[s]['scenes']} scenes / {c[s]['mixture_rows']} rows / "
+                          f"{c[s]['cococon_annotations']} contrast samples" for s in SPLITS)
+              + f"; vocab {info['vocab_size']}; held out {info['held_out']}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

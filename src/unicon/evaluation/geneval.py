@@ -1,0 +1,338 @@
+"""GenEval: object-level checks of a generated image against its prompt's metadata.
+
+The rules follow GenEval's ``evaluation/evaluate_images.py`` (Ghosh et al., 2023); only the
+detector is pluggable (OWLv2 as in the Telephone-Game paper, or ShapesWorld's exact detector):
+
+* **Detections kept** per class: score strictly above 0.3 (0.9 for ``counting`` prompts), sorted by
+  score (highest first), at most 16 per class, no extra NMS (GenEval's defaults).
+* **include** ``{class, count}``: the top-``count`` detections of ``class`` must exist.
+  **color**: each of those ``count`` boxes is colour-classified, and at least ``count`` must have
+  the requested colour. **position** ``[rel, j]``: every one of those boxes must stand in ``rel``
+  to every box matched by include clause ``j`` (which must itself have passed).
+* **exclude** ``{class, count}``: the image fails if ``count`` or more ``class`` detections were kept.
+* **relative position** of A to B with boxes ``[x, y, w, h]``::
+
+      o   = c_A - c_B                                   (box centres, pixels; y grows downwards)
+      o'  = sign(o) * max(|o| - 0.1 * (d_A + d_B), 0)   (d = (w, h): a margin per axis)
+      (dx, dy) = o' / ||o||                             (normalised by the *raw* offset)
+      left of: dx < -0.5,  right of: dx > 0.5,  above: dy < -0.5,  below: dy > 0.5
+
+  and no relation at all when ``|o'| < 1e-3`` on both axes.
+* **colour** (zero-shot CLIP): the box crop is classified among the 10 GenEval colours with the
+  mean of the normalised text embeddings of three templates, "a photo of a {c} {object}",
+  "a photo of a {c}-colored {object}", "a photo of a {c} object".
+
+Aggregation: a task's accuracy is the fraction of its images that are correct; the **overall**
+score is the unweighted mean of the task accuracies (GenEval's ``summary_scores.py``). The
+micro-average over images is reported too as ``overall_micro`` (the Telephone-Game public MGG
+script averages over images; we follow the paper's text and GenEval, and keep both).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from unicon.data.geneval import TASKS, GenEvalPrompt, Requirement
+from unicon.errors import UserError
+
+log = logging.getLogger(__name__)
+
+COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+COLOR_TEMPLATES = ("a photo of a {c} {object}", "a photo of a {c}-colored {object}", "a photo of a {c} object")
+THRESHOLD = 0.3
+COUNTING_THRESHOLD = 0.9
+MAX_OBJECTS = 16
+POSITION_MARGIN = 0.1
+
+
+@dataclass
+class Detection:
+    """One detected object: ``box`` is ``[x, y, w, h]`` in pixels."""
+
+    box: tuple[float, float, float, float]
+    label: str
+    score: float
+    color: str | None = None  # known colour (exact detectors); None -> use a colour classifier
+
+    @classmethod
+    def coerce(cls, d: Any, where: str = "detection") -> "Detection":
+        if isinstance(d, Detection):
+            return d
+        if isinstance(d, Mapping):
+            get = d.get
+        elif all(hasattr(d, k) for k in ("box", "label", "score")):  # e.g. unicon.worlds.shapes.Detection
+            get = lambda k, default=None: getattr(d, k, default)  # noqa: E731
+        else:
+            raise ValueError(f"{where}: expected a dict with box/label/score, got {type(d).__name__}")
+        box, label, score = get("box"), get("label"), get("score")
+        if box is None or len(box) != 4:
+            raise ValueError(f"{where}: 'box' must be [x, y, w, h], got {box!r}")
+        if not isinstance(label, str) or score is None:
+            raise ValueError(f"{where}: needs a string 'label' and a numeric 'score', got {label!r}, {score!r}")
+        return cls(tuple(float(v) for v in box), label, float(score), get("color"))
+
+
+# ---- rules ----------------------------------------------------------------------------------------------
+def keep_detections(
+    detections: Sequence[Any], tag: str, threshold: float = THRESHOLD,
+    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
+) -> dict[str, list[Detection]]:
+    """Per class, detections with score > threshold (0.9 for counting), best first, at most ``max_objects``."""
+    thr = counting_threshold if tag == "counting" else threshold
+    by_class: dict[str, list[Detection]] = defaultdict(list)
+    for i, d in enumerate(detections):
+        d = Detection.coerce(d, f"detection {i}")
+        if d.score > thr:
+            by_class[d.label].append(d)
+    return {k: sorted(v, key=lambda d: -d.score)[:max_objects] for k, v in by_class.items()}
+
+
+def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:
+    """Relations of A to B (``"left of"``, ``"right of"``, ``"above"``, ``"below"``); see module docstring."""
+    (xa, ya, wa, ha), (xb, yb, wb, hb) = box_a, box_b
+    offset = np.array([xa + wa / 2 - (xb + wb / 2), ya + ha / 2 - (yb + hb / 2)], dtype=np.float64)
+    dims = np.array([wa + wb, ha + hb], dtype=np.float64)
+    revised = np.maximum(np.abs(offset) - margin * dims, 0.0) * np.sign(offset)
+    if np.all(np.abs(revised) < 1e-3):
+        return set()
+    dx, dy = revised / np.linalg.norm(offset)
+    rels = set()
+    if dx < -0.5:
+        rels.add("left of")
+    if dx > 0.5:
+        rels.add("right of")
+    if dy < -0.5:
+        rels.add("above")
+    if dy > 0.5:
+        rels.add("below")
+    return rels
+
+
+ColorFn = Callable[[Image.Image | None, Sequence[Detection], str], list[str]]
+
+
+@dataclass
+class GenEvalResult:
+    correct: bool
+    reasons: list[str]
+
+
+def evaluate_detections(
+    prompt: GenEvalPrompt, detections: Sequence[Any], image: Image.Image | None = None,
+    color_classifier: ColorFn | None = None, **keep_kwargs,
+) -> GenEvalResult:
+    """Apply the GenEval rules of ``prompt`` to one image's raw detections.
+
+    ``color_classifier(image, boxes, classname) -> colours`` is used for ``color`` clauses on boxes
+    whose detection carries no colour; the default uses the detection's own ``color``.
+    """
+    objects = keep_detections(detections, prompt.tag, **keep_kwargs)
+    color_fn = color_classifier or detection_colors
+    correct, reasons = True, []
+    matched: list[list[Detection] | None] = []
+    for req in prompt.include:
+        found = objects.get(req.cls, [])[: req.count]
+        ok = len(found) >= req.count
+        if not ok:
+            reasons.append(f"expected {req.cls}>={req.count}, found {len(found)}")
+        if ok and req.color is not None:
+            colors = color_fn(image, found, req.cls)
+            if colors.count(req.color) < req.count:
+                ok = False
+                reasons.append(f"expected {req.count} {req.color} {req.cls}, found colours {colors}")
+        if ok and req.position is not None:
+            rel, j = req.position
+            targets = matched[j]
+            if targets is None:
+                ok = False
+                reasons.append(f"no target for {req.cls} to be {rel}")
+            else:
+                for obj in found:
+                    bad = next((t for t in targets if rel not in relative_position(obj.box, t.box)), None)
+                    if bad is not None:
+                        ok = False
+                        got = relative_position(obj.box, bad.box)
+                        reasons.append(f"expected {req.cls} {rel} target, found {' and '.join(sorted(got)) or 'none'}")
+                        break
+        correct &= ok
+        matched.append(found if ok else None)
+    for req in prompt.exclude:
+        n = len(objects.get(req.cls, []))
+        if n >= req.count:
+            correct = False
+            reasons.append(f"expected {req.cls}<{req.count}, found {n}")
+    return GenEvalResult(correct, reasons)
+
+
+def summarize(tags: Sequence[str], correct: Sequence[bool]) -> dict[str, Any]:
+    """Per-task accuracy, ``overall`` = mean over the tasks present, ``overall_micro`` = mean over images."""
+    if not correct:
+        raise ValueError("no images to summarize")
+    per: dict[str, list[bool]] = defaultdict(list)
+    for t, c in zip(tags, correct, strict=True):
+        per[t].append(bool(c))
+    order = [t for t in TASKS if t in per] + sorted(t for t in per if t not in TASKS)
+    tasks = {t: float(np.mean(per[t])) for t in order}
+    return {
+        "tasks": tasks,
+        "counts": {t: len(per[t]) for t in order},
+        "overall": float(np.mean(list(tasks.values()))),
+        "overall_micro": float(np.mean([bool(c) for c in correct])),
+    }
+
+
+# ---- colour classifiers ---------------------------------------------------------------------------------
+def detection_colors(image: Image.Image | None, boxes: Sequence[Detection], classname: str) -> list[str]:
+    """Colours carried by the detections themselves (exact detectors such as ShapesWorld's)."""
+    missing = [i for i, b in enumerate(boxes) if b.color is None]
+    if missing:
+        raise ValueError(
+            f"detections of {classname!r} carry no 'color' and no colour classifier was given "
+            "(use ClipColorClassifier with an OWLv2-style detector)"
+        )
+    return [b.color for b in boxes]
+
+
+class ClipColorClassifier:
+    """Zero-shot colour of a box crop with an open_clip model (GenEval's templates, per class)."""
+
+    def __init__(self, embedder, colors: Sequence[str] = COLORS, templates: Sequence[str] = COLOR_TEMPLATES):
+        self.embedder = embedder  # unicon.embedders.clip.ClipEmbedder
+        self.colors = list(colors)
+        self.templates = list(templates)
+        self._heads: dict[str, torch.Tensor] = {}
+
+    def _head(self, classname: str) -> torch.Tensor:
+        if classname not in self._heads:
+            weights = []
+            for c in self.colors:
+                emb = self.embedder.embed_text([t.format(c=c, object=classname) for t in self.templates])
+                mean = emb.mean(0)
+                weights.append(mean / mean.norm())
+            self._heads[classname] = torch.stack(weights)  # [C, D]
+        return self._heads[classname]
+
+    def __call__(self, image: Image.Image | None, boxes: Sequence[Detection], classname: str) -> list[str]:
+        if image is None:
+            raise ValueError("ClipColorClassifier needs the image to crop the boxes from")
+        crops = [image.convert("RGB").crop((x, y, x + w, y + h)) for (x, y, w, h) in (b.box for b in boxes)]
+        logits = self.embedder.embed_image(crops) @ self._head(classname).T
+        return [self.colors[i] for i in logits.argmax(-1).tolist()]
+
+
+# ---- detectors ------------------------------------------------------------------------------------------
+class Detector(abc.ABC):
+    """Open-vocabulary detection: ``detect(images, class_names) -> per image, a list of Detection``."""
+
+    #: optional colour classifier for boxes without a colour (None: the detections carry colours)
+    color_classifier: ColorFn | None = None
+
+    @abc.abstractmethod
+    def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]: ...
+
+
+class Owlv2Detector(Detector):
+    """OWLv2 through transformers (``Owlv2ForObjectDetection``), queried with every class name.
+
+    ``path`` is a local ``save_pretrained`` directory (model + processor) or a hub id (needs network
+    or a filled HF cache). Boxes are converted from the processor's ``[x0, y0, x1, y1]`` to ``[x, y, w, h]``.
+    """
+
+    def __init__(self, path: str, device: str = "cpu", color_classifier: ColorFn | None = None,
+                 query_template: str = "a photo of a {}"):
+        from transformers import Owlv2ForObjectDetection, Owlv2Processor
+
+        try:
+            self.processor = Owlv2Processor.from_pretrained(path)
+            self.model = Owlv2ForObjectDetection.from_pretrained(path).to(device).eval()
+        except OSError as e:
+            raise UserError(
+                f"cannot load OWLv2 from {path!r}: {str(e).splitlines()[0]}. Give a local directory holding "
+                "the model and processor (e.g. google/owlv2-base-patch16-ensemble saved with save_pretrained)"
+            ) from None
+        self.device = device
+        self.color_classifier = color_classifier
+        self.query_template = query_template
+
+    @torch.no_grad()
+    def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
+        images = [im.convert("RGB") for im in images]
+        queries = [self.query_template.format(c) for c in class_names]
+        inputs = self.processor(text=[queries] * len(images), images=images, return_tensors="pt").to(self.device)
+        outputs = self.model(**inputs)
+        # OWLv2 pads images to a square: boxes are relative to the padded square of side max(W, H)
+        sizes = torch.tensor([[max(im.size)] * 2 for im in images])
+        results = self.processor.post_process_grounded_object_detection(
+            outputs, threshold=0.0, target_sizes=sizes, text_labels=[list(class_names)] * len(images)
+        )
+        out = []
+        for res in results:
+            dets = []
+            for box, score, label in zip(res["boxes"].tolist(), res["scores"].tolist(), res["labels"].tolist()):
+                x0, y0, x1, y1 = box
+                dets.append(Detection((x0, y0, x1 - x0, y1 - y0), class_names[int(label)], float(score)))
+            out.append(dets)
+        return out
+
+
+class ShapesDetector(Detector):
+    """ShapesWorld's exact detector (``unicon.worlds.shapes.detect``): exact boxes, labels and colours."""
+
+    def __init__(self, world_cfg):
+        self.world_cfg = world_cfg
+
+    def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
+        from unicon.worlds.shapes import NotAShapesWorldImage, detect
+
+        out = []
+        for im in images:
+            try:
+                dets = detect(im, self.world_cfg)
+            except NotAShapesWorldImage:
+                dets = []  # an image that is not a ShapesWorld rendering contains no object
+            out.append([Detection.coerce(d) for d in dets])
+        return out
+
+
+def load_detector(spec: str, world_cfg=None, color_classifier: ColorFn | None = None) -> Detector:
+    """``"shapes"`` (needs ``world_cfg``) or ``"owlv2:<path-or-hub-id>"``."""
+    if spec == "shapes":
+        if world_cfg is None:
+            raise UserError("the 'shapes' detector needs the ShapesWorld config (give --world DIR)")
+        return ShapesDetector(world_cfg)
+    if spec.startswith("owlv2:"):
+        return Owlv2Detector(spec.split(":", 1)[1], color_classifier=color_classifier)
+    raise UserError(f"unknown detector {spec!r}: use 'shapes' or 'owlv2:<path>'")
+
+
+def score_images(
+    prompts: Sequence[GenEvalPrompt], images: Sequence[Image.Image], detector: Detector,
+    class_names: Sequence[str] | None = None, batch_size: int = 16,
+) -> tuple[dict[str, Any], list[GenEvalResult]]:
+    """GenEval summary of ``images[i]`` generated for ``prompts[i]`` (see :func:`summarize`)."""
+    if len(prompts) != len(images):
+        raise ValueError(f"{len(prompts)} prompts but {len(images)} images")
+    if class_names is None:
+        class_names = sorted({r.cls for p in prompts for r in (*p.include, *p.exclude)})
+    results = []
+    for s in range(0, len(images), batch_size):
+        dets = detector.detect(images[s : s + batch_size], class_names)
+        for p, im, d in zip(prompts[s : s + batch_size], images[s : s + batch_size], dets):
+            results.append(evaluate_detections(p, d, image=im, color_classifier=detector.color_classifier))
+    return summarize([p.tag for p in prompts], [r.correct for r in results]), results
+
+
+__all__ = [
+    "COLORS", "COLOR_TEMPLATES", "Detection", "Detector", "ClipColorClassifier", "Owlv2Detector",
+    "ShapesDetector", "GenEvalPrompt", "Requirement", "evaluate_detections", "keep_detections",
+    "load_detector", "relative_position", "score_images", "summarize",
+]

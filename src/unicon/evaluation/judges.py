@@ -1,0 +1,462 @@
+"""Judges for UReason: does an image (or a reasoning chain) satisfy the criterion ``C``?
+
+One interface, :class:`Judge`, three implementations:
+
+* :class:`VLMJudge` -- any ``transformers`` image-text-to-text model (the paper used
+  Qwen3-VL-235B-A22B) asked with the paper's Fig. 19 prompt; implements the indicator
+  ``I(I, C)`` of eq. (4).
+* :class:`ReasoningChainJudge` -- any causal LM (the paper used Qwen3-235B-A22B) asked with the
+  Fig. 20 prompt whether the thought process ``R`` implies ``C`` (the paper's Table 3). It
+  judges text only, so it is combined with an image judge through :class:`JudgePanel`.
+* :class:`ShapesJudge` -- the exact verifier for ShapesWorld prompts: images are checked with
+  ``unicon.worlds.shapes.check_criterion(target_scene, image)``; a reasoning chain counts as
+  correct when its refined prompt, parsed with the world's caption grammar, states the target
+  pattern (:func:`refined_prompt_implies`).
+
+Answer parsing is strict (:func:`parse_answer`): the reply must contain
+``<answer>Yes</answer>`` or ``<answer>No</answer>`` (case-insensitive, whitespace and a final
+period inside the tags tolerated); the *last* answer tag decides, because a step-by-step reply
+may first quote the format. Anything else -- no tag, ``<answer>I do not know</answer>`` -- is
+``"unparseable"``, counted separately and scored as a failure. The public reference code instead
+looks for "yes"/"no" substrings, so a reply containing "not" or "know" can be scored as a
+"no"; we never guess from substrings.
+
+Length limit: a generated reply that stops at ``max_new_tokens`` without an end-of-sequence
+token, or whose text is longer than ``max_reply_chars`` (then cut to that length), is flagged
+``truncated``; the flag is counted by the evaluation and the (possibly cut) text is still parsed.
+
+``trust_remote_code`` is off unless asked for explicitly.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from PIL import Image
+
+from unicon.errors import UserError
+
+if TYPE_CHECKING:
+    from unicon.data.ureason import UReasonInstance
+
+# Paper, appendix F, Fig. 19 (the paper text is flattened; line breaks are restored at the
+# sentence/step boundaries, the wording is verbatim).
+VISUAL_VERIFICATION_PROMPT = (
+    "You are an objective image evaluator. Your goal is to verify if the image content matches the "
+    "provided text description.\n"
+    'Target Description: "{description}"\n'
+    "Please think step by step:\n"
+    "1. Analyze the image content carefully.\n"
+    '2. Compare the visual elements with the "Target Description".\n'
+    "3. Determine if the image strictly meets the requirements.\n"
+    "Finally, output your judgment in the following format:\n"
+    "If it matches, output <answer>Yes</answer>.\n"
+    "If it does not match, output <answer>No</answer>."
+)
+
+# Paper, appendix F, Fig. 20 (wording verbatim; the paper shows "doesn’t" with a typographic
+# apostrophe, kept as is).
+REASONING_CHAIN_PROMPT = (
+    'You are an objective logic evaluator. I will provide you with a "User Prompt" and a model\u2019s '
+    '"Thought Process". Your task is to judge whether the model\u2019s thought process implies or covers '
+    'the meaning of a specific "Target Criteria".\n'
+    "=== User Prompt ===\n{user_prompt}\n"
+    "=== Model Thought Process ===\n{model_thought}\n"
+    "=== Target Criteria ===\n{criteria}\n"
+    "=== Instruction ===\n"
+    "Please think step by step:\n"
+    '1. Analyze the "Target Criteria" to understand the core requirement.\n'
+    '2. Read the "Thought Process" carefully.\n'
+    '3. Determine if the thought process explicitly or implicitly covers the "Target Criteria".\n'
+    "Note: It doesn\u2019t need to match word-for-word, but the logic/meaning must be present.\n"
+    "Finally, output your judgment in the following format:\n"
+    "If the criteria is met/implied, output <answer>Yes</answer>.\n"
+    "If the criteria is missed or contradicted, output <answer>No</answer>."
+)
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_PLACEHOLDER = re.compile(r"\{(description|user_prompt|model_thought|criteria)\}")
+
+#: verdict statuses; only "yes" counts as a pass
+STATUSES = ("yes", "no", "unparseable", "no_input")
+
+
+def fill_prompt(template: str, **values: str) -> str:
+    """Substitute ``{name}`` placeholders in one pass (the values may contain braces, e.g. code)."""
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def parse_answer(reply: str) -> str:
+    """``"yes"``, ``"no"`` or ``"unparseable"`` from the last ``<answer>...</answer>`` tag of ``reply``."""
+    tags = _ANSWER_TAG.findall(reply or "")
+    if not tags:
+        return "unparseable"
+    answer = tags[-1].strip().rstrip(".").strip().lower()
+    return answer if answer in ("yes", "no") else "unparseable"
+
+
+@dataclass
+class Verdict:
+    """A judge's decision on one sample."""
+
+    status: str  # one of STATUSES
+    reply: str = ""  # the judge's raw reply (or a note from an exact verifier)
+    truncated: bool = False  # reply cut by max_new_tokens / max_reply_chars
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"verdict status must be one of {STATUSES}, got {self.status!r}")
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "yes"
+
+
+def verdict_from_reply(reply: str, hit_token_limit: bool = False, max_reply_chars: int | None = None) -> Verdict:
+    """Apply the length limit, then :func:`parse_answer`."""
+    truncated = hit_token_limit
+    if max_reply_chars is not None and len(reply) > max_reply_chars:
+        reply, truncated = reply[:max_reply_chars], True
+    return Verdict(parse_answer(reply), reply, truncated)
+
+
+class Judge(abc.ABC):
+    """Decides whether generated images (and optionally reasoning chains) satisfy each criterion."""
+
+    name: str = "judge"
+    #: whether :meth:`judge_reasoning` is implemented
+    judges_reasoning: bool = False
+
+    @abc.abstractmethod
+    def judge_images(
+        self, instances: Sequence["UReasonInstance"], images: Sequence[Image.Image | None]
+    ) -> list[Verdict]:
+        """One verdict per (instance, image); a ``None`` image gets ``status="no_input"``."""
+
+    def judge_reasoning(
+        self,
+        instances: Sequence["UReasonInstance"],
+        traces: Sequence[str],
+        refined_prompts: Sequence[str],
+    ) -> list[Verdict]:
+        """One verdict per reasoning chain: does the trace imply the instance's criterion?"""
+        raise NotImplementedError(f"judge '{self.name}' does not judge reasoning chains")
+
+
+class JudgePanel(Judge):
+    """An image judge plus an optional, separate reasoning-chain judge."""
+
+    def __init__(self, image_judge: Judge, chain_judge: Judge | None = None):
+        self.image_judge, self.chain_judge = image_judge, chain_judge
+        self.name = image_judge.name + (f"+{chain_judge.name}" if chain_judge else "")
+        self.judges_reasoning = chain_judge is not None and chain_judge.judges_reasoning
+
+    def judge_images(self, instances, images):
+        return self.image_judge.judge_images(instances, images)
+
+    def judge_reasoning(self, instances, traces, refined_prompts):
+        if self.chain_judge is None:
+            return super().judge_reasoning(instances, traces, refined_prompts)
+        return self.chain_judge.judge_reasoning(instances, traces, refined_prompts)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers-backed judges
+# ---------------------------------------------------------------------------------------------
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def _generate_replies(model, tokenizer, inputs: dict, max_new_tokens: int) -> list[tuple[str, bool]]:
+    """Greedy replies and whether each hit ``max_new_tokens`` without an EOS token."""
+    inputs = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in inputs.items()}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    new = out[:, inputs["input_ids"].shape[1] :]
+    eos = _eos_ids(model, tokenizer)
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return [(text.strip(), not any(int(t) in eos for t in row)) for text, row in zip(texts, new)]
+
+
+def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:
+    if dtype not in ("float32", "bfloat16", "float16", "auto"):
+        raise UserError(f"judge dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
+    return {"dtype": dtype if dtype == "auto" else getattr(torch, dtype), "trust_remote_code": trust_remote_code}
+
+
+class VLMJudge(Judge):
+    """Visual verification with an image-text-to-text model and the paper's Fig. 19 prompt.
+
+    ``model``/``processor`` are any ``AutoModelForImageTextToText`` / ``AutoProcessor`` pair
+    whose processor has a chat template (the template decides where the image goes).
+    """
+
+    name = "vlm"
+
+    def __init__(
+        self,
+        model,
+        processor,
+        max_new_tokens: int = 512,
+        max_reply_chars: int = 8000,
+        batch_size: int = 4,
+        prompt: str = VISUAL_VERIFICATION_PROMPT,
+    ):
+        if getattr(processor, "chat_template", None) is None:
+            raise UserError("the VLM judge's processor has no chat template; it decides where the image goes")
+        self.model, self.processor = model.eval(), processor
+        self.tokenizer = processor.tokenizer
+        self.tokenizer.padding_side = "left"  # decoder-only batched generation
+        self.max_new_tokens, self.max_reply_chars = max_new_tokens, max_reply_chars
+        self.batch_size, self.prompt = batch_size, prompt
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, **kwargs
+    ) -> "VLMJudge":
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForImageTextToText.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code))
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load VLM judge from {path}: {str(e).splitlines()[0]}") from None
+        return cls(model.to(device), processor, **kwargs)
+
+    def build_text(self, criterion: str) -> str:
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "text", "text": fill_prompt(self.prompt, description=criterion)},
+                ],
+            }
+        ]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def judge_images(self, instances, images):
+        if len(instances) != len(images):
+            raise ValueError(f"{len(instances)} instances but {len(images)} images")
+        verdicts: list[Verdict | None] = [None] * len(images)
+        todo = []
+        for i, im in enumerate(images):
+            if im is None:
+                verdicts[i] = Verdict("no_input", "no image was generated")
+            else:
+                todo.append(i)
+        for s in range(0, len(todo), self.batch_size):
+            idx = todo[s : s + self.batch_size]
+            texts = [self.build_text(instances[i].expect_en) for i in idx]
+            ims = [images[i].convert("RGB") for i in idx]
+            inputs = self.processor(text=texts, images=ims, return_tensors="pt", padding=True)
+            for i, (reply, hit) in zip(idx, _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)):
+                verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
+        return verdicts  # type: ignore[return-value]
+
+
+class ReasoningChainJudge(Judge):
+    """LLM-as-judge of reasoning chains with the paper's Fig. 20 prompt (Table 3).
+
+    The chat template is used when the tokenizer has one; otherwise the prompt is fed raw.
+    """
+
+    name = "chain-llm"
+    judges_reasoning = True
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int = 512,
+        max_reply_chars: int = 8000,
+        batch_size: int = 4,
+        prompt: str = REASONING_CHAIN_PROMPT,
+    ):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.max_new_tokens, self.max_reply_chars = max_new_tokens, max_reply_chars
+        self.batch_size, self.prompt = batch_size, prompt
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, **kwargs
+    ) -> "ReasoningChainJudge":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code))
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load reasoning-chain judge from {path}: {str(e).splitlines()[0]}") from None
+        return cls(model.to(device), tokenizer, **kwargs)
+
+    def build_text(self, user_prompt: str, thought: str, criterion: str) -> str:
+        text = fill_prompt(self.prompt, user_prompt=user_prompt, model_thought=thought, criteria=criterion)
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+        return text
+
+    def judge_images(self, instances, images):
+        raise NotImplementedError("the reasoning-chain judge is text-only; pair it with an image judge (JudgePanel)")
+
+    def judge_reasoning(self, instances, traces, refined_prompts):
+        if not (len(instances) == len(traces) == len(refined_prompts)):
+            raise ValueError("instances, traces and refined prompts must have the same length")
+        verdicts: list[Verdict | None] = [None] * len(traces)
+        todo = []
+        for i, trace in enumerate(traces):
+            if not trace or not trace.strip():
+                verdicts[i] = Verdict("no_input", "empty reasoning trace")
+            else:
+                todo.append(i)
+        for s in range(0, len(todo), self.batch_size):
+            idx = todo[s : s + self.batch_size]
+            texts = [self.build_text(instances[i].prompt, traces[i], instances[i].expect_en) for i in idx]
+            # chat templates already hold the special tokens
+            inputs = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            for i, (reply, hit) in zip(idx, _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)):
+                verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
+        return verdicts  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# exact verifier for ShapesWorld
+# ---------------------------------------------------------------------------------------------
+_INVERSE = {"left": "right", "right": "left", "above": "below", "below": "above"}
+
+
+def refined_prompt_implies(text: str, pattern: dict, cfg=None) -> bool:
+    """Does a ShapesWorld refined prompt state the target pattern? (the exact chain check)
+
+    ``text`` must parse with the world's caption grammar (``parse_caption``); every noun phrase
+    must name a colour; the multiset of (colour, shape) it counts must equal the pattern's
+    (closed world, as in ``caption_matches``); and every relation of the pattern must be stated
+    (``a left of b`` and ``b right of a`` are the same statement). Cell positions (``row``/``col``)
+    cannot be said in the grammar and are not required.
+    """
+    from collections import Counter
+
+    from unicon.worlds.shapes import CaptionParseError, parse_caption
+
+    try:
+        spec = parse_caption(text, cfg)
+    except CaptionParseError:
+        return False
+    nps = spec.noun_phrases()
+    if any(n.color is None for n in nps):
+        return False
+    said: Counter = Counter()
+    for n in nps:
+        said[(n.color, n.shape)] += n.count
+    objs = pattern["objects"]
+    if said != Counter((o["color"], o["shape"]) for o in objs):
+        return False
+    stated = set()
+    for c in spec.clauses:
+        if c.relation is not None:
+            a, b = (c.subject.color, c.subject.shape), (c.object.color, c.object.shape)
+            stated |= {(a, c.relation, b), (b, _INVERSE[c.relation], a)}
+    for r in pattern.get("relations", []):
+        a, b = objs[r["subject"]], objs[r["object"]]
+        if ((a["color"], a["shape"]), r["relation"], (b["color"], b["shape"])) not in stated:
+            return False
+    return True
+
+
+class ShapesJudge(Judge):
+    """Exact checks for ShapesWorld prompts (no model): needs ``target_scene`` on every instance.
+
+    * image: ``check_criterion(target_scene, image, cfg)`` from :mod:`unicon.worlds.shapes` (an image
+      the parser refuses fails);
+    * reasoning chain: :func:`refined_prompt_implies` on the extracted refined prompt.
+
+    ``cfg`` is the world's ``WorldConfig`` (``world.json``); default the built-in world.
+    """
+
+    name = "exact"
+    judges_reasoning = True
+
+    def __init__(self, cfg=None):
+        from unicon.worlds import shapes  # imported lazily: only ShapesWorld runs need it
+
+        self._shapes = shapes
+        self.cfg = cfg or shapes.WorldConfig()
+
+    @classmethod
+    def from_world(cls, root: str | None) -> "ShapesJudge":
+        from unicon.worlds.shapes import load_world
+
+        return cls(load_world(root).config if root else None)
+
+    @staticmethod
+    def _target(inst) -> dict:
+        if inst.target_scene is None:
+            raise UserError(f"{inst.source}: the exact judge needs 'target_scene' (a ShapesWorld prompt)")
+        return inst.target_scene
+
+    def judge_images(self, instances, images):
+        if len(instances) != len(images):
+            raise ValueError(f"{len(instances)} instances but {len(images)} images")
+        out = []
+        for inst, im in zip(instances, images):
+            if im is None:
+                out.append(Verdict("no_input", "no image was generated"))
+                continue
+            ok = bool(self._shapes.check_criterion(self._target(inst), im, self.cfg))
+            out.append(Verdict("yes" if ok else "no", "check_criterion"))
+        return out
+
+    def judge_reasoning(self, instances, traces, refined_prompts):
+        out = []
+        for inst, refined in zip(instances, refined_prompts):
+            if not refined:
+                out.append(Verdict("no_input", "no refined prompt"))
+                continue
+            ok = refined_prompt_implies(refined, self._target(inst), self.cfg)
+            out.append(Verdict("yes" if ok else "no", "refined_prompt_implies"))
+        return out
+
+
+def build_judge(
+    spec: str,
+    chain: str | None = None,
+    world_root: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    max_new_tokens: int = 512,
+    batch_size: int = 4,
+) -> Judge:
+    """``spec``: ``exact`` (ShapesWorld) or ``vlm:<path>`` / a bare model path (VLM judge).
+
+    ``chain``: optional causal-LM path for the reasoning-chain judge (``exact`` judges chains
+    itself unless ``chain`` is given). ``world_root``: the ShapesWorld root whose ``world.json``
+    configures the exact judge.
+    """
+    kw = dict(device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+              max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if spec == "exact":
+        image_judge: Judge = ShapesJudge.from_world(world_root)
+    else:
+        path = spec[len("vlm:") :] if spec.startswith("vlm:") else spec
+        if not path:
+            raise UserError("judge must be 'exact' or 'vlm:<model path>'")
+        image_judge = VLMJudge.from_pretrained(path, **kw)
+    chain_judge = ReasoningChainJudge.from_pretrained(chain, **kw) if chain else None
+    if chain_judge is None:
+        return image_judge
+    return JudgePanel(image_judge, chain_judge)

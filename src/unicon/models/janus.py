@@ -1,0 +1,928 @@
+"""Janus / Janus-Pro (DeepSeek) behind the :class:`~unicon.models.base.UnifiedModel` interface.
+
+The network is transformers' native ``JanusForConditionalGeneration``: a SigLIP encoder + aligner
+for understanding, a VQ-VAE (``model.vqmodel``) with its own embeddings/aligner/head for
+generation, and one Llama language model shared by both directions. This file adds the scoring
+and generation API that consistency training and the CocoCon / drift / UReason evaluations use.
+
+Prompts follow the checkpoint's chat template (``processor.chat_template``)::
+
+    [system prompt]<|User|>: <image_placeholder>\\n{question}\\n\\n<|Assistant|>: {answer}<eos>
+
+``<image_placeholder>`` is expanded to ``<begin_of_image> + N x <image_placeholder> +
+<end_of_image>`` exactly like ``JanusProcessor`` does (N = ``vision_config.num_image_tokens``), and
+the default system prompt is prepended to understanding prompts when
+``processor.use_default_system_prompt`` is set (also as in ``JanusProcessor``). Image generation
+prompts are ``<|User|>: {prompt}\\n\\n<|Assistant|>:<begin_of_image>`` (no system prompt).
+
+Scores (all negative log-likelihoods, see ``base.py``)
+------------------------------------------------------
+* ``score_text`` -- NLL of ``" " + candidate + <eos>`` after ``<|Assistant|>:``. The candidate is
+  tokenised on its own (``add_special_tokens=False``), which is what ``generate`` would have to
+  produce after the prompt. The image is encoded once per example and the shared prefix
+  (system prompt, user tag, image tokens) is run once; its KV cache is copied to the K candidates.
+* ``score_boxes`` -- Janus is **not trained for grounding**. The box is written as text,
+  ``"[x1, y1, x2, y2]"`` with integer coordinates normalised to 0..1000 of the original image's
+  width/height (the Qwen-VL/DeepSeek-VL2 convention), and scored like an answer to
+  :data:`GROUNDING_PROMPT`. The score is well defined (a likelihood of a string) but its values
+  for a pretrained Janus carry little signal until the model is fine-tuned on grounding.
+* ``score_image`` -- NLL of the gold image's VQ codes: ``vqmodel.encode(pixels).image_tokens``
+  (row-major ``[B, h*w]``), prompt ending in ``<begin_of_image>`` embedded with the text
+  embeddings, codes embedded with ``prepare_embeddings_for_image_generation``, one LM pass over
+  the concatenation, ``generation_head`` on the hidden states at positions BOI ... last-1, then
+  log-softmax + gather. This is the *conditional* model (no classifier-free guidance), i.e. the
+  distribution ``generate(generation_mode="image")`` samples from when ``guidance_scale == 1``;
+  ``tests/test_janus.py`` checks it against the logits of that loop.
+
+Text positions are derived from the attention mask (``cumsum - 1``), so scores do not depend on
+how a batch is padded.
+
+Tiny models
+-----------
+:meth:`JanusUnifiedModel.from_config` builds a randomly initialised model from ``ModelConfig.arch``
+(``JanusConfig`` overrides, e.g. ``configs/model/janus_tiny.yaml``) with no download. Its
+tokenizer is built locally by :func:`build_byte_tokenizer`: a byte-level BPE with the 256 byte
+symbols and **no merges** (so any text is representable, deterministically, without training) plus
+the Janus special tokens named as in the real checkpoints. The tiny chat template
+(:data:`TINY_CHAT_TEMPLATE`) produces the same prompt layout as the Janus-Pro template.
+
+LoRA
+----
+:attr:`JanusUnifiedModel.default_lora_targets` lists the language model's attention
+(``q_proj k_proj v_proj o_proj``) and MLP (``gate_proj up_proj down_proj``) projections by full
+module name, so that PEFT's suffix matching never wraps the SigLIP encoder's own ``q_proj``
+layers. :meth:`JanusUnifiedModel.add_lora` injects adapters in place; ``save_pretrained`` writes
+the merged weights. The SigLIP encoder and the VQ-VAE are frozen by default
+(:attr:`default_frozen_prefixes`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from unicon.errors import UserError
+from unicon.models.base import (
+    Box,
+    ImageBatch,
+    ImageGenerationConfig,
+    ImageTokenizer,
+    Scores,
+    TextGeneration,
+    UnifiedModel,
+    check_candidates,
+)
+
+logger = logging.getLogger(__name__)
+
+#: special tokens of the Janus(-Pro) tokenizer, by role
+SPECIAL_TOKENS = {
+    "bos_token": "<｜begin▁of▁sentence｜>",
+    "eos_token": "<｜end▁of▁sentence｜>",
+    "pad_token": "<｜▁pad▁｜>",
+    "image_token": "<image_placeholder>",
+    "boi_token": "<begin_of_image>",
+    "eoi_token": "<end_of_image>",
+    "user_token": "<|User|>",
+    "assistant_token": "<|Assistant|>",
+}
+
+#: chat template of the tiny tokenizer; renders the Janus-Pro layout (see module docstring)
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|User|>: {% else %}<|Assistant|>: {% endif %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image_placeholder>{% if not loop.last %}\n{% endif %}"
+    "{% else %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}"
+    "{% if message['role'] == 'user' %}\n\n{% else %}<｜end▁of▁sentence｜>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|Assistant|>:{% endif %}"
+)
+
+CAPTION_PROMPT = "Describe the image in one sentence."
+GROUNDING_PROMPT = (
+    'Which region does the text "{expression}" describe? '
+    "Answer with a box [x1, y1, x2, y2] in coordinates normalised to 0-1000."
+)
+_BOX_RE = re.compile(r"\[\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*\]")
+_SENTINEL = "\u2063UNICON_TEXT\u2063"
+_MARKER_FILE = "unicon_model.json"
+_LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class NotAJanusCheckpoint(UserError, ValueError):
+    """``from_pretrained`` was pointed at something that is not a transformers Janus checkpoint."""
+
+
+def format_box(box: Box, width: float, height: float) -> str:
+    """``[x, y, w, h]`` pixels -> ``"[x1, y1, x2, y2]"`` integers in 0..1000 of (width, height)."""
+    if len(box) != 4:
+        raise ValueError(f"box {list(box)} must have 4 numbers [x, y, w, h]")
+    x, y, w, h = (float(v) for v in box)
+    corners = (x / width, y / height, (x + w) / width, (y + h) / height)
+    return "[" + ", ".join(str(int(round(1000 * min(max(c, 0.0), 1.0)))) for c in corners) + "]"
+
+
+def parse_box(text: str, width: float, height: float) -> list[float] | None:
+    """Inverse of :func:`format_box`: the first ``[x1, y1, x2, y2]`` in ``text`` -> ``[x, y, w, h]`` pixels."""
+    m = _BOX_RE.search(text)
+    if m is None:
+        return None
+    x1, y1, x2, y2 = (float(g) / 1000.0 for g in m.groups())
+    x1, x2 = sorted((x1, x2))
+    y1, y2 = sorted((y1, y2))
+    return [x1 * width, y1 * height, (x2 - x1) * width, (y2 - y1) * height]
+
+
+def build_byte_tokenizer(model_max_length: int = 4096):
+    """A byte-level BPE tokenizer without merges plus the Janus special tokens (for tiny models).
+
+    Every string maps to its UTF-8 bytes (ids 0..255); the special tokens follow in the order of
+    :data:`SPECIAL_TOKENS`. A BOS is prepended by the post-processor, as the Janus-Pro tokenizer does.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    bos = SPECIAL_TOKENS["bos_token"]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, backend.token_to_id(bos))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=SPECIAL_TOKENS["eos_token"],
+        pad_token=SPECIAL_TOKENS["pad_token"],
+        extra_special_tokens={k: SPECIAL_TOKENS[k] for k in ("image_token", "boi_token", "eoi_token")},
+        model_max_length=model_max_length,
+        padding_side="left",
+    )
+
+
+def _to_dict(cfg: Any) -> dict:
+    if cfg is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    raise TypeError(f"expected a mapping/ModelConfig, got {type(cfg).__name__}")
+
+
+def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype '{name}' (choose from {sorted(_DTYPES)})")
+    return _DTYPES[name]
+
+
+class _ConditionalRows(torch.nn.Module):
+    """Logits processor for ``guidance_scale <= 1``: keep the conditional half of Janus's doubled batch.
+
+    ``JanusForConditionalGeneration.generate(generation_mode="image")`` always runs a conditional and
+    an unconditional copy of the batch; without the CFG processor the two halves would not be merged.
+    """
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores[: scores.shape[0] // 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Image tokenizer
+# ---------------------------------------------------------------------------------------------
+class JanusVQTokenizer(ImageTokenizer):
+    """Janus's VQ-VAE as an :class:`ImageTokenizer` (codes ``[B, h, w]`` <-> images in ``[0, 1]``).
+
+    ``encode`` normalises with the image processor's mean/std (the VQ-VAE works in [-1, 1] for
+    Janus-Pro) and returns ``vqmodel.encode(...).image_tokens`` reshaped row-major to ``[B, h, w]``;
+    ``decode`` is ``JanusForConditionalGeneration.decode_image_tokens`` followed by un-normalising.
+    For a trained VQ-VAE ``encode(decode(c))`` reproduces most codes; for random weights only the
+    index convention (row-major order, codebook lookup) is guaranteed, which the tests check.
+    """
+
+    def __init__(self, janus, image_processor):
+        self._janus = janus  # JanusForConditionalGeneration (not registered: owned by the model)
+        self._processor = image_processor
+        vq = janus.config.vq_config
+        side = janus.config.vision_config.image_size
+        self.codebook_size = int(vq.num_embeddings)
+        self.grid_size = (int(vq.num_patches), int(vq.num_patches))
+        self.image_size = (int(side), int(side))
+        self._mean = torch.tensor(image_processor.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self._std = torch.tensor(image_processor.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+
+    def _normalise(self, images: ImageBatch) -> torch.Tensor:
+        if isinstance(images, torch.Tensor):
+            if images.ndim != 4 or images.shape[1] != 3:
+                raise ValueError(f"expected images [B, 3, H, W] in [0, 1], got {tuple(images.shape)}")
+            x = images.float()
+            if tuple(x.shape[-2:]) != self.image_size:
+                x = F.interpolate(x, size=self.image_size, mode="bicubic", antialias=True, align_corners=False)
+            return (x - self._mean.to(x.device)) / self._std.to(x.device)
+        return self._processor(images=[im.convert("RGB") for im in _check_pil(images)], return_tensors="pt")[
+            "pixel_values"
+        ]
+
+    @torch.no_grad()
+    def encode(self, images: ImageBatch) -> torch.Tensor:
+        vq = self._janus.model.vqmodel
+        pixels = self._normalise(images).to(vq.device, vq.dtype)
+        codes = vq.encode(pixels).image_tokens
+        return codes.view(pixels.shape[0], *self.grid_size)
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        if codes.ndim != 3 or tuple(codes.shape[1:]) != self.grid_size:
+            raise ValueError(f"expected codes [B, {self.grid_size[0]}, {self.grid_size[1]}], got {tuple(codes.shape)}")
+        if codes.numel() and (codes.min() < 0 or codes.max() >= self.codebook_size):
+            raise ValueError(f"codes must lie in [0, {self.codebook_size}), got [{codes.min()}, {codes.max()}]")
+        pixels = self._janus.decode_image_tokens(codes.reshape(codes.shape[0], -1).to(self._janus.device))
+        pixels = pixels.permute(0, 3, 1, 2).float()  # decode_image_tokens returns channels-last
+        return (pixels * self._std.to(pixels.device) + self._mean.to(pixels.device)).clamp(0, 1)
+
+
+def _check_pil(images) -> list:
+    from PIL import Image
+
+    images = list(images)
+    for i, im in enumerate(images):
+        if not isinstance(im, Image.Image):
+            raise ValueError(f"image {i} is a {type(im).__name__}, expected a PIL image or a tensor from prepare_images")
+    return images
+
+
+# ---------------------------------------------------------------------------------------------
+# The unified model
+# ---------------------------------------------------------------------------------------------
+class JanusUnifiedModel(UnifiedModel):
+    """Janus / Janus-Pro as a unified model (see module docstring for prompts and scores)."""
+
+    backend = "janus"
+    #: parameter-name prefixes (of this module) frozen by default: SigLIP encoder + VQ-VAE
+    default_frozen_prefixes = ("janus.model.vision_model.", "janus.model.vqmodel.")
+
+    def __init__(self, janus, processor, max_target_length: int = 128, freeze: Sequence[str] = ()):
+        super().__init__()
+        self.janus = janus
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.max_target_length = int(max_target_length)
+        self._check_tokenizer()
+        if getattr(janus.generation_config, "generation_kwargs", None) is None or "boi_token_id" not in (
+            janus.generation_config.generation_kwargs or {}
+        ):
+            janus.generation_config.generation_kwargs = {"boi_token_id": self.boi_id}
+        self.image_tokenizer = JanusVQTokenizer(janus, processor.image_processor)
+        self.freeze(list(self.default_frozen_prefixes) + list(freeze))
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model_cfg: Any) -> "JanusUnifiedModel":
+        """Random-weight model from ``ModelConfig`` (``arch`` = ``JanusConfig`` overrides); no download."""
+        from transformers import JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor
+
+        cfg = _to_dict(model_cfg)
+        if cfg.get("backend", "janus") != "janus":
+            raise ValueError(f"model.backend is '{cfg.get('backend')}', expected 'janus'")
+        arch = dict(cfg.get("arch") or {})
+        tokenizer = build_byte_tokenizer()
+        ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in SPECIAL_TOKENS.items()}
+        text = dict(arch.pop("text_config", {}) or {})
+        text.setdefault("model_type", "llama")
+        text.setdefault("vocab_size", len(tokenizer))
+        if text["vocab_size"] < len(tokenizer):
+            raise ValueError(f"model.arch.text_config.vocab_size={text['vocab_size']} < tokenizer size {len(tokenizer)}")
+        text.update(bos_token_id=ids["bos_token"], eos_token_id=ids["eos_token"], pad_token_id=ids["pad_token"])
+        try:
+            config = JanusConfig(text_config=text, image_token_id=ids["image_token"], **arch)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model.arch: invalid JanusConfig: {e}") from None
+        _check_arch(config)
+        janus = JanusForConditionalGeneration(config)
+        gen = janus.generation_config
+        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = ids["bos_token"], ids["eos_token"], ids["pad_token"]
+        gen.generation_kwargs = {"boi_token_id": ids["boi_token"]}
+        side = config.vision_config.image_size
+        image_processor = JanusImageProcessor(
+            size={"height": side, "width": side}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        )
+        processor = JanusProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            chat_template=TINY_CHAT_TEMPLATE,
+            use_default_system_prompt=False,
+            num_image_tokens=config.vision_config.num_image_tokens,
+        )
+        model = cls(janus, processor, freeze=cfg.get("freeze") or ())
+        return model._apply_runtime_options(cfg)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        allow_pickle: bool = False,
+        trust_remote_code: bool = False,
+        dtype: str | torch.dtype | None = None,
+        model_cfg: Any = None,
+        **hf_kwargs,
+    ) -> "JanusUnifiedModel":
+        """Load a transformers Janus checkpoint (local directory or hub id, e.g. ``deepseek-community/Janus-Pro-1B``).
+
+        Safetensors only unless ``allow_pickle=True``; ``trust_remote_code`` is passed through and off by
+        default (Janus is native to transformers). ``model_cfg`` (a ``ModelConfig``) supplies dtype,
+        freezing, gradient checkpointing and LoRA options when given.
+        """
+        from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
+
+        path = str(path)
+        cfg = _to_dict(model_cfg) if model_cfg is not None else {}
+        expected = (
+            "a transformers Janus checkpoint: config.json with model_type 'janus' (e.g. deepseek-community/Janus-Pro-1B), "
+            "model.safetensors and the processor files"
+        )
+        local = Path(path).expanduser()
+        if local.exists():
+            if not local.is_dir() or not (local / "config.json").is_file():
+                raise NotAJanusCheckpoint(f"{path}: no config.json; expected {expected}")
+            model_type = json.loads((local / "config.json").read_text()).get("model_type")
+            if model_type != "janus":
+                hint = (
+                    " (this is the original DeepSeek format; use the converted deepseek-community/ checkpoint)"
+                    if model_type == "multi_modality"
+                    else ""
+                )
+                raise NotAJanusCheckpoint(f"{path}: config.json has model_type '{model_type}'{hint}; expected {expected}")
+            has_safetensors = any(local.glob("*.safetensors")) or (local / "model.safetensors.index.json").is_file()
+            has_pickle = any(local.glob("pytorch_model*.bin")) or any(local.glob("*.pt"))
+            if not has_safetensors:
+                if has_pickle and not allow_pickle:
+                    raise NotAJanusCheckpoint(
+                        f"{path}: only pickle weights (pytorch_model*.bin) found; refusing to unpickle them. "
+                        "Convert to safetensors or opt in with model.allow_pickle=true (allow_pickle=True)"
+                    )
+                if not has_pickle:
+                    raise NotAJanusCheckpoint(f"{path}: no weight files; expected {expected}")
+            path = str(local)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise NotAJanusCheckpoint(f"{path}: cannot read a config ({str(e).splitlines()[0]}); expected {expected}") from None
+        if getattr(config, "model_type", None) != "janus":
+            raise NotAJanusCheckpoint(f"{path}: model_type '{config.model_type}'; expected {expected}")
+        torch_dtype = _dtype(dtype if dtype is not None else cfg.get("dtype"))
+        try:
+            janus = JanusForConditionalGeneration.from_pretrained(
+                path,
+                config=config,
+                use_safetensors=None if allow_pickle else True,
+                dtype=torch_dtype,
+                trust_remote_code=trust_remote_code,
+                **hf_kwargs,
+            )
+            processor = JanusProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise NotAJanusCheckpoint(f"{path}: {str(e).splitlines()[0]}; expected {expected}") from None
+        extra = {}
+        marker = local / _MARKER_FILE if local.exists() else None
+        if marker is not None and marker.is_file():
+            extra = json.loads(marker.read_text())
+        model = cls(janus, processor, max_target_length=extra.get("max_target_length", 128), freeze=cfg.get("freeze") or ())
+        return model._apply_runtime_options(cfg)
+
+    def _apply_runtime_options(self, cfg: dict) -> "JanusUnifiedModel":
+        dtype = _dtype(cfg.get("dtype"))
+        if dtype is not None and dtype != self.janus.dtype:
+            self.janus.to(dtype)
+        if cfg.get("gradient_checkpointing"):
+            self.gradient_checkpointing_enable()
+        lora = cfg.get("lora") or {}
+        if lora.get("enabled"):
+            self.add_lora(lora)
+        return self
+
+    def _check_tokenizer(self) -> None:
+        tok = self.tokenizer
+        for attr in ("image_token", "boi_token", "eoi_token"):
+            if getattr(tok, attr, None) is None:
+                raise NotAJanusCheckpoint(f"the tokenizer has no '{attr}'; expected a Janus tokenizer")
+        self.image_token_id = tok.convert_tokens_to_ids(tok.image_token)
+        self.boi_id = tok.convert_tokens_to_ids(tok.boi_token)
+        self.eoi_id = tok.convert_tokens_to_ids(tok.eoi_token)
+        if self.image_token_id != self.janus.config.image_token_id:
+            raise NotAJanusCheckpoint(
+                f"tokenizer image token id {self.image_token_id} != config.image_token_id {self.janus.config.image_token_id}"
+            )
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.eos_id = tok.eos_token_id
+        self.num_image_tokens = int(self.janus.config.vision_config.num_image_tokens)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Activation checkpointing of the transformer layers (non-reentrant, so frozen inputs are fine)."""
+        if hasattr(self.janus, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            self.janus.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            self.janus.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # ---- freezing / LoRA ----------------------------------------------------------------
+    def freeze(self, prefixes: Sequence[str]) -> None:
+        """Set ``requires_grad=False`` on parameters whose name (in this module) starts with a prefix."""
+        names = [n for n, _ in self.named_parameters()]
+        for prefix in prefixes:
+            if not any(n.startswith(prefix) for n in names):
+                raise ValueError(f"model.freeze: no parameter starts with '{prefix}' (names look like '{names[0]}')")
+        for n, p in self.named_parameters():
+            if any(n.startswith(prefix) for prefix in prefixes):
+                p.requires_grad_(False)
+
+    @property
+    def default_lora_targets(self) -> list[str]:
+        """Full names (relative to this module) of the LM's attention and MLP projections."""
+        return self._lm_modules(_LM_PROJECTIONS)
+
+    def _lm_modules(self, suffixes: Sequence[str]) -> list[str]:
+        names = [
+            name
+            for name, _ in self.named_modules()
+            if name.startswith("janus.model.language_model.") and name.rsplit(".", 1)[-1] in suffixes
+        ]
+        if not names:
+            raise ValueError(f"model.lora.target_modules: no language-model linear layer named {list(suffixes)}")
+        return names
+
+    def add_lora(self, lora_cfg: Mapping[str, Any]) -> None:
+        """Inject PEFT LoRA adapters (in place) into the language model; everything else is frozen.
+
+        ``lora_cfg`` has the fields of ``unicon.config.LoraConfig``; ``target_modules`` are module-name
+        suffixes resolved inside the language model only (empty = :attr:`default_lora_targets`).
+        """
+        from peft import LoraConfig, inject_adapter_in_model
+
+        lora_cfg = _to_dict(lora_cfg)
+        wanted = list(lora_cfg.get("target_modules") or [])
+        targets = self.default_lora_targets if not wanted else self._lm_modules([w.rsplit(".", 1)[-1] for w in wanted])
+        config = LoraConfig(
+            r=int(lora_cfg.get("r", 8)),
+            lora_alpha=int(lora_cfg.get("alpha", 16)),
+            lora_dropout=float(lora_cfg.get("dropout", 0.0)),
+            target_modules=targets,
+        )
+        for p in self.parameters():
+            p.requires_grad_(False)
+        inject_adapter_in_model(config, self)
+        for n, p in self.named_parameters():
+            p.requires_grad_("lora_" in n)
+
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict of ``self.janus`` with any LoRA adapters folded into the base weights."""
+        from peft.tuners.lora import LoraLayer
+
+        state = self.janus.state_dict()
+        for name, module in self.janus.named_modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            base = module.get_base_layer()
+            weight = base.weight.detach().clone()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight += module.get_delta_weight(adapter).to(weight.dtype)
+            for key in [k for k in state if k.startswith(name + ".")]:
+                del state[key]
+            state[f"{name}.weight"] = weight
+            if getattr(base, "bias", None) is not None:
+                state[f"{name}.bias"] = base.bias.detach().clone()
+        return state
+
+    # ---- persistence --------------------------------------------------------------------
+    def save_pretrained(self, path: str) -> None:
+        """Write a transformers Janus checkpoint (safetensors, LoRA merged) + processor + a unicon marker."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.janus.save_pretrained(out, state_dict=self.merged_state_dict())
+        self.processor.save_pretrained(out)
+        (out / _MARKER_FILE).write_text(json.dumps({"backend": self.backend, "max_target_length": self.max_target_length}))
+
+    # ---- inputs -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.janus.device
+
+    def prepare_images(self, images: ImageBatch) -> torch.Tensor:
+        side = self.janus.config.vision_config.image_size
+        if isinstance(images, torch.Tensor):
+            if images.ndim != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != (side, side):
+                raise ValueError(f"expected prepared images [B, 3, {side}, {side}], got {tuple(images.shape)}")
+            return images
+        pil = [im.convert("RGB") for im in _check_pil(images)]
+        return self.processor.image_processor(images=pil, return_tensors="pt")["pixel_values"]
+
+    def _image_sizes(self, images: ImageBatch) -> list[tuple[int, int]]:
+        """(width, height) of each input image (tensors: the model size)."""
+        if isinstance(images, torch.Tensor):
+            return [(images.shape[-1], images.shape[-2])] * images.shape[0]
+        return [im.size for im in _check_pil(images)]
+
+    def _pixels(self, images: ImageBatch) -> torch.Tensor:
+        return self.prepare_images(images).to(self.device, self.janus.dtype)
+
+    # ---- prompt construction ------------------------------------------------------------
+    def _chat(self, content: list[dict], generation: bool = True) -> str:
+        messages = [{"role": "user", "content": content}]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+
+    def _system(self) -> str:
+        if getattr(self.processor, "use_default_system_prompt", False):
+            from transformers.models.janus.processing_janus import DEFAULT_SYSTEM_PROMPT
+
+            return DEFAULT_SYSTEM_PROMPT
+        return ""
+
+    def _image_prompt_parts(self, question: str) -> tuple[list[int], list[int]]:
+        """Token ids of (head up to and including the image, rest of the prompt up to ``<|Assistant|>:``).
+
+        The split is at the image's ``<end_of_image>`` special token, so tokenising the two parts
+        separately gives exactly the ids of the whole prompt.
+        """
+        text = self._chat([{"type": "image"}, {"type": "text", "text": _SENTINEL}])
+        image_token = self.tokenizer.image_token
+        cut = text.index(image_token) + len(image_token)
+        head, rest = text[:cut], text[cut:]
+        if _SENTINEL not in rest:
+            raise ValueError("the chat template does not place the text after the image")
+        expanded = self.tokenizer.boi_token + image_token * self.num_image_tokens + self.tokenizer.eoi_token
+        head = self._system() + head[: -len(image_token)] + expanded
+        head_ids = self.tokenizer(head, add_special_tokens=True)["input_ids"]
+        rest_ids = self.tokenizer(rest.replace(_SENTINEL, question.strip()), add_special_tokens=False)["input_ids"]
+        return head_ids, rest_ids
+
+    def _target_ids(self, text: str) -> tuple[list[int], bool]:
+        ids = self.tokenizer(" " + text.strip(), add_special_tokens=False)["input_ids"] + [self.eos_id]
+        if len(ids) > self.max_target_length:
+            return ids[: self.max_target_length], True
+        return ids, False
+
+    def _generation_prompt_ids(self, prompt: str, context: str | None = None) -> list[int]:
+        text = prompt.strip() if not context else f"{context.strip()}\n{prompt.strip()}"
+        chat = self._chat([{"type": "text", "text": text}]) + self.tokenizer.boi_token
+        return self.tokenizer(chat, add_special_tokens=True)["input_ids"]
+
+    # ---- core scoring passes ------------------------------------------------------------
+    def _lm(self):
+        return self.janus.model.language_model
+
+    def _embed_with_image(self, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        """Text embeddings with the SigLIP+aligner features scattered into the image placeholders."""
+        embeds = self.janus.get_input_embeddings()(ids)
+        features = self.janus.model.get_image_features(pixels, return_dict=True).pooler_output
+        mask = (ids == self.image_token_id).unsqueeze(-1)
+        return embeds.masked_scatter(mask, features.to(embeds.dtype))
+
+    def _score_after_image(
+        self,
+        pixels: torch.Tensor,
+        heads: list[list[int]],
+        rows: list[tuple[int, list[int], list[int]]],
+        shape: tuple[int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Summed target NLLs for continuations ``(b, context_ids, target_ids)`` of image prefixes.
+
+        ``heads[b]`` (which contains the image) is encoded and run through the LM once; each row
+        continues it with ``context + target`` and only ``target`` is scored. When the LM uses
+        gradient checkpointing in training mode (which disables the KV cache), the prefix embeddings
+        are instead copied to each row and the full sequence is run; both give the same numbers.
+        Returns ``(sum_nll [B, K], num_tokens [B, K], mask [B, K])``.
+        """
+        device = self.device
+        head_ids, head_mask = _pad(heads, self.pad_id, left=True, device=device)
+        head_embeds = self._embed_with_image(head_ids, pixels)
+        row_of = torch.tensor([r[0] for r in rows], device=device)
+        cont_ids, cont_mask = _pad([r[1] + r[2] for r in rows], self.pad_id, left=False, device=device)
+        full_mask = torch.cat([head_mask[row_of], cont_mask], dim=1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        cont_embeds = self.janus.get_input_embeddings()(cont_ids)
+        lm = self._lm()
+        if lm.gradient_checkpointing and lm.training:
+            out = lm(
+                inputs_embeds=torch.cat([head_embeds[row_of], cont_embeds], dim=1),
+                attention_mask=full_mask,
+                position_ids=positions,
+                use_cache=False,
+            )
+            hidden = out.last_hidden_state[:, head_ids.shape[1] :]
+        else:
+            prefix = lm(
+                inputs_embeds=head_embeds,
+                attention_mask=head_mask,
+                position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+            )
+            cache = prefix.past_key_values
+            cache.batch_select_indices(row_of)
+            hidden = lm(
+                inputs_embeds=cont_embeds,
+                attention_mask=full_mask,
+                position_ids=positions[:, head_ids.shape[1] :],
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
+        # the first target token is predicted from the last context token
+        row_idx, pos_idx, labels = [], [], []
+        for r, (_, ctx, tgt) in enumerate(rows):
+            if not ctx:
+                raise ValueError("internal: empty context before the target")
+            row_idx += [r] * len(tgt)
+            pos_idx += list(range(len(ctx) - 1, len(ctx) + len(tgt) - 1))
+            labels += tgt
+        row_idx = torch.tensor(row_idx, device=device)
+        logits = self.janus.lm_head(hidden[row_idx, torch.tensor(pos_idx, device=device)])
+        token_nll = -logits.float().log_softmax(-1).gather(-1, torch.tensor(labels, device=device)[:, None])[:, 0]
+        sums = torch.zeros(len(rows), device=device, dtype=torch.float32).index_add(0, row_idx, token_nll)
+        return _to_grid(sums, [r[0] for r in rows], shape, [len(r[2]) for r in rows])
+
+    # ---- likelihood scoring -------------------------------------------------------------
+    def score_text(self, images: ImageBatch, prompts: Sequence[str], candidates: Sequence[Sequence[str]]) -> Scores:
+        check_candidates(candidates)
+        _check_lengths(images, prompts, candidates)
+        pixels = self._pixels(images)
+        heads, rows, truncated = [], [], 0
+        for b, (prompt, cands) in enumerate(zip(prompts, candidates)):
+            head, ctx = self._image_prompt_parts(prompt)
+            heads.append(head)
+            for cand in cands:
+                tgt, cut = self._target_ids(cand)
+                truncated += cut
+                rows.append((b, ctx, tgt))
+        K = max(len(c) for c in candidates)
+        return _scores(*self._score_after_image(pixels, heads, rows, (len(prompts), K)), truncated)
+
+    def score_boxes(self, images: ImageBatch, expressions: Sequence[Sequence[str]], boxes: Sequence[Box]) -> Scores:
+        check_candidates(expressions, "expressions")
+        _check_lengths(images, boxes, expressions)
+        sizes = self._image_sizes(images)
+        pixels = self._pixels(images)
+        heads, rows, truncated = [], [], 0
+        for b, (exprs, box) in enumerate(zip(expressions, boxes)):
+            tgt, cut = self._target_ids(format_box(box, *sizes[b]))
+            for k, expr in enumerate(exprs):
+                head, ctx = self._image_prompt_parts(GROUNDING_PROMPT.format(expression=expr.strip()))
+                if k == 0:
+                    heads.append(head)
+                truncated += cut
+                rows.append((b, ctx, tgt))
+        K = max(len(e) for e in expressions)
+        return _scores(*self._score_after_image(pixels, heads, rows, (len(boxes), K)), truncated)
+
+    def image_codes(self, images: ImageBatch) -> torch.Tensor:
+        """Flat VQ codes ``[B, h*w]`` of images (PIL or ``prepare_images`` tensors)."""
+        with torch.no_grad():
+            vq = self.janus.model.vqmodel
+            pixels = self.prepare_images(images).to(vq.device, vq.dtype)
+            return vq.encode(pixels).image_tokens.view(pixels.shape[0], -1)
+
+    def score_image_codes(self, prompts: Sequence[Sequence[str]], codes: torch.Tensor, context=None) -> Scores:
+        """NLL of flat codes ``[B, N]`` given each prompt (the body of :meth:`score_image`)."""
+        check_candidates(prompts, "prompts")
+        if codes.ndim != 2 or codes.shape[0] != len(prompts):
+            raise ValueError(f"expected codes [{len(prompts)}, N], got {tuple(codes.shape)}")
+        device = self.device
+        codes = codes.to(device)
+        rows = [(b, self._generation_prompt_ids(p)) for b, ps in enumerate(prompts) for p in ps]
+        row_of = torch.tensor([b for b, _ in rows], device=device)
+        ids, mask = _pad([r[1] for r in rows], self.pad_id, left=True, device=device)
+        P, N = ids.shape[1], codes.shape[1]
+        text_embeds = self.janus.get_input_embeddings()(ids)
+        code_embeds = self.janus.prepare_embeddings_for_image_generation(codes)  # once per image
+        embeds = torch.cat([text_embeds, code_embeds[row_of].to(text_embeds.dtype)], dim=1)
+        full_mask = torch.cat([mask, mask.new_ones(len(rows), N)], dim=1)
+        hidden = self._lm()(
+            inputs_embeds=embeds,
+            attention_mask=full_mask,
+            position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=False,
+        ).last_hidden_state
+        logits = self.janus.model.generation_head(hidden[:, P - 1 : P + N - 1])  # BOI ... last-1
+        token_nll = -logits.float().log_softmax(-1).gather(-1, codes[row_of].unsqueeze(-1))[..., 0]
+        K = max(len(p) for p in prompts)
+        return _scores(*_to_grid(token_nll.sum(-1), [b for b, _ in rows], (len(prompts), K), [N] * len(rows)), 0)
+
+    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
+        check_candidates(prompts, "prompts")
+        n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+        if n != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompt lists but {n} images")
+        return self.score_image_codes(prompts, self.image_codes(images))
+
+    # ---- generation ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_text(
+        self, prompt_ids: list[list[int]], pixels: torch.Tensor | None, max_new_tokens: int, **kwargs
+    ) -> list[TextGeneration]:
+        ids, mask = _pad(prompt_ids, self.pad_id, left=True, device=self.device)
+        options = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+        if "logits_processor" in kwargs:  # JanusForConditionalGeneration.generate drops it in text mode
+            raise ValueError("logits_processor is ignored by transformers' Janus text generation; use generation flags")
+        options.update(kwargs)
+        if pixels is not None:
+            options["pixel_values"] = pixels
+        out = self.janus.generate(input_ids=ids, attention_mask=mask, generation_mode="text", **options)
+        results = []
+        for row in out[:, ids.shape[1] :].tolist():
+            finished = self.eos_id in row
+            row = row[: row.index(self.eos_id)] if finished else row
+            row = [t for t in row if t != self.pad_id]
+            text = self.tokenizer.decode(row, skip_special_tokens=True).strip()
+            results.append(TextGeneration(text=text, truncated=not finished, num_tokens=len(row)))
+        return results
+
+    def _image_question_ids(self, question: str) -> list[int]:
+        head, rest = self._image_prompt_parts(question)
+        return head + rest
+
+    def caption(self, images: ImageBatch, prompt: str | None = None, **generate_kwargs) -> list[str]:
+        pixels = self._pixels(images)
+        ids = [self._image_question_ids(prompt or CAPTION_PROMPT)] * pixels.shape[0]
+        generate_kwargs.setdefault("max_new_tokens", 32)
+        return [g.text for g in self._generate_text(ids, pixels, **generate_kwargs)]
+
+    def answer(self, images: ImageBatch, questions: Sequence[str], **generate_kwargs) -> list[str]:
+        pixels = self._pixels(images)
+        if len(questions) != pixels.shape[0]:
+            raise ValueError(f"got {len(questions)} questions for {pixels.shape[0]} images")
+        generate_kwargs.setdefault("max_new_tokens", 16)
+        ids = [self._image_question_ids(q) for q in questions]
+        return [g.text for g in self._generate_text(ids, pixels, **generate_kwargs)]
+
+    def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:
+        """Generate ``"[x1, y1, x2, y2]"`` and convert it to pixels; an unparsable answer gives ``[0, 0, 0, 0]``."""
+        sizes = self._image_sizes(images)
+        pixels = self._pixels(images)
+        ids = [self._image_question_ids(GROUNDING_PROMPT.format(expression=e.strip())) for e in expressions]
+        texts = [g.text for g in self._generate_text(ids, pixels, max_new_tokens=24)]
+        boxes, failed = [], 0
+        for text, (w, h) in zip(texts, sizes):
+            box = parse_box(text, w, h)
+            failed += box is None
+            boxes.append(box if box is not None else [0.0, 0.0, 0.0, 0.0])
+        if failed:
+            logger.warning("locate: %d of %d answers contained no [x1, y1, x2, y2] box; returned empty boxes", failed, len(texts))
+        return torch.tensor(boxes, dtype=torch.float32)
+
+    @torch.no_grad()
+    def generate_image_codes(
+        self,
+        prompts: Sequence[str],
+        context: Sequence[str] | None = None,
+        config: ImageGenerationConfig | None = None,
+    ) -> torch.Tensor:
+        """Flat VQ codes ``[B, h*w]`` from ``generate(generation_mode="image")``.
+
+        Prompts are generated in groups of equal token length: Janus's image loop numbers positions
+        without looking at the padding mask, so a padded batch would change the result.
+        """
+        from transformers import LogitsProcessorList
+
+        config = config or ImageGenerationConfig()
+        if context is not None and len(context) != len(prompts):
+            raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
+        ids = [self._generation_prompt_ids(p, context[i] if context else None) for i, p in enumerate(prompts)]
+        options = dict(
+            do_sample=config.do_sample,
+            temperature=config.temperature,
+            top_k=config.top_k or None,
+            top_p=config.top_p,
+            guidance_scale=max(float(config.guidance_scale), 1.0),
+            pad_token_id=self.pad_id,
+            **config.extra,
+        )
+        processors = [] if config.guidance_scale > 1 else [_ConditionalRows()]
+        device = self.device
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if config.seed is not None else nullcontext()
+        codes = torch.zeros(len(prompts), self.num_image_tokens, dtype=torch.long, device=device)
+        with rng:
+            if config.seed is not None:
+                torch.manual_seed(config.seed)
+            for length in sorted({len(i) for i in ids}):
+                group = [b for b, i in enumerate(ids) if len(i) == length]
+                input_ids = torch.tensor([ids[b] for b in group], device=device)
+                codes[group] = self.janus.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    generation_mode="image",
+                    logits_processor=LogitsProcessorList(processors),
+                    **options,
+                )
+        return codes
+
+    def decode_codes(self, codes: torch.Tensor) -> list:
+        """Flat codes ``[B, h*w]`` -> PIL images via ``decode_image_tokens`` and the processor's postprocess.
+
+        ``postprocess`` un-normalises and rescales to uint8 ``[3, H, W]``; the PIL conversion is done
+        here because ``return_tensors="PIL.Image.Image"`` fails inside transformers 5.23.
+        """
+        from PIL import Image
+
+        with torch.no_grad():
+            pixels = self.janus.decode_image_tokens(codes.to(self.device))
+        uint8 = self.processor.postprocess(list(pixels.float().cpu()))["pixel_values"]
+        return [Image.fromarray(im.permute(1, 2, 0).numpy(), mode="RGB") for im in uint8]
+
+    def generate_image(
+        self,
+        prompts: Sequence[str],
+        context: Sequence[str] | None = None,
+        config: ImageGenerationConfig | None = None,
+    ) -> list:
+        return self.decode_codes(self.generate_image_codes(prompts, context, config))
+
+    def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
+        ids = [self.tokenizer(self._system() + self._chat([{"type": "text", "text": p}]))["input_ids"] for p in prompts]
+        return self._generate_text(ids, None, max_new_tokens=max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _check_arch(config) -> None:
+    """The vision grid, the VQ grid and the number of image tokens must agree (no silent mismatch)."""
+    vision, vq, text = config.vision_config, config.vq_config, config.text_config
+    grid = vision.image_size // vision.patch_size
+    vq_down = 2 ** (len(vq.channel_multiplier) - 1)
+    problems = []
+    if vision.num_image_tokens != grid * grid:
+        problems.append(f"vision_config.num_image_tokens={vision.num_image_tokens} != (image_size/patch_size)^2={grid * grid}")
+    if vision.image_size // vq_down != grid:
+        problems.append(f"VQ grid image_size/2^(len(channel_multiplier)-1)={vision.image_size // vq_down} != {grid}")
+    for name, value in (("vision_config.projection_dim", vision.projection_dim), ("vq_config.projection_dim", vq.projection_dim),
+                        ("vq_config.image_token_embed_dim", vq.image_token_embed_dim)):
+        if value != text.hidden_size:
+            problems.append(f"{name}={value} != text_config.hidden_size={text.hidden_size}")
+    if problems:
+        raise ValueError("model.arch: " + "; ".join(problems))
+
+
+def _check_lengths(images: ImageBatch, per_example: Sequence, candidates: Sequence) -> None:
+    n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+    if not (n == len(per_example) == len(candidates)):
+        raise ValueError(f"batch sizes differ: {n} images, {len(per_example)} prompts/boxes, {len(candidates)} candidate lists")
+
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        span = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, span] = torch.tensor(s, dtype=torch.long)
+        mask[i, span] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _to_grid(values: torch.Tensor, example_of: list[int], shape: tuple[int, int], lengths: list[int]):
+    """Scatter per-row values to ``([B, K] values, [B, K] lengths, [B, K] mask)``.
+
+    ``example_of[r]`` is the example of row ``r``; rows of one example are consecutive, in candidate order.
+    """
+    B, K = shape
+    k_of = [0] * len(example_of)
+    for i in range(1, len(example_of)):
+        k_of[i] = k_of[i - 1] + 1 if example_of[i] == example_of[i - 1] else 0
+    b_idx = torch.tensor(example_of, device=values.device)
+    k_idx = torch.tensor(k_of, device=values.device)
+    grid = values.new_zeros(B, K).index_put((b_idx, k_idx), values)
+    num = torch.zeros(B, K, dtype=torch.long, device=values.device).index_put(
+        (b_idx, k_idx), torch.tensor(lengths, device=values.device)
+    )
+    mask = torch.zeros(B, K, dtype=torch.bool, device=values.device).index_put(
+        (b_idx, k_idx), torch.ones(len(example_of), dtype=torch.bool, device=values.device)
+    )
+    return grid, num, mask
+
+
+def _scores(sum_nll: torch.Tensor, num: torch.Tensor, mask: torch.Tensor, truncated: int) -> Scores:
+    if truncated:
+        logger.warning("%d candidate(s) longer than max_target_length were truncated", truncated)
+    nll = sum_nll / num.clamp(min=1).to(sum_nll.dtype)
+    return Scores(nll=nll, sum_nll=sum_nll, mask=mask, num_tokens=num, num_truncated=int(truncated))

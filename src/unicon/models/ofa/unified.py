@@ -1,0 +1,545 @@
+"""``OFAUnifiedModel``: the native OFA encoder-decoder behind the :class:`UnifiedModel` interface.
+
+OFA (Wang et al., 2022) casts every task as sequence-to-sequence over one vocabulary
+(see :mod:`unicon.models.ofa.tokenization`): the encoder reads ``[image patches, prompt]``
+and the decoder writes text, location bins or image codes. This file owns the task
+prompts, the collation of ragged candidate lists, likelihood scoring and generation;
+the network itself is ``OFAModel`` (``modeling_ofa.py``).
+
+Task prompts (OFA style)::
+
+    caption    " what does the image describe?"
+    vqa        " {question}"
+    grounding  ' which region does the text " {expression} " describe?'   -> 4 bins (x0 y0 x1 y1)
+    t2i        " what is the complete image? caption: {caption}"          -> h*w image codes
+
+Scoring (CocoCon section 4.3). ``nll[b, k] = -(1/T_bk) * sum_t log p(y_t | y_<t, x)``,
+``sum_nll[b, k] = -sum_t log p(y_t | y_<t, x)``:
+
+* ``score_text``: the encoder runs once per example (image + prompt); its states are
+  gathered for the K candidates and the decoder runs once over all ``sum_b K_b`` targets
+  (``y`` = BPE tokens + eos).
+* ``score_boxes`` / ``score_image``: the *inputs* differ per candidate, so the ``sum_b K_b``
+  inputs go through one encoder call and the fixed target through one decoder call.
+  Box targets are the 4 corner bins + eos over the full vocabulary (OFA's grounding loss).
+  Image targets are the ``h*w`` codes with the softmax restricted to the code block, as
+  in OFA's image-generation criterion (its ``constraint_range``); no eos, because the
+  length is fixed. T2I inputs are text only: OFA feeds a dummy image whose patches are all
+  masked, which gives the same encoder output for the text and adds only masked keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from unicon.models.base import (
+    Box,
+    ImageBatch,
+    ImageGenerationConfig,
+    ImageTokenizer,
+    Scores,
+    TextGeneration,
+    UnifiedModel,
+    check_candidates,
+    pil_to_tensor,
+)
+from unicon.models.ofa.tokenization import BOS_ID, EOS_ID, PAD_ID, OFATokenizer
+
+logger = logging.getLogger(__name__)
+
+WRAPPER_CONFIG_NAME = "unicon_model.json"
+
+
+@dataclass
+class OFAWrapperConfig:
+    """Settings of the wrapper (not of the network); saved as ``unicon_model.json``."""
+
+    backend: str = "ofa"
+    image_size: int = 64  # encoder image side (OFA: patch_image_size)
+    max_source_length: int = 64  # prompt tokens incl. bos/eos
+    max_target_length: int = 32  # target tokens incl. eos
+    num_beams: int = 5
+    no_repeat_ngram_size: int = 3
+    max_new_tokens: int = 20
+    length_penalty: float = 1.0
+    caption_prompt: str = " what does the image describe?"
+    grounding_prompt: str = ' which region does the text " {} " describe?'
+    t2i_prompt: str = " what is the complete image? caption: {}"
+    # {"type": "shapes", "world": <WorldConfig dict>} | {"type": "vqgan", "path": dir} | None
+    image_tokenizer: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OFAWrapperConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown OFA wrapper setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def build_image_tokenizer(spec: dict[str, Any] | None) -> ImageTokenizer | None:
+    """The image tokenizer named by ``OFAWrapperConfig.image_tokenizer``."""
+    if spec is None:
+        return None
+    kind = spec.get("type")
+    if kind == "shapes":
+        from unicon.worlds.shapes import ShapesTokenizer, WorldConfig
+
+        world = spec["world"]
+        cfg = WorldConfig.from_dict(world) if hasattr(WorldConfig, "from_dict") else WorldConfig(**world)
+        return ShapesTokenizer(cfg)
+    if kind == "vqgan":
+        from unicon.models.vqgan import VQGANTokenizer
+
+        return VQGANTokenizer.from_pretrained(spec["path"])
+    raise ValueError(f"unknown image tokenizer type {kind!r} (expected 'shapes' or 'vqgan')")
+
+
+class OFAUnifiedModel(UnifiedModel):
+    """OFA as a :class:`UnifiedModel`. ``self.ofa`` is the ``OFAModel`` network."""
+
+    backend = "ofa"
+
+    def __init__(self, ofa: torch.nn.Module, tokenizer: OFATokenizer, settings: OFAWrapperConfig | None = None,
+                 image_tokenizer: ImageTokenizer | None = None):
+        super().__init__()
+        self.ofa = ofa
+        self.tokenizer = tokenizer
+        self.settings = settings or OFAWrapperConfig()
+        self.image_tokenizer = image_tokenizer
+        vocab = getattr(ofa.config, "vocab_size", None)
+        if vocab is not None and vocab < len(tokenizer):
+            raise ValueError(f"model vocab_size {vocab} < tokenizer size {len(tokenizer)} (text+codes+bins)")
+        if image_tokenizer is not None and image_tokenizer.codebook_size > tokenizer.num_codes:
+            raise ValueError(
+                f"image tokenizer has {image_tokenizer.codebook_size} codes but the vocabulary only "
+                f"{tokenizer.num_codes} <code_i> tokens")
+
+    @property
+    def caption_prompt(self) -> str:
+        return self.settings.caption_prompt
+
+    @property
+    def task_prompts(self) -> dict[str, str]:
+        """OFA prompt templates; ``{}`` is the question / expression / caption."""
+        s = self.settings
+        return {"caption": s.caption_prompt, "vqa": " {}", "grounding": s.grounding_prompt, "t2i": s.t2i_prompt}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # ======================================================================================
+    # inputs
+    # ======================================================================================
+    def prepare_images(self, images: ImageBatch) -> torch.Tensor:
+        """PIL -> RGB, resized to ``image_size`` (bicubic, as OFA), normalised with mean/std 0.5."""
+        s = self.settings.image_size
+        if isinstance(images, torch.Tensor):
+            if images.dim() != 4 or images.shape[1] != 3 or tuple(images.shape[2:]) != (s, s):
+                raise ValueError(f"image tensor must be [B, 3, {s}, {s}] from prepare_images, "
+                                 f"got {tuple(images.shape)}")
+            return images.to(self.device, torch.float32)
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise ValueError(f"images must be a list of PIL images or a tensor, got {type(images).__name__}")
+        resized = []
+        for i, im in enumerate(images):
+            if not isinstance(im, Image.Image):
+                raise ValueError(f"image {i} is a {type(im).__name__}, expected a PIL image")
+            im = im.convert("RGB")
+            if im.size != (s, s):
+                im = im.resize((s, s), Image.BICUBIC)
+            resized.append(im)
+        x = pil_to_tensor(resized) if resized else torch.zeros(0, 3, s, s)
+        return ((x - 0.5) / 0.5).to(self.device)
+
+    @staticmethod
+    def _image_sizes(images: ImageBatch, size: int) -> list[tuple[int, int]]:
+        if isinstance(images, torch.Tensor):
+            return [(size, size)] * images.shape[0]
+        return [im.size for im in images]
+
+    def _pad(self, rows: list[list[int]], value: int = PAD_ID) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        out = torch.full((len(rows), width), value, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return out.to(self.device)
+
+    def _source_ids(self, texts: Sequence[str]) -> torch.Tensor:
+        rows = []
+        for i, t in enumerate(texts):
+            ids, truncated = self.tokenizer.encode_text(t, self.settings.max_source_length)
+            if truncated:
+                logger.warning("prompt %d truncated to %d tokens: %.60r", i, self.settings.max_source_length, t)
+            rows.append(ids)
+        return self._pad(rows)
+
+    # ---- the network: encoder once, decoder over many targets --------------------------------
+    def encode(self, input_ids: torch.Tensor, patch_images: torch.Tensor | None = None):
+        """Encoder states for ``[image patches, text]`` (text only when ``patch_images`` is None)."""
+        patch_masks = None
+        if patch_images is not None:
+            patch_masks = torch.ones(patch_images.shape[0], dtype=torch.bool, device=patch_images.device)
+        return self.ofa.encode(input_ids=input_ids, patch_images=patch_images, patch_masks=patch_masks)
+
+    def decode(self, decoder_input_ids: torch.Tensor, encoder_out, code_mode: bool = False) -> torch.Tensor:
+        """Decoder logits ``[N, T, V]`` for ``decoder_input_ids`` against ``encoder_out``."""
+        code_masks = None
+        if code_mode:
+            code_masks = torch.ones(decoder_input_ids.shape[0], dtype=torch.bool, device=decoder_input_ids.device)
+        return self.ofa.decode(decoder_input_ids=decoder_input_ids, encoder_outputs=encoder_out,
+                               code_masks=code_masks)
+
+    @staticmethod
+    def select(encoder_out, index: torch.Tensor):
+        """Rows ``index`` of every batch-first tensor in an encoder output (any nesting)."""
+        if isinstance(encoder_out, torch.Tensor):
+            return encoder_out.index_select(0, index.to(encoder_out.device))
+        if isinstance(encoder_out, dict):  # ModelOutput is a dict too
+            out = encoder_out.__class__(**{k: OFAUnifiedModel.select(v, index) for k, v in encoder_out.items()})
+            return out
+        if isinstance(encoder_out, (list, tuple)):
+            return type(encoder_out)(OFAUnifiedModel.select(v, index) for v in encoder_out)
+        if hasattr(encoder_out, "__dataclass_fields__"):
+            return type(encoder_out)(**{k: OFAUnifiedModel.select(getattr(encoder_out, k), index)
+                                        for k in encoder_out.__dataclass_fields__})
+        return encoder_out
+
+    def _target_nll(self, encoder_out, targets: list[list[int]], code_mode: bool = False):
+        """Summed NLL and length of each target row (decoder input = bos + target[:-1])."""
+        dec_in = self._pad([[BOS_ID] + t[:-1] for t in targets])
+        labels = self._pad(targets, value=-100)
+        logits = self.decode(dec_in, encoder_out, code_mode=code_mode).float()
+        if code_mode:  # softmax over the code block only (OFA's constraint range)
+            lo = self.tokenizer.code_offset
+            logits = logits[..., lo: lo + self.tokenizer.num_codes]
+            labels = torch.where(labels >= 0, labels - lo, labels)
+        logp = logits.log_softmax(-1)
+        valid = labels >= 0
+        tok = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        sum_nll = -(tok * valid).sum(-1)
+        return sum_nll, valid.sum(-1)
+
+    @staticmethod
+    def _to_scores(sum_nll: torch.Tensor, lengths: torch.Tensor, counts: list[int], truncated: int) -> Scores:
+        B, K = len(counts), max(counts)
+        mask = torch.zeros(B, K, dtype=torch.bool)
+        for b, k in enumerate(counts):
+            mask[b, :k] = True
+        mask = mask.to(sum_nll.device)
+        flat = mask.flatten().nonzero().squeeze(1)
+        total = sum_nll.new_zeros(B * K).index_put((flat,), sum_nll).view(B, K)
+        num = lengths.new_zeros(B * K).index_put((flat,), lengths).view(B, K)
+        nll = total / num.clamp(min=1)
+        if truncated:
+            logger.warning("%d candidate(s) longer than the maximum target length were truncated", truncated)
+        return Scores(nll=nll, sum_nll=total, mask=mask, num_tokens=num, num_truncated=truncated)
+
+    def _text_targets(self, candidates: Sequence[Sequence[str]]) -> tuple[list[list[int]], int]:
+        targets, truncated = [], 0
+        for cands in candidates:
+            for c in cands:
+                ids, cut = self.tokenizer.encode_text(c, self.settings.max_target_length + 1)
+                targets.append(ids[1:])  # drop bos: target = bpe + eos
+                truncated += int(cut)
+        return targets, truncated
+
+    # ======================================================================================
+    # likelihood scoring
+    # ======================================================================================
+    def score_text(self, images: ImageBatch, prompts: Sequence[str],
+                   candidates: Sequence[Sequence[str]]) -> Scores:
+        B = len(candidates)
+        if len(prompts) != B or len(images) != B:
+            raise ValueError(f"got {len(images)} images, {len(prompts)} prompts, {B} candidate lists")
+        check_candidates(candidates)
+        counts = [len(c) for c in candidates]
+        enc = self.encode(self._source_ids(prompts), self.prepare_images(images))
+        index = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+        targets, truncated = self._text_targets(candidates)
+        sum_nll, lengths = self._target_nll(self.select(enc, index), targets)
+        return self._to_scores(sum_nll, lengths, counts, truncated)
+
+    def score_boxes(self, images: ImageBatch, expressions: Sequence[Sequence[str]],
+                    boxes: Sequence[Box]) -> Scores:
+        B = len(expressions)
+        if len(boxes) != B or len(images) != B:
+            raise ValueError(f"got {len(images)} images, {len(expressions)} expression lists, {len(boxes)} boxes")
+        check_candidates(expressions, "expressions")
+        counts = [len(e) for e in expressions]
+        sizes = self._image_sizes(images, self.settings.image_size)
+        pixels = self.prepare_images(images)
+        index = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+        prompts = [self.settings.grounding_prompt.format(e) for ex in expressions for e in ex]
+        enc = self.encode(self._source_ids(prompts), pixels.index_select(0, index.to(pixels.device)))
+        targets = []
+        for b, box in enumerate(boxes):
+            ids = self.tokenizer.box_to_ids(box, *sizes[b]) + [EOS_ID]
+            targets += [ids] * counts[b]
+        sum_nll, lengths = self._target_nll(enc, targets)
+        return self._to_scores(sum_nll, lengths, counts, 0)
+
+    def image_codes(self, images: ImageBatch) -> torch.Tensor:
+        """``[B, h*w]`` code indices of images (PIL, or tensors from ``prepare_images``)."""
+        if self.image_tokenizer is None:
+            raise ValueError("this OFA model has no image tokenizer; text-to-image is unavailable")
+        if isinstance(images, torch.Tensor):
+            images = images * 0.5 + 0.5  # undo prepare_images' normalisation: [0, 1] pixels
+        with torch.no_grad():
+            codes = self.image_tokenizer.encode(images)
+        return codes.flatten(1)
+
+    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
+        B = len(prompts)
+        if len(images) != B:
+            raise ValueError(f"got {B} prompt lists but {len(images)} images")
+        check_candidates(prompts, "prompts")
+        counts = [len(p) for p in prompts]
+        codes = self.image_codes(images)
+        texts = [self.settings.t2i_prompt.format(p) for ps in prompts for p in ps]
+        enc = self.encode(self._source_ids(texts))
+        targets = []
+        for b in range(B):
+            targets += [self.tokenizer.codes_to_ids(codes[b]).tolist()] * counts[b]
+        sum_nll, lengths = self._target_nll(enc, targets, code_mode=True)
+        return self._to_scores(sum_nll, lengths, counts, 0)
+
+    # ======================================================================================
+    # generation
+    # ======================================================================================
+    def _token_mask(self, allowed: str) -> torch.Tensor:
+        """Bool ``[V]`` of the tokens a constrained decode may emit ('text' | 'bins' | 'codes')."""
+        V = self.ofa.config.vocab_size
+        mask = torch.zeros(V, dtype=torch.bool, device=self.device)
+        tok = self.tokenizer
+        if allowed == "text":
+            mask[: tok.num_text] = True
+            mask[[BOS_ID, PAD_ID]] = False
+        elif allowed == "bins":
+            mask[tok.bin_offset: tok.bin_offset + tok.num_bins] = True
+        elif allowed == "codes":
+            mask[tok.code_offset: tok.code_offset + tok.num_codes] = True
+        else:
+            raise ValueError(allowed)
+        return mask
+
+    @torch.no_grad()
+    def beam_search(self, encoder_out, batch_size: int, *, num_beams: int, max_new_tokens: int,
+                    allowed: str = "text", fixed_length: bool = False, no_repeat_ngram_size: int = 0,
+                    length_penalty: float = 1.0) -> tuple[list[list[int]], list[bool]]:
+        """Beam search over the decoder; returns the best token list per example and whether it
+        ran out of ``max_new_tokens`` without an eos. The encoder output is expanded to beams
+        once; each step re-runs the decoder on the prefix (sequences here are short).
+
+        Finished hypotheses are ranked by ``sum log p / len**length_penalty``. With
+        ``fixed_length`` exactly ``max_new_tokens`` tokens are produced and eos is never allowed.
+        """
+        nb = num_beams
+        enc = self.select(encoder_out, torch.arange(batch_size).repeat_interleave(nb))
+        allowed_mask = self._token_mask(allowed)
+        if not fixed_length:
+            allowed_mask[EOS_ID] = True
+        seqs = torch.full((batch_size * nb, 1), BOS_ID, dtype=torch.long, device=self.device)
+        scores = torch.full((batch_size, nb), float("-inf"), device=self.device)
+        scores[:, 0] = 0.0
+        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch_size)]
+        done = [False] * batch_size
+        for step in range(max_new_tokens):
+            logits = self.decode(seqs, enc, code_mode=allowed == "codes")[:, -1].float()
+            logp = logits.log_softmax(-1).masked_fill(~allowed_mask, float("-inf"))
+            if step == 0:  # at least one token before eos
+                logp[:, EOS_ID] = float("-inf")
+            if no_repeat_ngram_size > 0 and seqs.shape[1] >= no_repeat_ngram_size:
+                self._ban_repeated_ngrams(seqs, logp, no_repeat_ngram_size)
+            V = logp.shape[-1]
+            cand = (scores.view(-1, 1) + logp).view(batch_size, nb * V)
+            top, idx = cand.topk(2 * nb, dim=-1)
+            next_rows, next_tok, next_scores = [], [], []
+            for b in range(batch_size):
+                row_beams = []
+                for s, i in zip(top[b].tolist(), idx[b].tolist()):
+                    beam, token = divmod(i, V)
+                    if s == float("-inf"):
+                        break
+                    if token == EOS_ID:
+                        if not done[b]:
+                            hyp = seqs[b * nb + beam, 1:].tolist()
+                            finished[b].append((s / max(len(hyp) + 1, 1) ** length_penalty, hyp))
+                        continue
+                    row_beams.append((s, b * nb + beam, token))
+                    if len(row_beams) == nb:
+                        break
+                if len(finished[b]) >= nb or not row_beams:
+                    done[b] = True
+                while len(row_beams) < nb:  # keep the shape; padded beams can never win
+                    row_beams.append((float("-inf"), b * nb, PAD_ID))
+                for s, r, t in row_beams:
+                    next_scores.append(s)
+                    next_rows.append(r)
+                    next_tok.append(t)
+            if all(done):
+                break
+            rows = torch.tensor(next_rows, device=self.device)
+            seqs = torch.cat([seqs[rows], torch.tensor(next_tok, device=self.device).unsqueeze(1)], dim=1)
+            scores = torch.tensor(next_scores, device=self.device).view(batch_size, nb)
+        results, truncated = [], []
+        for b in range(batch_size):
+            hyps = list(finished[b])
+            ran_out = False
+            if not hyps or fixed_length:
+                for j in range(nb):
+                    s = scores[b, j].item()
+                    if s > float("-inf"):
+                        hyp = seqs[b * nb + j, 1:].tolist()
+                        hyps.append((s / max(len(hyp), 1) ** length_penalty, hyp))
+                ran_out = not fixed_length
+            best = max(hyps, key=lambda h: h[0])[1]
+            results.append(best)
+            truncated.append(ran_out)
+        return results, truncated
+
+    @staticmethod
+    def _ban_repeated_ngrams(seqs: torch.Tensor, logp: torch.Tensor, n: int) -> None:
+        """Forbid tokens that would repeat an n-gram already in the hypothesis (OFA's default 3)."""
+        for r, row in enumerate(seqs.tolist()):
+            prefix = tuple(row[len(row) - n + 1:]) if n > 1 else ()
+            banned = [row[i + n - 1] for i in range(len(row) - n + 1) if tuple(row[i: i + n - 1]) == prefix]
+            if banned:
+                logp[r, banned] = float("-inf")
+
+    def _generate_text(self, images: ImageBatch | None, prompts: Sequence[str], **kw) -> tuple[list[str], list]:
+        pixels = None if images is None else self.prepare_images(images)
+        enc = self.encode(self._source_ids(prompts), pixels)
+        opts = dict(num_beams=self.settings.num_beams, max_new_tokens=self.settings.max_new_tokens,
+                    no_repeat_ngram_size=self.settings.no_repeat_ngram_size,
+                    length_penalty=self.settings.length_penalty)
+        unknown = set(kw) - set(opts)
+        if unknown:
+            raise ValueError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(opts)}")
+        opts.update(kw)
+        ids, truncated = self.beam_search(enc, len(prompts), allowed="text", **opts)
+        return [self.tokenizer.decode(t) for t in ids], list(zip(ids, truncated))
+
+    @torch.no_grad()
+    def caption(self, images: ImageBatch, prompt: str | None = None, **generate_kwargs) -> list[str]:
+        prompts = [prompt or self.settings.caption_prompt] * len(images)
+        return self._generate_text(images, prompts, **generate_kwargs)[0]
+
+    @torch.no_grad()
+    def answer(self, images: ImageBatch, questions: Sequence[str], **generate_kwargs) -> list[str]:
+        if len(questions) != len(images):
+            raise ValueError(f"got {len(images)} images but {len(questions)} questions")
+        return self._generate_text(images, [" " + q.strip() for q in questions], **generate_kwargs)[0]
+
+    @torch.no_grad()
+    def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:
+        if len(expressions) != len(images):
+            raise ValueError(f"got {len(images)} images but {len(expressions)} expressions")
+        sizes = self._image_sizes(images, self.settings.image_size)
+        prompts = [self.settings.grounding_prompt.format(e) for e in expressions]
+        enc = self.encode(self._source_ids(prompts), self.prepare_images(images))
+        ids, _ = self.beam_search(enc, len(prompts), num_beams=self.settings.num_beams, max_new_tokens=4,
+                                  allowed="bins", fixed_length=True)
+        return torch.tensor([self.tokenizer.ids_to_box(t, *sizes[b]) for b, t in enumerate(ids)])
+
+    @torch.no_grad()
+    def generate_image(self, prompts: Sequence[str], context: Sequence[str] | None = None,
+                       config: ImageGenerationConfig | None = None) -> list[Image.Image]:
+        """Code-by-code decoding (greedy, or sampling with temperature/top-k/top-p), with
+        classifier-free guidance ``l_u + s (l_c - l_u)`` against the empty prompt when s != 1."""
+        if self.image_tokenizer is None:
+            raise ValueError("this OFA model has no image tokenizer; text-to-image is unavailable")
+        cfg = config or ImageGenerationConfig()
+        if context is not None and len(context) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(context)} contexts")
+        texts = [self.settings.t2i_prompt.format(p) for p in prompts]
+        if context is not None:
+            texts = [f" {c.strip()}{t}" for c, t in zip(context, texts)]
+        B = len(texts)
+        guided = cfg.guidance_scale != 1.0
+        if guided:
+            texts = texts + [self.settings.t2i_prompt.format("")] * B
+        enc = self.encode(self._source_ids(texts))
+        gen = torch.Generator(device="cpu")
+        if cfg.seed is not None:
+            gen.manual_seed(cfg.seed)
+        h, w = self.image_tokenizer.grid_size
+        lo, n = self.tokenizer.code_offset, self.image_tokenizer.codebook_size
+        seqs = torch.full((len(texts), 1), BOS_ID, dtype=torch.long, device=self.device)
+        for _ in range(h * w):
+            logits = self.decode(seqs, enc, code_mode=True)[:, -1, lo: lo + n].float()
+            if guided:
+                cond, uncond = logits[:B], logits[B:]
+                logits = uncond + cfg.guidance_scale * (cond - uncond)
+            if cfg.do_sample:
+                code = self._sample(logits, cfg, gen)
+            else:
+                code = logits.argmax(-1)
+            code = code + lo
+            if guided:
+                code = torch.cat([code, code])
+            seqs = torch.cat([seqs, code.unsqueeze(1)], dim=1)
+        codes = (seqs[:B, 1:] - lo).view(B, h, w)
+        return self.image_tokenizer.decode_to_pil(codes.cpu())
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, cfg: ImageGenerationConfig, gen: torch.Generator) -> torch.Tensor:
+        logits = logits / max(cfg.temperature, 1e-6)
+        if cfg.top_k > 0:
+            kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if cfg.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) > cfg.top_p  # keep the token that crosses top_p
+            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        probs = logits.softmax(-1).cpu()
+        return torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+
+    @torch.no_grad()
+    def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
+        """Free text from a text-only input (greedy; OFA is encoder-decoder, so the prompt is the source)."""
+        _, raw = self._generate_text(None, [" " + p.strip() for p in prompts], num_beams=1,
+                                     max_new_tokens=max_new_tokens, no_repeat_ngram_size=0)
+        return [TextGeneration(text=self.tokenizer.decode(ids), truncated=cut, num_tokens=len(ids))
+                for ids, cut in raw]
+
+    # ======================================================================================
+    # persistence
+    # ======================================================================================
+    def save_pretrained(self, path: str) -> None:
+        """OFA config + weights (``OFAModel.save_pretrained``), tokenizer files and ``unicon_model.json``."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.ofa.save_pretrained(str(out))
+        self.tokenizer.save_pretrained(out)
+        (out / WRAPPER_CONFIG_NAME).write_text(json.dumps(asdict(self.settings), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs) -> "OFAUnifiedModel":
+        """Restore :meth:`save_pretrained`'s directory. ``kwargs`` go to ``OFAModel.from_pretrained``
+        (e.g. ``allow_pickle``), except ``settings`` (a dict of wrapper overrides)."""
+        from unicon.models.ofa.modeling_ofa import OFAModel
+
+        src = Path(path)
+        if not src.is_dir():
+            raise FileNotFoundError(f"no model directory {src}")
+        overrides = kwargs.pop("settings", None) or {}
+        ofa = OFAModel.from_pretrained(str(src), **kwargs)
+        if (src / WRAPPER_CONFIG_NAME).is_file():
+            settings = json.loads((src / WRAPPER_CONFIG_NAME).read_text())
+        else:  # an OFA-Sys checkpoint: OFA's own inference defaults (caption: beam 5, 3-gram block, 16 tokens)
+            settings = {"image_size": getattr(ofa.config, "patch_image_size", None) or 480,
+                        "max_source_length": 128, "max_target_length": 64, "max_new_tokens": 16}
+        settings = OFAWrapperConfig.from_dict({**settings, **overrides})
+        tokenizer = OFATokenizer.from_pretrained(src)
+        return cls(ofa, tokenizer, settings, build_image_tokenizer(settings.image_tokenizer))

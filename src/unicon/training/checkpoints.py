@@ -1,0 +1,96 @@
+"""From training checkpoints to ``save_pretrained`` model directories.
+
+A Lightning ``.ckpt`` written by ``unicon train`` holds ``checkpoint["unicon_config"]`` (the
+resolved RunConfig) and the ConsistencyModule's ``state_dict`` whose keys are ``model.<...>``.
+With LoRA on (``model.lora.enabled``), the wrapped projections appear as
+``<name>.base_layer.weight`` plus ``<name>.lora_A/B.default.weight``.
+
+* :func:`merge_lora` folds the adapters into the base weights in place and removes the PEFT
+  wrappers, so the model has its original parameter names again;
+* :func:`export_model` writes ``save_pretrained`` (merged when ``merge=True``);
+* :func:`model_from_checkpoint` rebuilds the UnifiedModel of a ``.ckpt`` (LoRA included);
+* :func:`export_checkpoint` = the two above: ``.ckpt`` -> ``save_pretrained`` directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unicon.errors import UserError
+
+
+def merge_lora(model: torch.nn.Module, merge: bool = True) -> int:
+    """Fold every PEFT LoRA layer into its base layer (``merge``) and unwrap it, in place.
+
+    With ``merge=False`` the adapters are dropped and the base weights kept unchanged.
+    Returns the number of unwrapped layers; all parameters are trainable again afterwards.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for name, module in targets:
+        if merge:
+            module.merge()
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, module.get_base_layer())
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return len(targets)
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True) -> Path:
+    """``model.save_pretrained(out_dir)`` with LoRA adapters merged (``merge``) -- in place.
+
+    The adapters are always also saved as ``<out_dir>/lora_adapters.safetensors``; with
+    ``merge=False`` the exported model is the base model without them.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if has_lora(model):
+        from safetensors.torch import save_file
+
+        adapters = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if "lora_" in k}
+        save_file(adapters, str(out / "lora_adapters.safetensors"))
+        merge_lora(model, merge=merge)
+    model.save_pretrained(str(out))
+    return out
+
+
+def model_from_checkpoint(ckpt_path: str | Path, world_root: str | None = None, map_location: str = "cpu"):
+    """Rebuild the UnifiedModel stored in a ``unicon train`` checkpoint (adapters still unmerged)."""
+    from unicon.config import from_container
+    from unicon.models import build_model
+    from unicon.training.module import apply_lora
+
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    if "unicon_config" not in ckpt:
+        raise UserError(f"{path}: not a unicon training checkpoint (no 'unicon_config')")
+    cfg = from_container(ckpt["unicon_config"])
+    model = build_model(cfg.model, world_root or cfg.data.root)
+    if cfg.model.lora.enabled:
+        apply_lora(model, cfg.model.lora)
+    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path}: weights do not match the model of its config "
+                        f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model, cfg
+
+
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True, **kw: Any) -> Path:
+    """``.ckpt`` -> ``save_pretrained`` directory (merged LoRA)."""
+    model, _ = model_from_checkpoint(ckpt_path, **kw)
+    return export_model(model, out_dir, merge=merge)

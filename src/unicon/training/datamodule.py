@@ -1,0 +1,143 @@
+"""Training data for Algorithm 1: contrast-set batches mixed with pretraining-mixture batches.
+
+Every training step receives ``{"mixture": <mixture batch>, "contrast": <contrast batch>}``
+(a Lightning ``CombinedLoader`` in ``max_size_cycle`` mode: an epoch is as long as the longer
+of the two loaders, the shorter one cycles). :class:`~unicon.training.module.ConsistencyModule`
+draws γ and uses one of the two; loading both keeps the γ draw the only source of
+randomness in what a step does, identical on every rank.
+
+* contrast batches -- CocoCon-schema samples (``unicon.data.cococon.load_cococon``; the
+  default file is ``<data.root>/cococon_train.json``) with at most ``data.max_contrast``
+  contrast sets each. :func:`collate_contrast` drops samples without any contrast set
+  (counted in ``num_skipped``) and pads the ragged candidate lists ``[gold] + contrasts``
+  to ``K = 1 + max_b(#contrasts)`` with a bool ``candidate_mask`` (real candidates first).
+* mixture batches -- :class:`unicon.data.mixture.MixtureDataset` of ``mixture_train.jsonl``.
+
+Images are decoded in the loader workers (``data.num_workers``) and kept as PIL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
+from unicon.data.mixture import MixtureDataset, collate_mixture
+from unicon.errors import UserError
+
+
+class ContrastDataset(Dataset):
+    """CocoCon samples with their image, truncated to ``max_contrast`` contrast sets."""
+
+    def __init__(self, data: CocoConData, max_contrast: int):
+        if max_contrast < 1:
+            raise ValueError(f"data.max_contrast must be >= 1, got {max_contrast}")
+        self.data = data
+        self.max_contrast = max_contrast
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        sample: CocoConSample = self.data[idx]
+        return {
+            "sample": sample,
+            "contrasts": sample.contrast_sets[: self.max_contrast],
+            "image": sample.load_image(),
+        }
+
+
+def collate_contrast(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Keep samples with ≥ 1 contrast set; pad their caption candidate lists with a mask."""
+    kept = [e for e in examples if len(e["contrasts"]) >= 1]
+    K = 1 + max((len(e["contrasts"]) for e in kept), default=0)
+    mask = torch.zeros(len(kept), K, dtype=torch.bool)
+    for b, e in enumerate(kept):
+        mask[b, : 1 + len(e["contrasts"])] = True
+    return {
+        "ids": [str(e["sample"].id) for e in kept],
+        "samples": [e["sample"] for e in kept],
+        "contrasts": [e["contrasts"] for e in kept],
+        "images": [e["image"] for e in kept],
+        "captions": [[e["sample"].caption] + [c.caption for c in e["contrasts"]] for e in kept],
+        "candidate_mask": mask,
+        "num_skipped": len(examples) - len(kept),
+    }
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of ``range(n)`` that depends only on ``(seed, epoch)``.
+
+    Lightning calls ``set_epoch`` at every epoch start, so a run resumed at an epoch boundary
+    sees exactly the order the uninterrupted run would have seen. (Under DDP Lightning swaps it
+    for a ``DistributedSampler``, which follows the same rule.)
+    """
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+class ConsistencyDataModule(L.LightningDataModule):
+    """Contrast sets + pretraining mixture for :class:`~unicon.training.module.ConsistencyModule`."""
+
+    def __init__(self, data_cfg: Any, seed: int = 0):
+        super().__init__()
+        self.cfg = data_cfg
+        self.seed = seed
+        self.root = Path(data_cfg.root)
+        self.contrast: ContrastDataset | None = None
+        self.mixture: MixtureDataset | None = None
+
+    @property
+    def contrast_file(self) -> Path:
+        return Path(self.cfg.contrast_file) if self.cfg.contrast_file else self.root / "cococon_train.json"
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.contrast is not None:
+            return
+        if not self.root.is_dir():
+            raise UserError(f"data.root {self.root} does not exist; build it with `unicon build-data shapes --out {self.root}`")
+        if not self.contrast_file.is_file():
+            raise UserError(f"contrast-set file {self.contrast_file} not found (data.contrast_file)")
+        # images_root None = the JSON's folder (ShapesWorld names images relative to the world root)
+        data = load_cococon(self.contrast_file, images_root=self.cfg.images_root)
+        self.contrast = ContrastDataset(data, self.cfg.max_contrast)
+        try:
+            self.mixture = MixtureDataset(self.root, "train", tasks=list(self.cfg.tasks))
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(str(e)) from None
+
+    def _loader(self, dataset: Dataset, batch_size: int, collate) -> DataLoader:
+        workers = int(self.cfg.num_workers)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=EpochShuffleSampler(len(dataset), self.seed),
+            collate_fn=collate,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            drop_last=False,
+        )
+
+    def train_dataloader(self) -> CombinedLoader:
+        self.setup("fit")
+        loaders = {
+            "mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture),
+            "contrast": self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast),
+        }
+        return CombinedLoader(loaders, mode="max_size_cycle")

@@ -1,0 +1,300 @@
+"""``ConsistencyModule``: CocoCon's Algorithm 1 (cross-task consistency training) for any UnifiedModel.
+
+Each training step receives a contrast batch and a pretraining-mixture batch
+(:mod:`unicon.training.datamodule`) and draws ``r ~ U(0, 1)`` from a seeded
+``torch.Generator`` that is identical on every rank and saved in checkpoints:
+
+* ``r < γ`` (``loss.gamma``) -- **consistency update** on the contrast batch. For each sample an
+  evaluation task ``i`` is drawn among those it supports (``loss.tasks`` ∩ {vqa, grounding,
+  t2i}; grounding needs a gold box and contrast expressions). Its candidate list is
+  ``[gold] + contrasts``; the anchor (captioning) scores the *same* contrast sets' captions:
+
+  - anchor ``s0[b, k] = score_text(image, caption_prompt, caption_k)``
+  - VQA ``si[b, k] = score_text(image, question, answer_k)``
+  - grounding ``si[b, k] = score_boxes(image, expression_k, gold_box)``  (input varies)
+  - T2I ``si[b, k] = score_image(caption_k, gold_image)``                 (input varies)
+
+  all length-normalised NLL (``Scores.nll``, CocoCon section 4.3). Then
+  ``L = λ · L_const(s0, si, mask) + L_ce`` with ``L_const`` from
+  :mod:`unicon.losses.consistency` and ``L_ce = mean_b (s0[b, 0] + si[b, 0]) / 2``, the CE of
+  the gold targets of both tasks. With ``loss.type=none`` only the gold candidates are scored
+  (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data).
+* otherwise -- **standard update**: the mean length-normalised CE of the mixture batch's gold
+  targets (each task through its ``score_*`` method with one candidate).
+
+Bad input: contrast samples with no contrast candidate are skipped and counted
+(``train/skipped_no_contrast``); a batch left empty falls back to a standard update. A
+NaN/inf loss raises :class:`NonFiniteLossError` naming the step and the example ids, or with
+``loss.on_nonfinite=skip`` skips the step on every rank and counts it.
+
+Differences from the paper: the task is drawn per sample rather than per step (a step then
+mixes tasks in one batch; the draw is a deterministic function of ``(seed, step, sample)``
+so that DDP and a single process agree); ``L_const`` is normalised (see the loss module).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Sequence
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from unicon.losses.consistency import LOSS_TYPES, consistency_loss
+from unicon.models.base import Scores, UnifiedModel
+
+EVAL_TASKS = ("vqa", "grounding", "t2i")
+DEFAULT_CAPTION_PROMPT = " what does the image describe?"  # OFA's captioning instruction
+# suffixes of the attention and MLP projections of common backbones (OFA/BART, LLaMA-style, ViT)
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2",
+                        "gate_proj", "up_proj", "down_proj")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN/inf; the message names the global step and example ids."""
+
+
+def caption_prompt(model: UnifiedModel) -> str:
+    """The captioning prompt the anchor task is scored with (the backend's, else OFA's)."""
+    prompt = getattr(model, "caption_prompt", None)
+    if prompt is None:  # OFAUnifiedModel keeps its prompts in ``settings``
+        prompt = getattr(getattr(model, "settings", None), "caption_prompt", None)
+    return prompt if prompt is not None else DEFAULT_CAPTION_PROMPT
+
+
+def supported_tasks(sample: Any, contrasts: Sequence[Any], tasks: Sequence[str]) -> list[str]:
+    """Evaluation tasks a CocoCon sample can be trained on (each needs ≥ 1 contrast candidate)."""
+    out = []
+    for task in tasks:
+        if task == "grounding":
+            if not (sample.detection and sample.boxes and any(c.detection for c in contrasts)):
+                continue
+        elif task == "vqa":
+            if not (sample.query and sample.answer):
+                continue
+        out.append(task)
+    return out
+
+
+def task_candidates(sample: Any, contrasts: Sequence[Any], task: str) -> tuple[list[str], list[str]]:
+    """Aligned ``(anchor captions, task candidates)``, gold first, over the usable contrast sets."""
+    used = [c for c in contrasts if c.detection] if task == "grounding" else list(contrasts)
+    captions = [sample.caption] + [c.caption for c in used]
+    if task == "vqa":
+        return captions, [sample.answer] + [c.answer for c in used]
+    if task == "grounding":
+        return captions, [sample.detection] + [c.detection for c in used]
+    if task == "t2i":
+        return captions, list(captions)
+    raise ValueError(f"unknown evaluation task {task!r}; choose from {', '.join(EVAL_TASKS)}")
+
+
+def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
+    """Inject PEFT LoRA adapters into the attention/MLP projections; only adapters stay trainable.
+
+    Returns the names of the wrapped modules. ``lora_cfg.target_modules`` (name suffixes)
+    defaults to :data:`DEFAULT_LORA_TARGETS` present in the model.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = list(lora_cfg.target_modules) or [
+        t for t in DEFAULT_LORA_TARGETS if any(n.split(".")[-1] == t for n in linear_names)
+    ]
+    wrapped = [n for n in linear_names if n.split(".")[-1] in targets]
+    if not wrapped:
+        raise ValueError(
+            f"model.lora.target_modules {targets} match no nn.Linear of the model "
+            f"(examples of its linear layers: {linear_names[:8]})"
+        )
+    peft_cfg = PeftLoraConfig(
+        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=targets
+    )
+    inject_adapter_in_model(peft_cfg, model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+    return wrapped
+
+
+class ConsistencyModule(L.LightningModule):
+    """Algorithm 1 around ``self.model`` (a :class:`UnifiedModel`); ``cfg`` is the resolved RunConfig."""
+
+    def __init__(self, model: UnifiedModel, cfg: DictConfig):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        loss = cfg.loss
+        if loss.type not in LOSS_TYPES:
+            raise ValueError(f"loss.type must be one of {', '.join(LOSS_TYPES)}, got {loss.type!r}")
+        if not 0.0 <= loss.gamma <= 1.0:
+            raise ValueError(f"loss.gamma must be in [0, 1], got {loss.gamma}")
+        if loss.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"loss.on_nonfinite must be 'stop' or 'skip', got {loss.on_nonfinite!r}")
+        if loss.label_smoothing != 0.0:
+            raise ValueError("loss.label_smoothing must be 0.0: Scores are plain NLL (Table 5 uses 0.0)")
+        bad = set(loss.tasks) - set(EVAL_TASKS)
+        if bad or not loss.tasks:
+            raise ValueError(f"loss.tasks must be a non-empty subset of {list(EVAL_TASKS)}, got {list(loss.tasks)}")
+        self.gamma_rng = torch.Generator().manual_seed(int(cfg.seed))
+        self.counts = {"consistency_updates": 0, "standard_updates": 0, "skipped_no_contrast": 0,
+                       "skipped_nonfinite": 0, "truncated": 0}
+
+    # ---- Algorithm 1 ----------------------------------------------------------------------
+    def draw_update(self) -> bool:
+        """True for a consistency update (``r < γ``); one draw per training step on every rank."""
+        return torch.rand((), generator=self.gamma_rng).item() < self.cfg.loss.gamma
+
+    def _task_rng(self, sample_key: Any) -> random.Random:
+        return random.Random(f"{self.cfg.seed}:{self.global_step}:{sample_key}")
+
+    def consistency_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``λ·L_const + L_ce`` of a contrast batch (keys ``loss``, ``loss_ce``, ``loss_const``)."""
+        loss_cfg = self.cfg.loss
+        only_gold = loss_cfg.type == "none"
+        n = len(batch["samples"])
+        tasks, anchors, cands = [], [], []
+        for sample, contrasts in zip(batch["samples"], batch["contrasts"]):
+            options = supported_tasks(sample, contrasts, loss_cfg.tasks)
+            if not options:
+                raise ValueError(f"contrast sample {sample.id} supports none of loss.tasks {list(loss_cfg.tasks)}")
+            task = self._task_rng(sample.index).choice(options)
+            a, c = task_candidates(sample, contrasts, task)
+            if only_gold:
+                a, c = a[:1], c[:1]
+            tasks.append(task)
+            anchors.append(a)
+            cands.append(c)
+
+        images = batch["images"]
+        s0 = self._count(self.model.score_text(images, [caption_prompt(self.model)] * n, anchors))
+        K = s0.nll.shape[1]
+        si = s0.nll.new_zeros(n, K)
+        for task in EVAL_TASKS:
+            rows = [b for b in range(n) if tasks[b] == task]
+            if not rows:
+                continue
+            imgs = [images[b] for b in rows]
+            if task == "vqa":
+                sc = self.model.score_text(imgs, [batch["samples"][b].query for b in rows], [cands[b] for b in rows])
+            elif task == "grounding":
+                sc = self.model.score_boxes(imgs, [cands[b] for b in rows], [batch["samples"][b].boxes[0] for b in rows])
+            else:
+                sc = self.model.score_image([cands[b] for b in rows], imgs)
+            sc = self._count(sc)
+            if not torch.equal(sc.mask, s0.mask[rows, : sc.mask.shape[1]]):
+                raise RuntimeError(f"{task} scores are not aligned with the anchor's candidates")
+            index = torch.tensor(rows, device=si.device)
+            si = si.index_put((index,), torch.nn.functional.pad(sc.nll.to(si.dtype), (0, K - sc.nll.shape[1])))
+        loss_ce = 0.5 * (s0.nll[:, 0] + si[:, 0]).mean()
+        loss_const = consistency_loss(
+            loss_cfg.type, s0.nll, si, s0.mask,
+            regularization=loss_cfg.regularization,
+            regularization_strength=loss_cfg.regularization_strength,
+            margin=loss_cfg.hinge_margin,
+        )
+        lam = 0.0 if only_gold else loss_cfg.lambda_
+        return {"loss": lam * loss_const + loss_ce, "loss_ce": loss_ce.detach(), "loss_const": loss_const.detach(),
+                "num_sequences": torch.tensor(int(s0.mask.sum()) * 2)}
+
+    def standard_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Mean length-normalised CE of the mixture batch's gold targets."""
+        nlls = []
+        for task in ("caption", "vqa", "grounding", "t2i"):
+            rows = [b for b, t in enumerate(batch["tasks"]) if t == task]
+            if not rows:
+                continue
+            imgs = [batch["images"][b] for b in rows]
+            texts = [batch["texts"][b] for b in rows]
+            targets = [batch["targets"][b] for b in rows]
+            if task == "caption":
+                sc = self.model.score_text(imgs, [caption_prompt(self.model)] * len(rows), [[t] for t in targets])
+            elif task == "vqa":
+                sc = self.model.score_text(imgs, texts, [[t] for t in targets])
+            elif task == "grounding":
+                sc = self.model.score_boxes(imgs, [[t] for t in texts], targets)
+            else:
+                sc = self.model.score_image([[t] for t in texts], imgs)
+            nlls.append(self._count(sc).nll[:, 0])
+        loss = torch.cat(nlls).mean()
+        return {"loss": loss, "loss_ce": loss.detach(), "num_sequences": torch.tensor(len(batch["tasks"]))}
+
+    def _count(self, scores: Scores) -> Scores:
+        self.counts["truncated"] += int(scores.num_truncated)
+        return scores
+
+    # ---- Lightning hooks ------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int):
+        contrast = batch.get("contrast")
+        consistency = self.draw_update()
+        if consistency and contrast is not None:
+            self.counts["skipped_no_contrast"] += int(contrast["num_skipped"])
+        if consistency and contrast is not None and contrast["samples"]:
+            out, kind, ids = self.consistency_loss(contrast), "consistency", contrast["ids"]
+            self.counts["consistency_updates"] += 1
+        else:
+            out, kind, ids = self.standard_loss(batch["mixture"]), "standard", batch["mixture"]["ids"]
+            self.counts["standard_updates"] += 1
+        loss = out["loss"]
+
+        finite = bool(torch.isfinite(loss.detach()).item())
+        all_finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True) if self._trainer else finite
+        if not all_finite:
+            msg = (f"non-finite loss ({loss.item() if not finite else 'on another rank'}) at global step "
+                   f"{self.global_step} (batch {batch_idx}, {kind} update, example ids {ids[:16]})")
+            if self.cfg.loss.on_nonfinite == "stop":
+                raise NonFiniteLossError(msg + "; set loss.on_nonfinite=skip to skip such steps")
+            self.counts["skipped_nonfinite"] += 1
+            self.print(f"skipping step: {msg}")
+            self._log_counts()
+            return None
+
+        bs = len(ids)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bs)
+        self.log("train/loss_ce", out["loss_ce"], batch_size=bs)
+        if kind == "consistency":
+            self.log("train/loss_const", out["loss_const"], prog_bar=True, batch_size=bs)
+        self._log_counts()
+        return loss
+
+    def _log_counts(self) -> None:
+        for key, value in self.counts.items():
+            self.log(f"train/{key}", float(value), reduce_fx="max", batch_size=1)
+        if self._trainer is not None and self.trainer.optimizers:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=1)
+
+    def configure_optimizers(self):
+        from transformers import get_scheduler
+
+        ocfg = self.cfg.optim
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        if not decay and not no_decay:
+            raise ValueError("no trainable parameters (check model.freeze / model.lora)")
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=ocfg.lr, betas=tuple(ocfg.betas),
+        )
+        names = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+        if ocfg.scheduler not in names:
+            raise ValueError(f"optim.scheduler must be one of {', '.join(names)}, got {ocfg.scheduler!r}")
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = get_scheduler(
+            names[ocfg.scheduler], optimizer,
+            num_warmup_steps=math.ceil(ocfg.warmup_ratio * total), num_training_steps=total,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["unicon_config"] = OmegaConf.to_container(self.cfg, resolve=True)
+        checkpoint["gamma_rng_state"] = self.gamma_rng.get_state()
+        checkpoint["unicon_counts"] = dict(self.counts)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "gamma_rng_state" in checkpoint:
+            self.gamma_rng.set_state(checkpoint["gamma_rng_state"])
+        self.counts.update(checkpoint.get("unicon_counts", {}))

@@ -1,0 +1,126 @@
+"""Task accuracies of a :class:`UnifiedModel` on a ShapesWorld split (the pretraining targets).
+
+Read from ``mixture_<split>.jsonl``, the first ``limit`` rows of each task are evaluated
+with the model's *generation* methods and the world's exact verifiers:
+
+* ``vqa_accuracy``   = mean[ normalise(answer(image, question)) == normalise(target) ]
+  (normalise = lower-case, strip, collapse whitespace, drop a final period);
+* ``caption_match``  = mean[ caption_matches(caption(image), scene) ] -- the generated caption
+  describes the image's scene exactly (``unicon.worlds.shapes.caption_matches``);
+* ``loc_iou50``      = mean[ IoU(locate(image, expression), target_box) >= 0.5 ], with
+  ``IoU = |A ∩ B| / |A ∪ B|`` of ``[x, y, w, h]`` boxes; ``loc_miou`` is the mean IoU;
+* ``t2i_match``      = mean[ caption_matches(caption, parse(generate_image(caption))) ] -- the
+  scene parsed from the generated image satisfies the prompt; an image the parser refuses
+  (``NotAShapesWorldImage``) counts as a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from PIL import Image
+
+TASKS = ("vqa", "caption", "grounding", "t2i")
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """IoU of two ``[x, y, w, h]`` boxes (0.0 when both are empty)."""
+    ax0, ay0, aw, ah = (float(v) for v in a)
+    bx0, by0, bw, bh = (float(v) for v in b)
+    iw = max(0.0, min(ax0 + aw, bx0 + bw) - max(ax0, bx0))
+    ih = max(0.0, min(ay0 + ah, by0 + bh) - max(ay0, by0))
+    inter = iw * ih
+    union = aw * ah + bw * bh - inter
+    return inter / union if union > 0 else 0.0
+
+
+def normalize_answer(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower()).rstrip(".").strip()
+
+
+def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
+    """Rows of ``mixture_<split>.jsonl`` grouped by task (always has the four :data:`TASKS` keys)."""
+    path = Path(world_root) / f"mixture_{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no ShapesWorld mixture file {path}")
+    rows: dict[str, list[dict]] = {t: [] for t in TASKS}
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if "task" not in row:
+                raise ValueError(f"{path}:{lineno}: row has no 'task'")
+            rows.setdefault(row["task"], []).append(row)  # other tasks (e.g. "reason") are kept, not scored
+    return rows
+
+
+@torch.no_grad()
+def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", limit: int | None = 200,
+                           batch_size: int = 32, tasks: Sequence[str] = TASKS) -> dict[str, float]:
+    """The four ShapesWorld task accuracies (see the module docstring) of ``model``."""
+    from unicon.worlds.shapes import NotAShapesWorldImage, Scene, caption_matches, load_world, parse
+
+    root = Path(world_root)
+    world = load_world(root)
+    rows = read_split(root, split)
+    was_training = model.training
+    model.eval()
+    out: dict[str, float] = {}
+
+    def image(row):
+        with Image.open(root / row["image"]) as im:
+            return im.convert("RGB")
+
+    def scene(row):
+        s = row["scene"]
+        return Scene.from_dict(s) if isinstance(s, dict) and hasattr(Scene, "from_dict") else s
+
+    def batches(task):
+        items = rows[task][:limit] if limit else rows[task]
+        for i in range(0, len(items), batch_size):
+            yield items[i: i + batch_size]
+
+    hits: dict[str, list[float]] = {t: [] for t in tasks}
+    ious: list[float] = []
+    for task in tasks:
+        for chunk in batches(task):
+            if task == "vqa":
+                preds = model.answer([image(r) for r in chunk], [r["text"] for r in chunk])
+                hits[task] += [float(normalize_answer(p) == normalize_answer(str(r["target"])))
+                               for p, r in zip(preds, chunk)]
+            elif task == "caption":
+                preds = model.caption([image(r) for r in chunk])
+                hits[task] += [float(bool(caption_matches(p, scene(r)))) for p, r in zip(preds, chunk)]
+            elif task == "grounding":
+                boxes = model.locate([image(r) for r in chunk], [r["text"] for r in chunk])
+                for box, r in zip(boxes.tolist(), chunk):
+                    iou = box_iou(box, r["target"])
+                    ious.append(iou)
+                    hits[task].append(float(iou >= 0.5))
+            elif task == "t2i":
+                images = model.generate_image([r["text"] for r in chunk])
+                for im, r in zip(images, chunk):
+                    try:
+                        ok = bool(caption_matches(r["text"], parse(im, world.config)))
+                    except NotAShapesWorldImage:
+                        ok = False
+                    hits[task].append(float(ok))
+            else:
+                raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+    names = {"vqa": "vqa_accuracy", "caption": "caption_match", "grounding": "loc_iou50", "t2i": "t2i_match"}
+    for task in tasks:
+        if hits[task]:
+            out[names[task]] = sum(hits[task]) / len(hits[task])
+            out[f"{names[task]}_n"] = float(len(hits[task]))
+    if ious:
+        out["loc_miou"] = sum(ious) / len(ious)
+    model.train(was_training)
+    return out

@@ -1,0 +1,395 @@
+"""CocoCon: loader errors, Eq. 1/2 and rho by hand, an independent re-implementation over
+per_sample.jsonl, the real 1,500-sample file end to end, and DDP (2 gloo ranks) == 1 rank."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unicon.data.cococon import CocoConFormatError, load_cococon
+from unicon.evaluation import cococon as cc
+from unicon.models.base import Scores, UnifiedModel, pil_to_tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# A small deterministic UnifiedModel test double (no learning; NLLs from crc32 of the inputs)
+# ---------------------------------------------------------------------------------------------
+def _h(*parts) -> float:
+    """Deterministic pseudo-NLL in [0, 10) (crc32: identical in every process, unlike hash())."""
+    return (zlib.crc32("|".join(map(str, parts)).encode()) % 10_000) / 1000.0
+
+
+class HashModel(UnifiedModel):
+    backend = "hash"
+    caption_prompt = " what does the image describe?"
+
+    def __init__(self):
+        super().__init__()
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.calls: list[str] = []
+
+    def prepare_images(self, images):
+        return images if isinstance(images, torch.Tensor) else pil_to_tensor([im.resize((8, 8)) for im in images])
+
+    def _img(self, image) -> tuple:
+        return image.getpixel((0, 0)) + image.size
+
+    def _scores(self, values):
+        K = max(len(v) for v in values)
+        nll = torch.zeros(len(values), K)
+        mask = torch.zeros(len(values), K, dtype=torch.bool)
+        for b, v in enumerate(values):
+            nll[b, : len(v)] = torch.tensor(v)
+            mask[b, : len(v)] = True
+        return Scores(nll=nll, sum_nll=nll * 3, mask=mask, num_tokens=mask.long() * 3)
+
+    def score_text(self, images, prompts, candidates):
+        self.calls.append("score_text")
+        return self._scores([[_h(self._img(im), p, c) for c in cands]
+                             for im, p, cands in zip(images, prompts, candidates)])
+
+    def score_boxes(self, images, expressions, boxes):
+        self.calls.append("score_boxes")
+        return self._scores([[_h(self._img(im), e, box) for e in exprs]
+                             for im, exprs, box in zip(images, expressions, boxes)])
+
+    def score_image(self, prompts, images):
+        self.calls.append("score_image")
+        # the contrast word "tie" scores like the gold word "red": exercises tie counting
+        return self._scores([[_h(self._img(im), p.replace("tie", "red")) for p in ps]
+                             for ps, im in zip(prompts, images)])
+
+    def caption(self, images, prompt=None, **kw):
+        return ["a child in a bed" for _ in images]
+
+    def answer(self, images, questions, **kw):
+        return ["Blanket." if len(q) % 2 else "2" for q in questions]
+
+    def locate(self, images, expressions):
+        return torch.tensor([[0.0, 0.0, im.size[0] / 2, im.size[1] / 2] for im in images])
+
+    def generate_image(self, prompts, context=None, config=None):
+        return [Image.new("RGB", (8, 8), (int(_h(p) * 25),) * 3) for p in prompts]
+
+    def reason(self, prompts, max_new_tokens=256):
+        raise NotImplementedError("not used by CocoCon")
+
+    def save_pretrained(self, path):
+        raise NotImplementedError("not used by CocoCon")
+
+    @classmethod
+    def from_pretrained(cls, path, **kw):
+        return cls()
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent reference: plain loops over per_sample.jsonl (no code shared with the module)
+# ---------------------------------------------------------------------------------------------
+def _ranks(v):
+    """Average ranks (1-based) with ties sharing the mean rank."""
+    idx = sorted(range(len(v)), key=lambda i: v[i])
+    r = [0.0] * len(v)
+    i = 0
+    while i < len(idx):
+        j = i
+        while j + 1 < len(idx) and v[idx[j + 1]] == v[idx[i]]:
+            j += 1
+        for m in range(i, j + 1):
+            r[idx[m]] = (i + j) / 2 + 1
+        i = j + 1
+    return r
+
+
+def _spearman(x, y):
+    rx, ry = _ranks(x), _ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return None if den == 0 else num / den
+
+
+def reference_metrics(rows, task, max_k=5):
+    hits = {k: [] for k in range(1, max_k + 1)}
+    ties = {k: 0 for k in range(1, max_k + 1)}
+    rhos, undefined = [], 0
+    for row in rows:
+        cap, tsk = row["nll"]["caption"], row["nll"][task]
+        if tsk is None:
+            continue
+        js = [j for j in range(1, len(cap)) if tsk[j] is not None]
+        if not js:
+            continue
+        js.sort(key=lambda j: (cap[j], j))
+        for k, j in enumerate(js[:max_k], 1):
+            gold_cap, gold_task = cap[0] < cap[j], tsk[0] < tsk[j]
+            con_cap, con_task = cap[0] > cap[j], tsk[0] > tsk[j]
+            hits[k].append((gold_cap and gold_task) or (con_cap and con_task))
+            ties[k] += cap[0] == cap[j] or tsk[0] == tsk[j]
+        rho = _spearman([cap[0]] + [cap[j] for j in js], [tsk[0]] + [tsk[j] for j in js])
+        if rho is None:
+            undefined += 1
+        else:
+            rhos.append(rho)
+    C = {k: (100.0 * sum(v) / len(v) if v else None) for k, v in hits.items()}
+    n = {k: len(v) for k, v in hits.items()}
+    return C, n, ties, (sum(rhos) / len(rhos) if rhos else None), undefined
+
+
+def check_against_reference(results, rows):
+    for task in cc.TASKS:
+        C, n, ties, rho, undefined = reference_metrics(rows, task)
+        r = results[task]
+        for k in range(1, 6):
+            key = str(k) if str(k) in r["n_k"] else k
+            assert r["n_k"][key] == n[k], (task, k)
+            assert r["ties_k"][key] == ties[k], (task, k)
+            if C[k] is None:
+                assert r["C_k"][key] is None or math.isnan(r["C_k"][key])
+            else:
+                assert r["C_k"][key] == pytest.approx(C[k], abs=1e-9), (task, k)
+        assert r["rho_undefined"] == undefined, task
+        if rho is not None:
+            assert r["rho"] == pytest.approx(rho, abs=1e-9), task
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-computed metric cases
+# ---------------------------------------------------------------------------------------------
+def test_sample_consistency_by_hand():
+    # caption order of contrasts by NLL: col2 (0.5), col1 (2.0), col3 (3.0)
+    r = cc.sample_consistency([1.0, 2.0, 0.5, 3.0], [1.0, 1.5, 2.0, 0.2], max_k=5)
+    assert r["order"] == [1, 0, 2]
+    # k=1: caption prefers contrast, task prefers gold -> 0; k=2: gold in both -> 1; k=3: 0
+    assert r["consistent"] == [False, True, False]
+    assert r["tie"] == [False, False, False]
+    assert r["task_acc"] == [True, True, False]
+    assert r["caption_acc"] == [False, True, True]
+    # ranks x = [2,3,1,4], y = [2,3,4,1]; sum d^2 = 18 -> 1 - 6*18/(4*15) = -0.8
+    assert r["rho"] == pytest.approx(-0.8)
+
+
+def test_both_prefer_contrast_is_consistent():
+    r = cc.sample_consistency([2.0, 1.0], [5.0, 4.0], max_k=5)
+    assert r["consistent"] == [True] and r["task_acc"] == [False] and r["rho"] == pytest.approx(1.0)
+
+
+def test_ties_are_inconsistent_and_counted():
+    r = cc.sample_consistency([1.0, 1.0, 2.0], [0.0, 1.0, 1.0], max_k=5)
+    assert r["consistent"] == [False, True] and r["tie"] == [True, False]
+    # average ranks x = [1.5,1.5,3], y = [1,2.5,2.5] -> Pearson of ranks = 0.75 / 1.5
+    assert r["rho"] == pytest.approx(0.5)
+
+
+def test_constant_vector_rho_undefined_and_excluded():
+    rows = [
+        cc.sample_consistency([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], max_k=5),  # constant task scores
+        cc.sample_consistency([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], max_k=5),  # rho = 1
+        cc.sample_consistency([1.0, 2.0], [3.0, 1.0], max_k=5),  # rho = -1
+    ]
+    assert rows[0]["rho"] is None and rows[0]["tie"] == [True, True]
+    agg = cc.aggregate(rows, max_k=5)
+    assert agg["rho"] == pytest.approx(0.0) and agg["rho_n"] == 2 and agg["rho_undefined"] == 1
+    # k=1: [tie -> 0, 1, 0] ; k=2: [0, 1] (third sample has a single contrast)
+    assert agg["C_k"][1] == pytest.approx(100 / 3) and agg["n_k"][1] == 3 and agg["ties_k"][1] == 1
+    assert agg["C_k"][2] == pytest.approx(50.0) and agg["n_k"][2] == 2
+    assert agg["n_k"][3] == 0 and math.isnan(agg["C_k"][3])
+    assert agg["acc@k"][1] == pytest.approx(100 / 3)
+
+
+def test_missing_contrasts_ranked_among_present_ones():
+    nan = float("nan")
+    # localization: contrast 2 has no mutex_detection; ranking uses contrasts 1 and 3 only
+    r = cc.sample_consistency([1.0, 3.0, 0.1, 2.0], [1.0, 0.5, nan, 2.0], max_k=5)
+    assert r["order"] == [2, 0] and r["consistent"] == [True, False]
+    assert cc.sample_consistency([1.0, 2.0], [nan, nan], max_k=5)["consistent"] == []
+
+
+def test_generative_helpers():
+    assert cc.normalize_answer("Two Dogs.") == "2 dogs"
+    assert cc.normalize_answer("the blanket!") == "blanket"
+    assert cc.vqa_soft_accuracy("yes", ["yes"] * 3 + ["no"] * 7) == pytest.approx((7 * 1.0 + 3 * 2 / 3) / 10)
+    assert cc.box_iou([0, 0, 2, 2], [1, 1, 2, 2]) == pytest.approx(1 / 7)
+    refs = {0: ["a cat on a mat"], 1: ["a dog in the park"]}
+    perfect, _ = cc.cider_score(refs, {0: "a cat on a mat", 1: "a dog in the park"}, tokenizer="simple")
+    wrong, _ = cc.cider_score(refs, {0: "a dog in the park", 1: "a cat on a mat"}, tokenizer="simple")
+    assert perfect > 100.0 and wrong < perfect
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader
+# ---------------------------------------------------------------------------------------------
+def _mini_file(tmp_path: Path, n: int = 7) -> Path:
+    """A small CocoCon-schema file (with a zero-contrast sample, a ragged localization sample,
+    an upper-case gold caption and a T2I tie) plus its images."""
+    (tmp_path / "images").mkdir(exist_ok=True)
+    anns, images = [], []
+    for i in range(n):
+        Image.new("RGB", (32 + i, 24), (20 * i, 100, 50)).save(tmp_path / "images" / f"{i}.png")
+        images.append({"id": 100 + i, "file_name": f"images/{i}.png", "width": 32 + i, "height": 24})
+        k = i % 5 + 1
+        ann = {
+            "id": i, "question_id": 1000 + i, "image_id": 100 + i, "category": ["attribute", "object"][i % 2],
+            "caption": f"A Red circle left of shape {i}", "query": f"what is left of shape {i}?", "answer": "Circle",
+            "contrast_sets": [{"mutex_caption": f"a {c} circle left of shape {i}", "mutex_answer": c}
+                              for c in ["blue", "green", "tie", "gray", "cyan"][:k]],
+        }
+        if i % 3 == 0:
+            ann["detection"], ann["boxes"] = "circle", [[1, 2, 10, 8], [5, 5, 3, 3]]
+            for j, cs in enumerate(ann["contrast_sets"]):
+                if j != 1:
+                    cs["mutex_detection"] = cs["mutex_answer"] + " circle"
+        anns.append(ann)
+    anns[1]["contrast_sets"] = []
+    anns[2]["answers"] = ["circle"] * 4 + ["square"] * 6
+    path = tmp_path / "mini.json"
+    path.write_text(json.dumps({"annotations": anns, "images": images}, indent=1))
+    return path
+
+
+def test_loader_reports_and_keeps_ids(tmp_path):
+    path = _mini_file(tmp_path)
+    data = load_cococon(path)
+    assert len(data) == 7 and data.images_root == tmp_path
+    s = data[3]
+    assert (s.id, s.question_id, s.image_id, s.category) == (3, 1003, 103, "object")
+    assert s.image_path == tmp_path / "images/3.png" and s.image_size == (35, 24)
+    assert s.has_localization and s.boxes[0] == [1.0, 2.0, 10.0, 8.0]
+    assert [c.detection for c in s.contrast_sets] == ["blue circle", None, "tie circle", "gray circle"]
+    assert data.report.no_contrast_sets == [1]
+    bad = json.loads(path.read_text())
+    del bad["annotations"][0]["detection"]
+    path.write_text(json.dumps(bad))
+    rep = load_cococon(path).report
+    assert rep.boxes_without_detection == [0] and rep.num_localization == 2
+
+
+def test_malformed_json_names_file_and_position(tmp_path):
+    p = tmp_path / "broken.json"
+    p.write_text('{"annotations": [\n  {"id": 1,\n   "caption": "x" "query": "y"}\n]}')
+    with pytest.raises(CocoConFormatError, match=r"broken\.json: malformed JSON at line 3, column 19"):
+        load_cococon(p)
+
+
+def test_missing_key_names_annotation(tmp_path):
+    path = _mini_file(tmp_path)
+    bad = json.loads(path.read_text())
+    del bad["annotations"][4]["answer"]
+    path.write_text(json.dumps(bad))
+    with pytest.raises(CocoConFormatError, match=r"annotations\[4\]: missing key 'answer'"):
+        load_cococon(path)
+
+
+def test_missing_image_error_and_skip_missing(tmp_path):
+    path = _mini_file(tmp_path)
+    (tmp_path / "images" / "5.png").unlink()
+    with pytest.raises(CocoConFormatError, match=r"image file not found: .*images/5\.png"):
+        load_cococon(path)
+    data = load_cococon(path, skip_missing=True)
+    assert len(data) == 6 and 5 not in [s.id for s in data]
+    assert data.report.missing_images == [str(tmp_path / "images" / "5.png")]
+    with pytest.raises(CocoConFormatError, match="not a directory"):
+        load_cococon(path, images_root=tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring through the interface + independent check on the written files
+# ---------------------------------------------------------------------------------------------
+def test_scoring_end_to_end_matches_reference(tmp_path):
+    data = load_cococon(_mini_file(tmp_path))
+    model = HashModel()
+    result = cc.evaluate_model(model, data.samples, batch_size=3, cider_tokenizer="simple")
+    assert {"score_text", "score_boxes", "score_image"} <= set(model.calls)
+    out = tmp_path / "out"
+    cc.write_outputs(result, out)
+    results = json.loads((out / "results.json").read_text())
+    rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == list(range(7))
+    # gold and contrast captions normalised the same way (gold was upper-case in the file)
+    assert rows[0]["caption"] == "a red circle left of shape 0"
+    # the "tie" contrast gets the gold's T2I score -> counted as a tie and inconsistent
+    assert sum(results["t2i"]["ties_k"].values()) > 0
+    assert rows[3]["nll"]["localization"][2] is None and rows[4]["nll"]["localization"] is None
+    check_against_reference(results, rows)
+    gen = results["generative"]
+    assert gen["vqa_soft_n"] == 1 and gen["localization_n"] == 3 and gen["t2i_scene_match"] == "unavailable"
+    # locate() returns the top-left quarter; IoU with [1,2,10,8] on 32x24 is 80/192 -> no hit
+    assert gen["localization_acc@0.5"] == pytest.approx(0.0)
+    assert (out / "consistency_by_k.png").is_file() and (out / "consistency_vs_accuracy.png").is_file()
+    flat = result.flat()
+    assert flat["cococon/vqa/C_1"] == results["vqa"]["C_k"]["1"] and "cococon/t2i/rho" in flat
+    assert "cococon/category/object/vqa/C_1" in flat
+
+
+def test_real_cococon_file_flows_through(shared_data, tmp_path):
+    src = shared_data / "cococon" / "cococon.json"
+    raw = json.loads(src.read_text())
+    for im in raw["images"]:  # placeholder images at the recorded size
+        Image.new("RGB", (im["width"], im["height"]), (im["id"] % 251, 90, 160)).save(tmp_path / im["file_name"], quality=50)
+    data = load_cococon(src, images_root=tmp_path)
+    rep = data.report
+    assert (len(data), rep.num_contrast_sets, rep.num_localization) == (1500, 5091, 443)
+    assert rep.no_contrast_sets == [] and rep.missing_images == []
+    result = cc.evaluate_model(HashModel(), data.samples, batch_size=64, generative=False)
+    r = result.results
+    assert r["num_samples"] == 1500 and r["vqa"]["n_k"][1] == 1500 and r["localization"]["n_k"][1] == 443
+    assert r["t2i"]["n_k"][5] == 602  # samples with 5 contrast sets
+    rows = json.loads(json.dumps(result.per_sample))
+    check_against_reference(json.loads(json.dumps(r)), rows)
+
+
+def test_cli_writes_results(tmp_path, monkeypatch):
+    import unicon.models
+
+    path = _mini_file(tmp_path)
+    monkeypatch.setattr(unicon.models, "load_model", lambda p, **kw: HashModel(), raising=False)
+    out = tmp_path / "cli"
+    rc = cc.cli(["--ckpt", "dummy", "--data", str(path), "--out", str(out), "--logger", "csv",
+                 "--max-samples", "5", "--cider-tokenizer", "simple"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_samples"] == 5
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("cococon/vqa/C_1" in m for m in metrics)
+    assert (out / "tables" / "cococon_samples.jsonl").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: 2 gloo ranks over a padded DistributedSampler == 1 process
+# ---------------------------------------------------------------------------------------------
+def _ddp_worker(rank, world, init_file, data_path, out_dir):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from unicon.data.cococon import collate_samples
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        data = load_cococon(data_path)
+        ev = cc.CocoConEvaluator(data.samples, cider_tokenizer="simple")
+        sampler = DistributedSampler(data.samples, num_replicas=world, rank=rank, shuffle=False)  # pads 7 -> 8
+        for batch in DataLoader(data.samples, batch_size=2, sampler=sampler, collate_fn=collate_samples):
+            ev.update(HashModel(), batch)
+        result = ev.compute()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps([result.results, result.per_sample]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_match_single_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    path = _mini_file(tmp_path)
+    single = cc.evaluate_model(HashModel(), load_cococon(path).samples, batch_size=4, cider_tokenizer="simple")
+    expected = json.loads(json.dumps([single.results, single.per_sample]))
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == expected

@@ -1,0 +1,713 @@
+"""Semantic drift chains: resume, MCD, GenEval rules, MGG, loaders, embedders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unicon.data.drift_seeds import DriftSeed, SeedFormatError, geneval_seeds, load_shapes_seeds, nd400_seeds
+from unicon.data.geneval import GenEvalFormatError, load_geneval, parse_row
+from unicon.embedders.base import Embedder, EmbedderNotFound
+from unicon.evaluation import drift
+from unicon.evaluation.geneval import evaluate_detections, keep_detections, relative_position, summarize
+from unicon.models.base import UnifiedModel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Test doubles
+# ---------------------------------------------------------------------------------------------------------
+class Killed(Exception):
+    """Stands in for the process being killed."""
+
+
+class DoubleModel(UnifiedModel):
+    """Deterministic stand-in for a unified model (no weights).
+
+    ``generate_image(p)`` draws a 16x16 image from sha256(p); ``caption(im)`` names the image's hash.
+    Every output depends on its input, so a wrong resume shows up as different bytes downstream.
+    ``kill_after`` raises :class:`Killed` on that model call (counting both methods).
+    """
+
+    backend = "double"
+
+    def __init__(self, kill_after: int | None = None):
+        super().__init__()
+        self.calls = 0
+        self.kill_after = kill_after
+        self.batch_sizes: list[int] = []
+
+    def _tick(self, n):
+        self.calls += 1
+        self.batch_sizes.append(n)
+        if self.kill_after is not None and self.calls >= self.kill_after:
+            raise Killed()
+
+    def caption(self, images, prompt=None, **kw):
+        self._tick(len(images))
+        out = []
+        for im in images:
+            h = hashlib.sha256(np.asarray(im).tobytes()).hexdigest()[:10]
+            out.append(f"{prompt or 'image'} with pattern {h}, \"quoted\"\nand a newline")
+        return out
+
+    def generate_image(self, prompts, context=None, config=None):
+        self._tick(len(prompts))
+        out = []
+        for p in prompts:
+            b = np.frombuffer(hashlib.sha256(p.encode()).digest() * 24, dtype=np.uint8)[: 16 * 16 * 3]
+            out.append(Image.fromarray(b.reshape(16, 16, 3).copy(), "RGB"))
+        return out
+
+    # unused by drift chains
+    def prepare_images(self, images): raise NotImplementedError
+    def score_text(self, images, prompts, candidates): raise NotImplementedError
+    def score_boxes(self, images, expressions, boxes): raise NotImplementedError
+    def score_image(self, prompts, images): raise NotImplementedError
+    def answer(self, images, questions, **kw): raise NotImplementedError
+    def locate(self, images, expressions): raise NotImplementedError
+    def reason(self, prompts, max_new_tokens=256): raise NotImplementedError
+    def save_pretrained(self, path): raise NotImplementedError
+    @classmethod
+    def from_pretrained(cls, path, **kw): raise NotImplementedError
+
+
+def make_seeds(tmp: Path, n: int) -> list[DriftSeed]:
+    seeds = []
+    for i in range(n):
+        p = tmp / "seed_images" / f"s{i}.png"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), (10 * i, 200 - 10 * i, 7)).save(p)
+        seeds.append(DriftSeed(id=f"s{i}", caption=f"seed caption number {i}", image=p))
+    return seeds
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chain runner: layout, batching, resume
+# ---------------------------------------------------------------------------------------------------------
+def test_chain_layout_and_batching(tmp_path):
+    seeds = make_seeds(tmp_path, 5)
+    model = DoubleModel()
+    run = drift.run_chains(model, seeds, tmp_path / "run", generations=3, batch_size=2, i2t_prompt="describe")
+    out = tmp_path / "run"
+    assert (out / "text-first" / "gen-0.csv").is_file() and (out / "text-first" / "gen-2.csv").is_file()
+    assert sorted(p.name for p in (out / "text-first" / "gen-1").iterdir()) == [f"s{i}.png" for i in range(5)]
+    assert (out / "image-first" / "gen-0" / "s3.png").is_file() and (out / "image-first" / "gen-3.csv").is_file()
+    rows = drift.read_csv(out / "text-first" / "gen-0.csv")
+    assert rows == [(f"s{i}.png", f"seed caption number {i}") for i in range(5)]
+    # CSV round-trips quotes and newlines; captions were produced with the I2T prompt
+    t2 = drift.read_csv(out / "text-first" / "gen-2.csv")
+    assert all(c.startswith("describe with pattern") and "\n" in c and '"quoted"' in c for _, c in t2)
+    # batched across samples: 3 batches (2+2+1) per model generation, 3 model generations per chain
+    assert model.batch_sizes == [2, 2, 1] * 6
+    assert run.model_steps == 5 * 3 * 2
+    # nothing left but outputs and markers
+    assert not list(out.rglob("*.partial.jsonl")) and not list(out.rglob(".*tmp*"))
+
+
+@pytest.mark.parametrize("kill_after", [1, 4, 8, 11])
+def test_killed_run_resumes_to_identical_bytes(tmp_path, kill_after):
+    seeds = make_seeds(tmp_path, 5)
+    kw = dict(generations=4, batch_size=2, i2t_prompt="describe")
+    drift.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
+
+    killed = DoubleModel(kill_after=kill_after)
+    with pytest.raises(Killed):
+        drift.run_chains(killed, seeds, tmp_path / "resumed", **kw)
+    # a half-written temporary file, as left by a kill inside a write
+    (tmp_path / "resumed" / "text-first" / ".gen-1.tmp-999").write_bytes(b"\x89PNG half")
+    # ... and a garbage file where a not-yet-journaled image of the interrupted generation goes
+    if not (tmp_path / "resumed" / "text-first" / "gen-3.done.json").exists():
+        (tmp_path / "resumed" / "text-first" / "gen-3").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "resumed" / "text-first" / "gen-3" / "s4.png").write_bytes(b"\x89PNG garbage")
+    resumed = DoubleModel()
+    run = drift.run_chains(resumed, seeds, tmp_path / "resumed", **kw)
+    assert tree_bytes(tmp_path / "clean") == tree_bytes(tmp_path / "resumed")
+    # complete generations and journaled batches were not recomputed
+    total_calls = 3 * 4 * 2  # batches x model generations x chains
+    assert resumed.calls == total_calls - (kill_after - 1)
+    assert any("leftover" in r for r in run.repairs)
+
+
+def test_resume_of_complete_run_does_nothing(tmp_path):
+    seeds = make_seeds(tmp_path, 3)
+    drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
+    again = DoubleModel()
+    run = drift.run_chains(again, seeds, tmp_path / "r", generations=2, batch_size=2)
+    assert again.calls == 0 and run.repairs == []
+    # extending the chain computes only the new generations
+    more = DoubleModel()
+    drift.run_chains(more, seeds, tmp_path / "r", generations=3, batch_size=2)
+    assert more.calls == 2 * 2  # gen 3 of both chains, 2 batches each
+
+
+def test_corrupt_image_and_csv_are_reported_and_regenerated(tmp_path, caplog):
+    seeds = make_seeds(tmp_path, 4)
+    kw = dict(generations=3, batch_size=2)
+    drift.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
+    shutil.copytree(tmp_path / "clean", tmp_path / "bad")
+    bad_img = tmp_path / "bad" / "text-first" / "gen-1" / "s2.png"
+    bad_img.write_bytes(bad_img.read_bytes()[:40])  # truncated PNG
+    csv_path = tmp_path / "bad" / "image-first" / "gen-1.csv"
+    csv_path.write_bytes(drift.csv_bytes(drift.read_csv(csv_path)[:-1]))  # a row went missing
+    model = DoubleModel()
+    with caplog.at_level("WARNING"):
+        run = drift.run_chains(model, seeds, tmp_path / "bad", **kw)
+    assert any(str(bad_img) in r for r in run.repairs)
+    assert any(str(csv_path) in r and "rows do not match" in r for r in run.repairs)
+    assert str(bad_img) in caplog.text
+    assert tree_bytes(tmp_path / "clean") == tree_bytes(tmp_path / "bad")
+    # only the affected batches were redone (deterministic model: later generations kept)
+    assert model.calls == 2
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    seeds = make_seeds(tmp_path, 2)
+    drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="a")
+    with pytest.raises(Exception, match="different i2t_prompt"):
+        drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="b")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MCD
+# ---------------------------------------------------------------------------------------------------------
+class TableEmbedder(Embedder):
+    """Looks the vector of each caption / image colour up in a table (a joint space)."""
+
+    name = "table"
+    modalities = frozenset({"text", "image"})
+    joint = True
+
+    def __init__(self, table):
+        self.table = table
+
+    def _v(self, key):
+        v = torch.tensor(self.table[key], dtype=torch.float32)
+        return v / v.norm()
+
+    def embed_text(self, texts):
+        return torch.stack([self._v(t) for t in texts])
+
+    def embed_image(self, images):
+        return torch.stack([self._v(im.getpixel((0, 0))) for im in images])
+
+
+def write_chain(out: Path, chain: str, items: dict[int, dict[str, object]]):
+    """items[g][id] = caption str or RGB colour tuple (a solid 4x4 image)."""
+    d = out / chain
+    for g, per in items.items():
+        if drift.modality(chain, g) == "text":
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"gen-{g}.csv").write_bytes(drift.csv_bytes([(f"{i}.png", c) for i, c in per.items()]))
+        else:
+            (d / f"gen-{g}").mkdir(parents=True, exist_ok=True)
+            for i, color in per.items():
+                Image.new("RGB", (4, 4), color).save(d / f"gen-{g}" / f"{i}.png")
+
+
+def test_mcd_matches_hand_computation(tmp_path):
+    A, B, C = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+    table = {"a": [1, 0], "b": [0, 1], "c": [1, 1], A: [1, 0], B: [0, 1], C: [3, 4]}
+    # text-first: T0 -> I1 -> T2 -> I3 -> T4 ; image-first: I0 -> T1 -> I2 -> T3 -> I4
+    write_chain(tmp_path, "text-first", {
+        0: {"x": "a", "y": "b"}, 1: {"x": A, "y": C}, 2: {"x": "c", "y": "b"}, 3: {"x": B, "y": B}, 4: {"x": "b", "y": "c"},
+    })
+    write_chain(tmp_path, "image-first", {
+        0: {"x": A, "y": C}, 1: {"x": "a", "y": "c"}, 2: {"x": C, "y": C}, 3: {"x": "b", "y": "b"}, 4: {"x": A, "y": B},
+    })
+    r = drift.compute_mcd(tmp_path, ["x", "y"], {"table": TableEmbedder(table)}, generations=4)
+    s2 = 1 / math.sqrt(2)
+    # S_t2t(2) = mean(cos(a,c), cos(b,b)) ; S_t2t(4) = mean(cos(a,b), cos(b,c))
+    S_t2t = {2: (s2 + 1) / 2, 4: (0 + s2) / 2}
+    # S_t2i(1) = mean(cos(a,A), cos(b,C)) = (1 + 0.8)/2 ; S_t2i(3) = mean(cos(a,B), cos(b,B)) = 0.5
+    S_t2i = {1: 0.9, 3: 0.5}
+    # image-first inputs: A=[1,0], C=[.6,.8]
+    S_i2t = {1: (1 + (0.6 + 0.8) / math.sqrt(2)) / 2, 3: (0 + 0.8) / 2}
+    S_i2i = {2: (0.6 + 1) / 2, 4: (1 + 0.8) / 2}
+    for mapping, S in (("t2t", S_t2t), ("t2i", S_t2i), ("i2t", S_i2t), ("i2i", S_i2i)):
+        assert r["S"][mapping] == pytest.approx(S, abs=1e-6), mapping
+        assert r["MCD"][mapping] == pytest.approx(sum(S.values()) / 2, abs=1e-6)
+    expected_avg = np.mean([sum(S.values()) / 2 for S in (S_t2t, S_t2i, S_i2t, S_i2i)])
+    assert r["MCD_avg"] == pytest.approx(expected_avg, abs=1e-6)
+    assert r["embedder"]["t2t"] == "table"
+    assert r["by_embedder"]["table"]["t2i"]["per_chain"][0] == pytest.approx([1.0, 0.0], abs=1e-6)
+
+
+def test_text_only_embedder_does_not_claim_cross_modal(tmp_path):
+    class TextOnly(TableEmbedder):
+        name = "text"
+        modalities = frozenset({"text"})
+        joint = False
+
+    emb = TextOnly({})
+    assert emb.supports("text", "text") and not emb.supports("text", "image") and not emb.supports("image", "image")
+
+
+def test_decay_fit_recovers_parameters_and_fails_gracefully():
+    g = np.arange(1, 11)
+    y = 0.4 * np.exp(-0.3 * g) + 0.5
+    fit = drift.fit_decay(g, y)
+    assert fit["a"] == pytest.approx(0.4, rel=1e-3) and fit["b"] == pytest.approx(0.3, rel=1e-3)
+    assert fit["c"] == pytest.approx(0.5, rel=1e-3) and fit["rmse"] < 1e-6
+    assert "error" in drift.fit_decay([1, 2], [0.5, 0.4])
+    assert "error" in drift.fit_decay([1, 2, 3], [0.5, float("nan"), 0.4])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GenEval rules
+# ---------------------------------------------------------------------------------------------------------
+def row(tag, include, exclude=None, prompt="p"):
+    r = {"tag": tag, "include": include, "prompt": prompt}
+    if exclude is not None:
+        r["exclude"] = exclude
+    return parse_row(r, "test", 0)
+
+
+def det(label, box, score=0.95, color=None):
+    d = {"label": label, "box": box, "score": score}
+    if color:
+        d["color"] = color
+    return d
+
+
+def test_include_needs_count_detections_above_threshold():
+    p = row("two_object", [{"class": "cat", "count": 1}, {"class": "dog", "count": 1}])
+    assert evaluate_detections(p, [det("cat", [0, 0, 10, 10]), det("dog", [20, 0, 10, 10], 0.31)]).correct
+    # 0.3 is not > 0.3
+    assert not evaluate_detections(p, [det("cat", [0, 0, 10, 10]), det("dog", [20, 0, 10, 10], 0.3)]).correct
+    assert not evaluate_detections(p, [det("cat", [0, 0, 10, 10])]).correct
+
+
+def test_counting_threshold_and_exclusion():
+    p = row("counting", [{"class": "clock", "count": 2}], [{"class": "clock", "count": 3}])
+    two = [det("clock", [0, 0, 5, 5]), det("clock", [10, 0, 5, 5])]
+    assert evaluate_detections(p, two).correct
+    # a third clock above 0.9 triggers the exclusion (count >= 3)
+    assert not evaluate_detections(p, two + [det("clock", [20, 0, 5, 5], 0.91)]).correct
+    # a third clock at 0.8 is below the counting threshold: ignored
+    assert evaluate_detections(p, two + [det("clock", [20, 0, 5, 5], 0.8)]).correct
+    # counting uses 0.9 also for the include: 0.85 clocks do not count
+    assert not evaluate_detections(p, [det("clock", [0, 0, 5, 5], 0.85), det("clock", [9, 0, 5, 5])]).correct
+    kept = keep_detections(two + [det("clock", [1, 1, 1, 1], 0.5)], "counting")
+    assert len(kept["clock"]) == 2
+
+
+def test_color_rule_uses_top_count_boxes():
+    p = row("colors", [{"class": "car", "count": 1, "color": "pink"}])
+    assert evaluate_detections(p, [det("car", [0, 0, 9, 9], 0.9, "pink")]).correct
+    # only the most confident car is colour-checked
+    dets = [det("car", [0, 0, 9, 9], 0.9, "red"), det("car", [20, 0, 9, 9], 0.5, "pink")]
+    assert not evaluate_detections(p, dets).correct
+    # a pluggable classifier overrides missing colours
+    calls = []
+
+    def clf(image, boxes, classname):
+        calls.append((classname, len(boxes)))
+        return ["pink"] * len(boxes)
+
+    assert evaluate_detections(p, [det("car", [0, 0, 9, 9])], color_classifier=clf).correct
+    assert calls == [("car", 1)]
+
+
+def test_relative_position_margins_by_hand():
+    # A centre (15, 5), B centre (5, 5): offset (10, 0), margin 0.1*(10+10)=2 -> revised (8, 0) / 10 = 0.8
+    assert relative_position([10, 0, 10, 10], [0, 0, 10, 10]) == {"right of"}
+    assert relative_position([0, 0, 10, 10], [10, 0, 10, 10]) == {"left of"}
+    # diagonal: offset (10, 10), margins 2 each -> (8, 8)/14.142 = 0.566 on both axes
+    assert relative_position([10, 10, 10, 10], [0, 0, 10, 10]) == {"right of", "below"}
+    # offset (10, 6): revised (8, 4)/11.66 = (0.686, 0.343) -> only right of
+    assert relative_position([10, 6, 10, 10], [0, 0, 10, 10]) == {"right of"}
+    # offsets inside the margin vanish: offset (1.5, 0) with margin 2 -> no relation
+    assert relative_position([1.5, 0, 10, 10], [0, 0, 10, 10]) == set()
+    # large boxes eat the offset: widths 100 -> margin 20 > offset 15
+    assert relative_position([15, 0, 100, 10], [0, 0, 100, 10]) == set()
+    # just above the 0.5 threshold vs just below: offset (x, 10), no margin on y for thin boxes
+    assert "above" in relative_position([0, 0, 1, 1], [0, 10, 1, 1])
+
+
+def test_position_rule_against_reference_clause():
+    p = row("position", [{"class": "teddy bear", "count": 1},
+                         {"class": "dog", "count": 1, "position": ["right of", 0]}])
+    bear, dog_right, dog_left = [0, 0, 10, 10], [30, 0, 10, 10], [-30, 0, 10, 10]
+    assert evaluate_detections(p, [det("teddy bear", bear), det("dog", dog_right)]).correct
+    res = evaluate_detections(p, [det("teddy bear", bear), det("dog", dog_left)])
+    assert not res.correct and "expected dog right of target, found left of" in res.reasons[0]
+    # no bear: the position clause has no target
+    res = evaluate_detections(p, [det("dog", dog_right)])
+    assert not res.correct and any("no target" in r for r in res.reasons)
+
+
+def test_summary_is_mean_of_task_accuracies_not_micro():
+    s = summarize(["counting"] * 4 + ["colors"], [True, False, False, False, True])
+    assert s["tasks"] == {"counting": 0.25, "colors": 1.0}
+    assert s["overall"] == pytest.approx(0.625) and s["overall_micro"] == pytest.approx(0.4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.shared
+def test_real_geneval_files_parse(shared_data):
+    d = shared_data / "geneval"
+    short = load_geneval(d / "evaluation_metadata.jsonl")
+    bagel = load_geneval(d / "evaluation_metadata_long_bagel.jsonl")
+    blip = load_geneval(d / "geneval_prompt_blip3o_rewritten.jsonl")
+    assert len(short) == len(bagel) == len(blip) == 553
+    assert short[0].prompt == "a photo of a bench" and blip[0].prompt == short[0].prompt
+    assert [p.include for p in short] == [p.include for p in bagel] == [p.include for p in blip]
+    assert len(bagel[0].prompt) > 200 and blip[0].detailed_caption.startswith("A clear photo of a wooden bench")
+    tags = {p.tag for p in short}
+    assert tags == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    pos = next(p for p in short if p.tag == "position")
+    assert pos.include[1].position == ("right of", 0)
+    cnt = next(p for p in short if p.tag == "counting")
+    assert cnt.exclude[0].count == cnt.include[0].count + 1
+    seeds = geneval_seeds(d / "geneval_prompt_blip3o_rewritten.jsonl", long=True, limit=2)
+    assert len(seeds) == 12 and seeds[0].caption == blip[0].detailed_caption
+    with pytest.raises(GenEvalFormatError, match="detailed_caption"):
+        short[0].text(long=True)
+
+
+def test_geneval_errors_name_file_and_line(tmp_path):
+    f = tmp_path / "m.jsonl"
+    f.write_text('{"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a cat"}\n\n{"tag": "x"\n')
+    with pytest.raises(GenEvalFormatError, match=rf"{f}:3: not valid JSON"):
+        load_geneval(f)
+    f.write_text('{"tag": "position", "include": [{"class": "cat", "count": 1, "position": ["left of", 0]}], "prompt": "p"}\n')
+    with pytest.raises(GenEvalFormatError, match=rf"{f}:1: 'position'.*earlier include clause"):
+        load_geneval(f)
+    f.write_text('{"tag": "counting", "include": [{"class": "cat", "count": 0}], "prompt": "p"}\n')
+    with pytest.raises(GenEvalFormatError, match=rf"{f}:1: .*count"):
+        load_geneval(f)
+
+
+def test_nd400_from_local_files(tmp_path):
+    nc_imgs, dc_imgs = tmp_path / "nocaps", tmp_path / "docci"
+    nc_imgs.mkdir()
+    dc_imgs.mkdir()
+    images, anns = [], []
+    for i in range(5):
+        Image.new("RGB", (8, 8)).save(nc_imgs / f"n{i}.jpg")
+        images.append({"id": i, "file_name": f"n{i}.jpg"})
+        anns += [{"id": 10 * i + k, "image_id": i, "caption": f"nocaps {i} caption {k}"} for k in range(3)]
+    (tmp_path / "nocaps.json").write_text(json.dumps({"images": images, "annotations": anns}))
+    with open(tmp_path / "docci.jsonlines", "w") as f:
+        for i in range(6):
+            Image.new("RGB", (8, 8)).save(dc_imgs / f"d{i}.jpg")
+            split = "test" if i % 2 else "train"
+            f.write(json.dumps({"example_id": f"ex_{i}", "split": split, "image_file": f"d{i}.jpg",
+                                "description": f"docci {i}"}) + "\n")
+    seeds = nd400_seeds(tmp_path / "nocaps.json", nc_imgs, tmp_path / "docci.jsonlines", dc_imgs, n=2, seed=3)
+    assert len(seeds) == 4 and [s.source for s in seeds] == ["nocaps", "nocaps", "docci", "docci"]
+    for s in seeds[:2]:
+        i = int(s.id.split("-")[1])
+        assert s.caption.startswith(f"nocaps {i} caption") and s.image == nc_imgs / f"n{i}.jpg"
+    assert all(int(s.id.split("_")[1]) % 2 == 1 for s in seeds[2:])  # test split only
+    again = nd400_seeds(tmp_path / "nocaps.json", nc_imgs, tmp_path / "docci.jsonlines", dc_imgs, n=2, seed=3)
+    assert [(s.id, s.caption) for s in again] == [(s.id, s.caption) for s in seeds]
+    with pytest.raises(SeedFormatError, match="asked for 4"):
+        nd400_seeds(tmp_path / "nocaps.json", nc_imgs, tmp_path / "docci.jsonlines", dc_imgs, n=4)
+    (dc_imgs / "d1.jpg").unlink()
+    (dc_imgs / "d3.jpg").unlink()
+    with pytest.raises(SeedFormatError, match="not found"):
+        nd400_seeds(tmp_path / "nocaps.json", nc_imgs, tmp_path / "docci.jsonlines", dc_imgs, n=2, seed=3)
+
+
+def test_shapes_seed_file_errors(tmp_path):
+    f = tmp_path / "drift_seeds.jsonl"
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    f.write_text(json.dumps({"id": "a", "image": "a.png", "caption": "a red circle"}) + "\n"
+                 + json.dumps({"id": "b", "image": "missing.png", "caption": "x"}) + "\n")
+    with pytest.raises(SeedFormatError, match=rf"{f}:2: image not found"):
+        load_shapes_seeds(f)
+    f.write_text(json.dumps({"id": "a b", "image": "a.png", "caption": "c"}) + "\n")
+    with pytest.raises(SeedFormatError, match="safe file name"):
+        load_shapes_seeds(f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Embedders
+# ---------------------------------------------------------------------------------------------------------
+def test_missing_embedders_name_the_path(tmp_path):
+    from unicon.embedders.clip import ClipEmbedder
+    from unicon.embedders.dino import DinoEmbedder
+    from unicon.embedders.sentence import SentenceEmbedder
+
+    with pytest.raises(EmbedderNotFound, match=r"nowhere_clip.*--train-shapes"):
+        ClipEmbedder(tmp_path / "nowhere_clip")
+    with pytest.raises(EmbedderNotFound, match=r"nowhere_dino.*save_pretrained"):
+        DinoEmbedder(tmp_path / "nowhere_dino")
+    with pytest.raises(EmbedderNotFound, match=r"nowhere_st"):
+        SentenceEmbedder(tmp_path / "nowhere_st")
+
+
+def test_sentence_embedder_bundled_minilm():
+    from unicon.embedders.sentence import SentenceEmbedder, default_sentence_model_path
+
+    assert (default_sentence_model_path() / "model.safetensors").is_file()
+    e = SentenceEmbedder()
+    v = e.embed_text(["a red circle above a blue square", "a red circle over a blue square", "four green stars"])
+    assert v.shape == (3, 384) and torch.allclose(v.norm(dim=-1), torch.ones(3), atol=1e-5)
+    sim = v @ v.T
+    assert sim[0, 1] > sim[0, 2] + 0.2  # paraphrase closer than an unrelated caption
+
+
+def test_dino_embedder_tiny_local_model(tmp_path):
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    from unicon.embedders.dino import DinoEmbedder
+
+    torch.manual_seed(0)
+    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                       image_size=32, patch_size=8)
+    Dinov2Model(cfg).save_pretrained(tmp_path)
+    BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(tmp_path)
+    e = DinoEmbedder(tmp_path)
+    ims = [Image.new("RGB", (40, 40), c) for c in [(255, 0, 0), (255, 0, 0), (0, 0, 255)]]
+    v = e.embed_image(ims)
+    assert v.shape == (3, 32) and torch.allclose(v.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert torch.allclose(v[0], v[1], atol=1e-6)
+    assert e.supports("image", "image") and not e.supports("text", "image")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ShapesWorld: scene embedder, exact detector, MGG of a competent vs a random model, shapes CLIP
+# ---------------------------------------------------------------------------------------------------------
+shapes = pytest.importorskip("unicon.worlds.shapes")
+
+SHAPES_GENEVAL = [
+    {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"},
+    {"tag": "single_object", "include": [{"class": "star", "count": 1}], "prompt": "a photo of a star"},
+    {"tag": "two_object", "include": [{"class": "square", "count": 1}, {"class": "star", "count": 1}],
+     "prompt": "a photo of a square and a star"},
+    {"tag": "two_object", "include": [{"class": "cross", "count": 1}, {"class": "diamond", "count": 1}],
+     "prompt": "a photo of a cross and a diamond"},
+    {"tag": "counting", "include": [{"class": "triangle", "count": 3}], "exclude": [{"class": "triangle", "count": 4}],
+     "prompt": "a photo of three triangles"},
+    {"tag": "counting", "include": [{"class": "circle", "count": 2}], "exclude": [{"class": "circle", "count": 3}],
+     "prompt": "a photo of two circles"},
+    {"tag": "colors", "include": [{"class": "diamond", "count": 1, "color": "red"}], "prompt": "a photo of a red diamond"},
+    {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "blue"}], "prompt": "a photo of a blue square"},
+    {"tag": "position", "include": [{"class": "circle", "count": 1}, {"class": "cross", "count": 1, "position": ["right of", 0]}],
+     "prompt": "a photo of a cross right of a circle"},
+    {"tag": "position", "include": [{"class": "star", "count": 1}, {"class": "square", "count": 1, "position": ["above", 0]}],
+     "prompt": "a photo of a square above a star"},
+    {"tag": "color_attr", "include": [{"class": "star", "count": 1, "color": "yellow"}, {"class": "square", "count": 1, "color": "green"}],
+     "prompt": "a photo of a yellow star and a green square"},
+    {"tag": "color_attr", "include": [{"class": "circle", "count": 1, "color": "purple"}, {"class": "triangle", "count": 1, "color": "orange"}],
+     "prompt": "a photo of a purple circle and an orange triangle"},
+]
+
+
+def scene_for(spec, cfg, rng):
+    """A scene that satisfies a caption spec; relation pairs share a row/column (unambiguous geometry)."""
+    G = cfg.grid
+    for _ in range(500):
+        free = {(r, c) for r in range(G) for c in range(G)}
+        objs = []
+
+        def put(np_, r, c):
+            free.discard((r, c))
+            color = np_.color or cfg.color_names[rng.integers(len(cfg.color_names))]
+            objs.append(shapes.ShapeObject(np_.shape, color, r, c))
+
+        ok = True
+        for cl in spec.clauses:
+            if cl.relation is None:
+                for _k in range(cl.subject.count):
+                    if not free:
+                        ok = False
+                        break
+                    r, c = sorted(free)[rng.integers(len(free))]
+                    put(cl.subject, r, c)
+            else:
+                line = int(rng.integers(G))
+                a, b = sorted(rng.choice(G, size=2, replace=False).tolist())
+                horizontal = cl.relation in ("left", "right")
+                first, second = ((line, a), (line, b)) if horizontal else ((a, line), (b, line))
+                if first not in free or second not in free:
+                    ok = False
+                    break
+                subj, obj = (first, second) if cl.relation in ("left", "above") else (second, first)
+                put(cl.subject, *subj)
+                put(cl.object, *obj)
+        if ok:
+            scene = shapes.Scene(tuple(objs))
+            if shapes.caption_matches(spec.text(), scene, cfg) or _spec_ok(spec, scene):
+                return scene
+    raise AssertionError(f"could not build a scene for {spec.text()!r}")
+
+
+def _spec_ok(spec, scene):
+    from unicon.worlds.shapes_text import spec_matches
+
+    return spec_matches(spec, scene)
+
+
+class ShapesModel(DoubleModel):
+    """``competent=True``: an oracle that renders exactly what a caption says and describes what it sees.
+    ``competent=False``: ignores its input (a random scene per call, seeded by the input)."""
+
+    def __init__(self, cfg, competent: bool):
+        super().__init__()
+        self.cfg, self.competent = cfg, competent
+
+    def _rng(self, data: bytes):
+        return np.random.default_rng(int.from_bytes(hashlib.sha256(data).digest()[:8], "little"))
+
+    def _random_scene(self, rng):
+        cells = rng.choice(self.cfg.grid ** 2, size=int(rng.integers(1, 5)), replace=False)
+        return shapes.Scene(tuple(
+            shapes.ShapeObject(self.cfg.shapes[rng.integers(len(self.cfg.shapes))],
+                               self.cfg.color_names[rng.integers(len(self.cfg.color_names))],
+                               int(k) // self.cfg.grid, int(k) % self.cfg.grid) for k in cells))
+
+    def caption(self, images, prompt=None, **kw):
+        self._tick(len(images))
+        if not self.competent:
+            return [shapes.describe_scene(self._random_scene(self._rng(np.asarray(im).tobytes()))) for im in images]
+        return [shapes.describe_scene(shapes.parse(im, self.cfg)) for im in images]
+
+    def generate_image(self, prompts, context=None, config=None):
+        self._tick(len(prompts))
+        out = []
+        for p in prompts:
+            rng = self._rng(p.encode())
+            if self.competent:
+                scene = scene_for(shapes.parse_caption(p, self.cfg), self.cfg, rng)
+            else:
+                scene = self._random_scene(rng)
+            out.append(shapes.render(scene, self.cfg, seed=0))
+        return out
+
+
+@pytest.fixture(scope="module")
+def world_cfg():
+    return shapes.WorldConfig()
+
+
+def test_scene_embedder_exact_similarity(world_cfg):
+    from unicon.embedders.scene import SceneEmbedder
+
+    e = SceneEmbedder(world_cfg)
+    scene = shapes.Scene((shapes.ShapeObject("circle", "red", 0, 0), shapes.ShapeObject("square", "blue", 1, 2)))
+    img = shapes.render(scene, world_cfg, seed=1)
+    t = e.embed_text(["a red circle and a blue square", "a red circle", "a circle", "not a caption at all"])
+    i = e.embed_image([img, Image.new("RGB", (64, 64), (1, 2, 3))])
+    assert float(t[0] @ i[0]) == pytest.approx(1.0)
+    # vectors [kinds | shapes]: "a red circle" = (1 red circle, 1 circle) vs scene (1,1 | 1,1) -> 2/sqrt(2*4)
+    assert float(t[1] @ i[0]) == pytest.approx(2 / math.sqrt(8))
+    # colourless noun phrase only fills the shape block: 1 / sqrt(1 * 4)
+    assert float(t[2] @ i[0]) == pytest.approx(0.5)
+    assert float(t[3].norm()) == 0 and float(i[1].norm()) == 0 and e.failures == {"text": 1, "image": 1}
+
+
+def test_shapes_detector_feeds_geneval_rules(world_cfg, tmp_path):
+    from unicon.evaluation.geneval import ShapesDetector, score_images
+
+    f = tmp_path / "g.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
+    prompts = load_geneval(f)
+    oracle = ShapesModel(world_cfg, competent=True)
+    images = oracle.generate_image([p.prompt for p in prompts])
+    summary, results = score_images(prompts, images, ShapesDetector(world_cfg))
+    assert all(r.correct for r in results), [r.reasons for r in results]
+    assert summary["overall"] == 1.0
+    # the same images against the wrong prompts fail (rotate by one)
+    summary, _ = score_images(prompts, images[1:] + images[:1], ShapesDetector(world_cfg))
+    assert summary["overall"] < 0.5
+    # a non-ShapesWorld image contains no objects
+    _, res = score_images(prompts[:1], [Image.new("RGB", (10, 10))], ShapesDetector(world_cfg))
+    assert not res[0].correct
+
+
+def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
+    """Competent = oracle test double (renders the caption's scene, describes the parsed scene); the trained OFA
+    is not used here. Random = ignores its input."""
+    from unicon.evaluation.geneval import ShapesDetector
+
+    f = tmp_path / "g.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
+    seeds = geneval_seeds(f)
+    det_ = ShapesDetector(world_cfg)
+    reports = {}
+    for name, competent in (("oracle", True), ("random", False)):
+        model = ShapesModel(world_cfg, competent)
+        reports[name] = drift.evaluate_drift(model, tmp_path / name, geneval_seeds=seeds, generations=4,
+                                             batch_size=6, detector=det_)
+    oracle, rand = reports["oracle"], reports["random"]
+    assert oracle["mgg"]["per_generation"][1]["overall"] == 1.0
+    assert set(oracle["mgg"]["per_generation"]) == {1, 3}
+    assert oracle["MGG"] > rand["MGG"] + 0.3
+    stored = json.loads((tmp_path / "oracle" / "drift.json").read_text())
+    assert stored["MGG"] == pytest.approx(oracle["MGG"])
+    assert (tmp_path / "oracle" / "mgg_heatmap.png").is_file()
+    m = drift.drift_metrics(oracle)
+    assert m["drift/MGG"] == oracle["MGG"] and "drift/MGG_counting" in m
+
+
+def test_mcd_end_to_end_with_scene_embedder_and_outputs(world_cfg, tmp_path):
+    from unicon.embedders.scene import SceneEmbedder
+
+    seeds = []
+    rng = np.random.default_rng(0)
+    model = ShapesModel(world_cfg, competent=False)
+    for i in range(4):
+        scene = model._random_scene(rng)
+        p = tmp_path / f"{i}.png"
+        shapes.render(scene, world_cfg, seed=0).save(p)
+        seeds.append(DriftSeed(id=f"w{i}", caption=shapes.describe_scene(scene), image=p, scene=scene.to_dict()))
+    emb = {"scene": SceneEmbedder(world_cfg)}
+    rep_oracle = drift.evaluate_drift(ShapesModel(world_cfg, True), tmp_path / "o", seeds=seeds, generations=4,
+                                      batch_size=4, embedders=emb)
+    rep_random = drift.evaluate_drift(model, tmp_path / "r", seeds=seeds, generations=4, batch_size=4, embedders=emb)
+    # the oracle preserves the object multiset exactly in every mapping
+    assert rep_oracle["MCD"] == pytest.approx({"t2t": 1.0, "t2i": 1.0, "i2i": 1.0, "i2t": 1.0})
+    assert rep_random["MCD_avg"] < 0.8
+    for f in ("drift.json", "drift_curves.png", "strips.png"):
+        assert (tmp_path / "o" / f).is_file()
+    rows = drift.strip_rows(tmp_path / "o" / "mcd", ["w0"], 4, drift.CHAINS)
+    assert len(rows) == 2 and isinstance(rows[0][2], Image.Image) and rows[0][3].startswith("g0: ")
+
+
+def test_train_shapes_clip_saves_open_clip_checkpoint(world_cfg, tmp_path):
+    import open_clip
+
+    from unicon.embedders.clip import ClipEmbedder, train_shapes_clip
+
+    rng = np.random.default_rng(0)
+    gen = ShapesModel(world_cfg, competent=False)
+    (tmp_path / "world" / "images").mkdir(parents=True)
+    with open(tmp_path / "world" / "mixture_train.jsonl", "w") as f:
+        for i in range(24):
+            scene = gen._random_scene(rng)
+            shapes.render(scene, world_cfg, seed=i).save(tmp_path / "world" / "images" / f"{i}.png")
+            f.write(json.dumps({"id": i, "task": "caption", "image": f"images/{i}.png", "text": None,
+                                "target": shapes.describe_scene(scene)}) + "\n")
+            f.write(json.dumps({"id": 100 + i, "task": "vqa", "image": f"images/{i}.png", "text": "q", "target": "a"}) + "\n")
+    tiny = {"embed_dim": 16, "vision_cfg": {"image_size": 64, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},
+            "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    report = train_shapes_clip(tmp_path / "world", tmp_path / "clip", steps=40, batch_size=24, lr=3e-3, model_cfg=tiny)
+    assert report["pairs"] == 24 and report["final_loss"] < report["first_loss"]
+    assert (tmp_path / "clip" / "open_clip_config.json").is_file()
+    # it is an ordinary open_clip checkpoint
+    model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'clip'}")
+    emb = ClipEmbedder(tmp_path / "clip")
+    t = emb.embed_text(["a red circle", "two blue squares"])
+    im = emb.embed_image([Image.open(tmp_path / "world" / "images" / "0.png")])
+    assert t.shape == (2, 16) and im.shape == (1, 16)
+    tok = open_clip.get_tokenizer(f"local-dir:{tmp_path / 'clip'}")(["a red circle"])
+    with torch.no_grad():
+        ref = model.encode_text(tok, normalize=True)
+    assert torch.allclose(ref[0], t[0], atol=1e-5)

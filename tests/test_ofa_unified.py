@@ -1,0 +1,325 @@
+"""OFAUnifiedModel: vocabulary layout, batched scoring vs a naive re-implementation, gradients,
+persistence, bad input, generation, the factory, and a pretrained ShapesWorld model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from unicon.models.base import ImageGenerationConfig, ImageTokenizer, Scores
+from unicon.models.bench import naive_score_text
+from unicon.models.ofa.tokenization import BOS_ID, EOS_ID, OFATokenizer
+from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
+
+TEXTS = [
+    "a red circle left of a blue square", "a green triangle above a red circle", "what does the image describe?",
+    "which region does the text describe", "what is the complete image? caption:", "how many shapes are there",
+    "yes", "no", "two", "three",
+]
+
+
+def _bpe(vocab_size: int = 120) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXTS * 5, trainer)
+    return tok
+
+
+class CellColorTokenizer(ImageTokenizer):
+    """Test image tokenizer: a 4x4 grid, code = which of R/G/B dominates the 16x16 cell (+ 0 = dark)."""
+
+    codebook_size = 4
+    grid_size = (4, 4)
+    image_size = (64, 64)
+
+    def encode(self, images):
+        if not isinstance(images, torch.Tensor):
+            from unicon.models.base import pil_to_tensor
+
+            images = pil_to_tensor(images)
+        cells = torch.nn.functional.avg_pool2d(images, 16)  # [B, 3, 4, 4]
+        codes = cells.argmax(1) + 1
+        return torch.where(cells.max(1).values < 0.2, torch.zeros_like(codes), codes)
+
+    def decode(self, codes):
+        colors = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=torch.float32)
+        img = colors[codes].permute(0, 3, 1, 2)
+        return img.repeat_interleave(16, 2).repeat_interleave(16, 3)
+
+
+def _tiny_model(seed: int = 0, **settings) -> OFAUnifiedModel:
+    from unicon.models.ofa.configuration_ofa import preset_config
+    from unicon.models.ofa.modeling_ofa import OFAModel
+
+    tok = OFATokenizer(_bpe(), num_codes=4, num_bins=65, max_length=64)
+    config = preset_config("shapes-tiny", vocab_size=len(tok), d_model=32, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, resnet_width=8)
+    torch.manual_seed(seed)
+    opts = dict(image_size=64, max_source_length=64, max_target_length=12, num_beams=2, max_new_tokens=6)
+    opts.update(settings)
+    return OFAUnifiedModel(OFAModel(config), tok, OFAWrapperConfig(**opts), CellColorTokenizer()).eval()
+
+
+def _images(n: int = 3) -> list[Image.Image]:
+    colors = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]
+    out = []
+    for i in range(n):
+        im = Image.new("RGB", (64, 64), colors[i % 4])
+        im.paste(colors[(i + 1) % 4], (16 * (i % 3), 16, 16 * (i % 3) + 16, 32))
+        out.append(im)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model() -> OFAUnifiedModel:
+    return _tiny_model()
+
+
+CANDS = [["a red circle", "a blue square", "a green triangle above a red circle"], ["yes"],
+         ["two", "three"]]
+
+
+# ---- vocabulary -------------------------------------------------------------------------------------------
+def test_vocabulary_layout_is_text_then_codes_then_bins():
+    tok = OFATokenizer(_bpe(), num_codes=8192, num_bins=1000)
+    n = tok.num_text
+    assert (tok.code_offset, tok.bin_offset, len(tok)) == (n, n + 8192, n + 9192)
+    # BART's 50265 entries give OFA-Sys's ids: <code_0> = 50265, <bin_0> = 58457, |V| = 59457
+    assert 50265 + 8192 + 1000 == 59457
+    assert tok.codes_to_ids(torch.tensor([0, 8191])).tolist() == [n, n + 8191]
+    assert tok.ids_to_codes(torch.tensor([n + 5])).tolist() == [5]
+    with pytest.raises(ValueError, match="image codes"):
+        tok.codes_to_ids(torch.tensor([8192]))
+
+
+def test_box_quantisation_matches_ofa_rule():
+    tok = OFATokenizer(_bpe(), num_codes=4, num_bins=1000)
+    # corners (x0, y0, x1, y1) / side * 999, rounded: 10/640*999 = 15.6 -> 16, 20/480*999 = 41.6 -> 42 ...
+    bins = tok.box_to_bins([10, 20, 100, 50], 640, 480)
+    assert bins == [round(10 / 640 * 999), round(20 / 480 * 999), round(110 / 640 * 999), round(70 / 480 * 999)]
+    back = tok.bins_to_box(bins, 640, 480)
+    assert all(abs(a - b) <= 640 / 999 for a, b in zip(back, [10, 20, 100, 50]))
+    assert tok.ids_to_box(tok.box_to_ids([0, 0, 64, 64], 64, 64), 64, 64) == [0.0, 0.0, 64.0, 64.0]
+    with pytest.raises(ValueError, match="negative"):
+        tok.box_to_bins([0, 0, -1, 5], 64, 64)
+
+
+def test_text_round_trip_and_special_ids():
+    tok = OFATokenizer(_bpe(), num_codes=4, num_bins=65)
+    ids, cut = tok.encode_text(" a red circle left of a blue square")
+    assert ids[0] == BOS_ID and ids[-1] == EOS_ID and not cut
+    assert tok.decode(ids) == "a red circle left of a blue square"
+    short, cut = tok.encode_text(" a red circle left of a blue square", max_length=5)
+    assert len(short) == 5 and short[-1] == EOS_ID and cut
+
+
+def test_tokenizer_save_load(tmp_path):
+    tok = OFATokenizer(_bpe(), num_codes=4, num_bins=65, max_length=40)
+    tok.save_pretrained(tmp_path)
+    again = OFATokenizer.from_pretrained(tmp_path)
+    assert (again.num_codes, again.num_bins, again.max_length, len(again)) == (4, 65, 40, len(tok))
+    assert again.encode_text(" two shapes")[0] == tok.encode_text(" two shapes")[0]
+
+
+# ---- scoring -----------------------------------------------------------------------------------------------
+def test_score_text_matches_naive_per_candidate_forwards(model):
+    images = _images()
+    prompts = [model.caption_prompt] * 3
+    with torch.no_grad():
+        s = model.score_text(images, prompts, CANDS)
+        naive = naive_score_text(model, images, prompts, CANDS)
+    assert s.nll.shape == (3, 3) and s.mask.tolist() == [[True] * 3, [True, False, False], [True, True, False]]
+    assert torch.allclose(s.nll, naive, atol=1e-5, rtol=0)
+    assert torch.all(s.nll[~s.mask] == 0) and torch.all(s.sum_nll[~s.mask] == 0)
+    # sum = mean * length, and the length is bpe + eos
+    assert torch.allclose(s.sum_nll, s.nll * s.num_tokens, atol=1e-5)
+    assert s.num_tokens[1, 0] == len(model.tokenizer.text.encode("yes").ids) + 1
+
+
+def _independent_target_nll(model, src_ids, pixels, target, code_mode=False):
+    """One (input, target) pair through the network's full forward."""
+    dec_in = torch.tensor([[BOS_ID] + target[:-1]])
+    kw = {}
+    if pixels is not None:
+        kw = dict(patch_images=pixels, patch_masks=torch.ones(1, dtype=torch.bool))
+    if code_mode:
+        kw["code_masks"] = torch.ones(1, dtype=torch.bool)
+    res = model.ofa(input_ids=torch.tensor([src_ids]), decoder_input_ids=dec_in, **kw)
+    logits = res.logits if hasattr(res, "logits") else res
+    logits = logits[0]
+    tgt = torch.tensor(target)
+    if code_mode:
+        lo = model.tokenizer.code_offset
+        logits, tgt = logits[:, lo: lo + model.tokenizer.num_codes], tgt - lo
+    return -logits.log_softmax(-1)[torch.arange(len(target)), tgt].mean()
+
+
+def test_score_boxes_and_score_image_match_independent_forwards(model):
+    images = _images(2)
+    exprs = [["the red square", "the blue square"], ["a green triangle"]]
+    boxes = [[16, 16, 16, 16], [0, 16, 32, 16]]
+    with torch.no_grad():
+        sb = model.score_boxes(images, exprs, boxes)
+        prompts = [["a red circle", "a blue square", "two"], ["a green triangle above a red circle"]]
+        si = model.score_image(prompts, images)
+        tok = model.tokenizer
+        pixels = model.prepare_images(images)
+        for b in range(2):
+            target = tok.box_to_ids(boxes[b], 64, 64) + [EOS_ID]
+            for k, e in enumerate(exprs[b]):
+                src = tok.encode_text(model.settings.grounding_prompt.format(e))[0]
+                ref = _independent_target_nll(model, src, pixels[b: b + 1], target)
+                assert abs(sb.nll[b, k].item() - ref.item()) < 1e-5
+            codes = CellColorTokenizer().encode([images[b]]).flatten().tolist()
+            for k, p in enumerate(prompts[b]):
+                src = tok.encode_text(model.settings.t2i_prompt.format(p))[0]
+                ref = _independent_target_nll(model, src, None, [c + tok.code_offset for c in codes], code_mode=True)
+                assert abs(si.nll[b, k].item() - ref.item()) < 1e-5
+    assert sb.num_tokens[0, 0] == 5 and si.num_tokens[0, 0] == 16
+    assert sb.mask.tolist() == [[True, True], [True, False]]
+
+
+def test_encoder_runs_once_per_example_in_score_text(model, monkeypatch):
+    calls = []
+    real = model.ofa.encode
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model.ofa, "encode", counting)
+    with torch.no_grad():
+        model.score_text(_images(), [model.caption_prompt] * 3, CANDS)
+    assert calls == [3]  # one call, one row per example, shared by its 6 candidates
+
+
+def test_gradients_flow_from_every_scorer():
+    model = _tiny_model(seed=1).train()
+    images = _images(2)
+    loss = (model.score_text(images, [" what?"] * 2, [["yes", "no"], ["two"]]).nll.sum()
+            + model.score_boxes(images, [["the red square"], ["a", "b"]], [[0, 0, 16, 16], [8, 8, 8, 8]]).nll.sum()
+            + model.score_image([["a red circle"], ["two", "yes"]], images).nll.sum())
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values() if g is not None)
+    embed = [g for n, g in grads.items() if "embed_tokens" in n and g is not None]
+    assert embed and embed[0].abs().sum() > 0
+    stem = [g for n, g in grads.items() if "embed_images" in n and g is not None]
+    assert stem and any(g.abs().sum() > 0 for g in stem)
+
+
+def test_save_pretrained_round_trip_reproduces_scores(tmp_path, model):
+    from unicon.models.ofa.unified import WRAPPER_CONFIG_NAME
+
+    model.save_pretrained(str(tmp_path))
+    assert (tmp_path / WRAPPER_CONFIG_NAME).is_file()
+    # the test image tokenizer is not serialisable: attach it again
+    again = OFAUnifiedModel.from_pretrained(str(tmp_path)).eval()
+    again.image_tokenizer = model.image_tokenizer
+    assert again.settings == model.settings
+    with torch.no_grad():
+        a = model.score_text(_images(), [model.caption_prompt] * 3, CANDS)
+        b = again.score_text(_images(), [model.caption_prompt] * 3, CANDS)
+        c = model.score_image([["two"]], _images(1)).nll
+        d = again.score_image([["two"]], _images(1)).nll
+    assert torch.equal(a.nll, b.nll) and torch.equal(c, d)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------
+def test_truncated_candidates_are_counted(model, caplog):
+    long = " ".join(["a red circle left of a blue square"] * 4)
+    with torch.no_grad():
+        s = model.score_text(_images(2), [" q"] * 2, [[long, "yes"], [long]])
+    assert s.num_truncated == 2
+    assert s.num_tokens[0, 0] == model.settings.max_target_length
+    assert "truncated" in caplog.text
+
+
+def test_empty_candidate_list_names_the_example(model):
+    with pytest.raises(ValueError, match="example 1 has an empty list"):
+        model.score_text(_images(2), [" q"] * 2, [["yes"], []])
+    with pytest.raises(ValueError, match="example 0 has an empty list of expressions"):
+        model.score_boxes(_images(1), [[]], [[0, 0, 1, 1]])
+
+
+def test_image_modes_are_converted_and_non_images_refused(model):
+    rgb = _images(1)[0]
+    variants = [rgb.convert("L").convert("RGB"), rgb.convert("L"), rgb.convert("RGBA"), rgb.convert("P")]
+    x = model.prepare_images(variants)
+    assert x.shape == (4, 3, 64, 64)
+    assert torch.equal(x[0], x[1])  # L -> RGB equals the converted image
+    assert x.min() >= -1 and x.max() <= 1
+    big = model.prepare_images([rgb.resize((128, 96))])
+    assert big.shape == (1, 3, 64, 64)
+    with pytest.raises(ValueError, match="image 1 is a str"):
+        model.prepare_images([rgb, "cat.png"])
+    with pytest.raises(ValueError, match=r"\[B, 3, 64, 64\]"):
+        model.prepare_images(torch.zeros(1, 3, 32, 32))
+
+
+# ---- generation ---------------------------------------------------------------------------------------------
+def test_generation_outputs_are_well_formed(model):
+    images = _images(2)
+    caps = model.caption(images)
+    assert len(caps) == 2 and all(isinstance(c, str) for c in caps)
+    boxes = model.locate([images[0], images[1].resize((128, 64))], ["a", "b"])
+    assert boxes.shape == (2, 4) and (boxes >= 0).all()
+    assert (boxes[1, 0] + boxes[1, 2]) <= 128 + 1e-4 and (boxes[1, 1] + boxes[1, 3]) <= 64 + 1e-4
+    out = model.reason(["two shapes"], max_new_tokens=3)
+    assert out[0].num_tokens <= 3
+    greedy = model.generate_image(["a red circle"])
+    assert greedy[0].size == (64, 64)
+    cfg = ImageGenerationConfig(do_sample=True, top_k=2, seed=3, guidance_scale=2.0)
+    a, b = model.generate_image(["a red circle"], config=cfg), model.generate_image(["a red circle"], config=cfg)
+    assert list(a[0].getdata()) == list(b[0].getdata())  # seeded sampling is reproducible
+
+
+def test_greedy_image_generation_takes_the_argmax_code(model):
+    """The first generated code equals the argmax of the code-restricted logits at step 0."""
+    tok = model.tokenizer
+    with torch.no_grad():
+        img = model.generate_image(["a red circle"])[0]
+        src = torch.tensor([tok.encode_text(model.settings.t2i_prompt.format("a red circle"))[0]])
+        logits = model.ofa(input_ids=src, decoder_input_ids=torch.tensor([[BOS_ID]]),
+                           code_masks=torch.ones(1, dtype=torch.bool))
+        logits = logits.logits if hasattr(logits, "logits") else logits
+    first = logits[0, -1, tok.code_offset: tok.code_offset + 4].argmax().item()
+    assert CellColorTokenizer().encode([img])[0, 0, 0].item() == first
+
+
+def test_beam_search_finds_the_best_short_sequence(model):
+    """With 2 beams and 2 steps, the result is the best of all explored length-1/2 hypotheses."""
+    images = _images(1)
+    with torch.no_grad():
+        enc = model.encode(model._source_ids([model.caption_prompt]), model.prepare_images(images))
+        ids, _ = model.beam_search(enc, 1, num_beams=1, max_new_tokens=3, allowed="text")
+        # greedy (1 beam) must equal step-by-step argmax
+        seq = [BOS_ID]
+        mask = model._token_mask("text")
+        mask[EOS_ID] = True
+        for step in range(3):
+            logits = model.decode(torch.tensor([seq]), enc)[0, -1]
+            logits = logits.masked_fill(~mask, -math.inf)
+            if step == 0:
+                logits[EOS_ID] = -math.inf
+            nxt = logits.argmax().item()
+            if nxt == EOS_ID:
+                break
+            seq.append(nxt)
+    assert ids[0] == seq[1:]
+
+
+def test_scores_type_and_wrapper_config_errors():
+    with pytest.raises(ValueError, match="unknown OFA wrapper setting"):
+        OFAWrapperConfig.from_dict({"num_beam": 3})
+    assert isinstance(Scores(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                             torch.ones(1, 1, dtype=torch.long)), Scores)

@@ -1,0 +1,485 @@
+"""Training: Algorithm 1 module, data module, runs, resume, NaN guard, LoRA, DDP (2 gloo processes).
+
+Uses a tiny byte-level :class:`UnifiedModel` test double (below) and a synthetic CocoCon-schema
+world written to ``tmp_path``, so the tests run in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from unicon.config import compose
+from unicon.data.mixture import read_mixture
+from unicon.errors import UserError
+from unicon.losses.consistency import spearman_rank_loss
+from unicon.models.base import Scores, UnifiedModel, check_candidates, pil_to_tensor
+from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
+from unicon.training.module import ConsistencyModule, NonFiniteLossError, supported_tasks, task_candidates
+from unicon.training.run import build_training_model, cli, train
+
+# ---------------------------------------------------------------------------------------------
+# Test double: a tiny byte-level UnifiedModel
+# ---------------------------------------------------------------------------------------------
+BOS, EOS, V = 256, 257, 258
+
+
+class TinyUnified(UnifiedModel):
+    backend = "tiny-double"
+    caption_prompt = " what does the image describe?"
+
+    def __init__(self, d: int = 16, seed: int = 0, nan: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.d = d
+        self.img = nn.Linear(48, d)
+        self.src = nn.Embedding(V, d)
+        self.tgt = nn.Embedding(V, d)
+        self.out = nn.Linear(d, V)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.nan = nan  # makes every score NaN (to test the non-finite guard)
+
+    # ---- helpers ----------------------------------------------------------------------
+    def prepare_images(self, images) -> torch.Tensor:
+        x = images if torch.is_tensor(images) else pil_to_tensor(list(images))
+        return nn.functional.adaptive_avg_pool2d(x.to(self.img.weight.device), 4)  # [B, 3, 4, 4]
+
+    def _context(self, pooled: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        ids = [torch.tensor(list(p.encode()) or [BOS]) for p in prompts]
+        offsets = torch.tensor([0] + [len(i) for i in ids[:-1]]).cumsum(0)
+        src = nn.functional.embedding_bag(torch.cat(ids), self.src.weight, offsets, mode="mean")
+        return torch.tanh(self.img(pooled.flatten(1)) + src)
+
+    def _nll(self, ctx: torch.Tensor, targets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [N, d], N target token lists -> (mean NLL [N], sum NLL [N])."""
+        T = max(len(t) for t in targets) + 1
+        tgt = torch.full((len(targets), T), EOS)
+        prev = torch.full((len(targets), T), BOS)
+        valid = torch.zeros(len(targets), T, dtype=torch.bool)
+        for n, t in enumerate(targets):
+            seq = torch.tensor(t + [EOS])
+            tgt[n, : len(seq)] = seq
+            prev[n, 1 : len(seq)] = seq[:-1]
+            valid[n, : len(seq)] = True
+        logits = self.out(torch.tanh(ctx[:, None, :] + self.tgt(prev)))
+        tok = nn.functional.cross_entropy(logits.transpose(1, 2), tgt, reduction="none") * valid
+        s = tok.sum(1)
+        mean = s / valid.sum(1)
+        if self.nan:
+            mean = mean * float("nan")
+        return mean, s
+
+    def _scores(self, mean: torch.Tensor, s: torch.Tensor, counts: list[int], lengths: list[int]) -> Scores:
+        B, K = len(counts), max(counts)
+        mask = torch.zeros(B, K, dtype=torch.bool)
+        index = []
+        for b, c in enumerate(counts):
+            mask[b, :c] = True
+            index += [b * K + k for k in range(c)]
+        index = torch.tensor(index)
+        nll = mean.new_zeros(B * K).index_put((index,), mean).view(B, K)
+        sum_nll = s.new_zeros(B * K).index_put((index,), s).view(B, K)
+        num = torch.zeros(B * K, dtype=torch.long).index_put((index,), torch.tensor(lengths)).view(B, K)
+        return Scores(nll=nll, sum_nll=sum_nll, mask=mask, num_tokens=num)
+
+    def _image_targets(self, images) -> list[list[int]]:
+        grey = self.prepare_images(images).mean(1).flatten(1)  # [B, 16]
+        return (grey.clamp(0, 1) * 255).round().long().tolist()
+
+    # ---- scoring ------------------------------------------------------------------------
+    def score_text(self, images, prompts, candidates) -> Scores:
+        check_candidates(candidates)
+        counts = [len(c) for c in candidates]
+        pooled = self.prepare_images(images)
+        ctx = self._context(pooled, prompts)  # once per example, reused for its K candidates
+        rep = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        targets = [list(c.encode()) for cs in candidates for c in cs]
+        mean, s = self._nll(ctx[rep], targets)
+        return self._scores(mean, s, counts, [len(t) + 1 for t in targets])
+
+    def score_boxes(self, images, expressions, boxes) -> Scores:
+        check_candidates(expressions, "expressions")
+        counts = [len(e) for e in expressions]
+        pooled = self.prepare_images(images)
+        rep = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        ctx = self._context(pooled[rep], [e for es in expressions for e in es])
+        targets = [[min(255, max(0, int(v))) for v in boxes[b]] for b in rep.tolist()]
+        mean, s = self._nll(ctx, targets)
+        return self._scores(mean, s, counts, [5] * len(targets))
+
+    def score_image(self, prompts, images) -> Scores:
+        check_candidates(prompts, "prompts")
+        counts = [len(p) for p in prompts]
+        rep = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        blank = torch.zeros(len(rep), 3, 4, 4)  # T2I: text-only input
+        ctx = self._context(blank, [p for ps in prompts for p in ps])
+        codes = self._image_targets(images)
+        targets = [codes[b] for b in rep.tolist()]
+        mean, s = self._nll(ctx, targets)
+        return self._scores(mean, s, counts, [17] * len(targets))
+
+    # ---- generation (not needed by training; minimal greedy versions) ---------------------
+    def caption(self, images, prompt=None, **kw):
+        return ["" for _ in images]
+
+    def answer(self, images, questions, **kw):
+        return ["" for _ in questions]
+
+    def locate(self, images, expressions):
+        return torch.zeros(len(expressions), 4)
+
+    def generate_image(self, prompts, context=None, config=None):
+        raise NotImplementedError("the training test double does not generate images")
+
+    def reason(self, prompts, max_new_tokens=256):
+        raise NotImplementedError("the training test double does not generate text")
+
+    # ---- persistence --------------------------------------------------------------------------
+    def save_pretrained(self, path: str) -> None:
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "unicon_model.json").write_text(json.dumps({"backend": self.backend, "d": self.d}))
+        torch.save(self.state_dict(), p / "weights.pt")
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs) -> "TinyUnified":
+        p = Path(path)
+        model = cls(d=json.loads((p / "unicon_model.json").read_text())["d"])
+        model.load_state_dict(torch.load(p / "weights.pt"))
+        return model
+
+
+# ---------------------------------------------------------------------------------------------
+# A synthetic CocoCon-schema world (no ShapesWorld builder needed)
+# ---------------------------------------------------------------------------------------------
+COLORS = ["red", "green", "blue", "yellow"]
+
+
+def make_world(root: Path, n_contrast: int = 4, n_mixture: int = 8, empty_contrast_ids=()) -> Path:
+    from PIL import Image
+
+    (root / "images" / "train").mkdir(parents=True, exist_ok=True)
+    rgb = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
+    annotations, images, mixture = [], [], []
+    for i in range(max(n_contrast, n_mixture)):
+        color = COLORS[i % 4]
+        im = Image.new("RGB", (16, 16), (0, 0, 0))
+        im.paste(rgb[color], (4, 4, 12, 12))
+        name = f"images/train/{i:03d}.png"
+        im.save(root / name)
+        images.append({"id": i, "file_name": name, "width": 16, "height": 16})
+        others = [c for c in COLORS if c != color]
+        if i < n_contrast:
+            contrasts = [] if i in empty_contrast_ids else [
+                {"mutex_caption": f"a {c} square", "mutex_answer": c, **({"mutex_detection": f"{c} square"} if k < 2 else {})}
+                for k, c in enumerate(others[: 1 + i % 3])
+            ]
+            ann = {"id": i, "question_id": i, "image_id": i, "caption": f"a {color} square",
+                   "query": "what color is the square?", "answer": color, "contrast_sets": contrasts}
+            if i % 2 == 0:
+                ann.update(detection=f"{color} square", boxes=[[4, 4, 8, 8]])
+            annotations.append(ann)
+        if i < n_mixture:
+            task = ("caption", "vqa", "grounding", "t2i")[i % 4]
+            text = {"caption": None, "vqa": "what color is the square?", "grounding": f"{color} square",
+                    "t2i": f"a {color} square"}[task]
+            target = {"caption": f"a {color} square", "vqa": color, "grounding": [4, 4, 8, 8], "t2i": None}[task]
+            mixture.append({"id": f"m{i}", "scene_id": i, "image": name, "task": task, "text": text,
+                            "target": target, "qtype": None, "scene": {}})
+    (root / "cococon_train.json").write_text(json.dumps({"annotations": annotations, "images": images}))
+    (root / "mixture_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixture))
+    return root
+
+
+def run_cfg(root: Path, out: Path, *overrides: str):
+    return compose([
+        "trainer=cpu", "logger=csv", "eval=none", f"data.root={root}", f"output_dir={out}",
+        "data.batch_size=4", "data.contrast_batch_size=4", "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1", "optim.lr=1e-2", "optim.warmup_ratio=0.0", "loss.gamma=0.5",
+        *overrides,
+    ])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def config_root(tmp_path_factory):
+    """The repository's configs, with a minimal ``data/shapes.yaml`` if the ShapesWorld one is absent."""
+    import os
+    import shutil
+
+    from unicon.config import config_dir
+
+    root = tmp_path_factory.mktemp("configs")
+    shutil.copytree(config_dir(), root, dirs_exist_ok=True)
+    (root / "data").mkdir(exist_ok=True)
+    if not (root / "data" / "shapes.yaml").is_file():
+        (root / "data" / "shapes.yaml").write_text("world: shapes\nroot: data/shapes\n")
+    old = os.environ.get("UNICON_CONFIG_DIR")
+    os.environ["UNICON_CONFIG_DIR"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("UNICON_CONFIG_DIR")
+    else:
+        os.environ["UNICON_CONFIG_DIR"] = old
+
+
+@pytest.fixture()
+def world(tmp_path):
+    return make_world(tmp_path / "world")
+
+
+@pytest.fixture()
+def double(monkeypatch):
+    """Route build_model to the test double."""
+    import unicon.models
+
+    monkeypatch.setattr(unicon.models, "build_model", lambda model_cfg, world_root=None: TinyUnified())
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+def test_collator_pads_ragged_candidates_and_skips_empty(tmp_path):
+    root = make_world(tmp_path, n_contrast=4, empty_contrast_ids=(1,))
+    dm = ConsistencyDataModule(compose([f"data.root={root}", "data.max_contrast=2"]).data)
+    dm.setup()
+    batch = collate_contrast([dm.contrast[i] for i in range(4)])
+    assert batch["num_skipped"] == 1 and batch["ids"] == ["0", "2", "3"]
+    # sample 0 has 1 contrast, 2 has 3 (capped at 2), 3 has 1
+    assert batch["candidate_mask"].tolist() == [[True, True, False], [True, True, True], [True, True, False]]
+    assert batch["captions"][0] == ["a red square", "a green square"]
+
+
+def test_mixture_rejects_bad_rows(tmp_path):
+    (tmp_path / "mixture_train.jsonl").write_text('{"id": 1, "image": "x.png", "task": "vqa", "text": "q"}\n')
+    with pytest.raises(ValueError, match=r"mixture_train.jsonl:1: task vqa needs a string 'target'"):
+        read_mixture(tmp_path / "mixture_train.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1 pieces
+# ---------------------------------------------------------------------------------------------
+def _contrast_batch(root: Path, n: int = 4):
+    dm = ConsistencyDataModule(compose([f"data.root={root}"]).data)
+    dm.setup()
+    return collate_contrast([dm.contrast[i] for i in range(n)])
+
+
+def test_consistency_loss_matches_an_independent_computation(world):
+    cfg = compose([f"data.root={world}", "loss.lambda_=0.25"])
+    model = TinyUnified()
+    module = ConsistencyModule(model, cfg)
+    batch = _contrast_batch(world)
+    out = module.consistency_loss(batch)
+    # recompute per sample, one model call per candidate list, with the same task choices
+    l0s, lis, ce = [], [], []
+    for sample, contrasts, image in zip(batch["samples"], batch["contrasts"], batch["images"]):
+        task = module._task_rng(sample.index).choice(supported_tasks(sample, contrasts, cfg.loss.tasks))
+        caps, cands = task_candidates(sample, contrasts, task)
+        s0 = model.score_text([image], [model.caption_prompt], [caps]).nll[0]
+        if task == "vqa":
+            si = model.score_text([image], [sample.query], [cands]).nll[0]
+        elif task == "grounding":
+            si = model.score_boxes([image], [cands], [sample.boxes[0]]).nll[0]
+        else:
+            si = model.score_image([cands], [image]).nll[0]
+        l0s.append(spearman_rank_loss(s0[None], si[None]))
+        ce.append((s0[0] + si[0]) / 2)
+    expected = 0.25 * torch.stack(l0s).mean() + torch.stack(ce).mean()
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert out["loss_const"].item() > 0
+
+
+def test_none_scores_gold_only_and_equals_ce(world):
+    module = ConsistencyModule(TinyUnified(), compose([f"data.root={world}", "loss=none"]))
+    out = module.consistency_loss(_contrast_batch(world))
+    assert out["loss_const"].item() == 0.0 and out["loss"].item() == pytest.approx(out["loss_ce"].item())
+
+
+def test_gamma_draws_are_seeded_and_restored():
+    cfg = compose(["seed=3"])
+    a, b = ConsistencyModule(TinyUnified(), cfg), ConsistencyModule(TinyUnified(), cfg)
+    draws_a = [a.draw_update() for _ in range(20)]
+    assert draws_a == [b.draw_update() for _ in range(20)]
+    assert 3 <= sum(draws_a) <= 17
+    ckpt = {}
+    a.on_save_checkpoint(ckpt)
+    nxt = [a.draw_update() for _ in range(5)]
+    c = ConsistencyModule(TinyUnified(), cfg)
+    c.on_load_checkpoint(ckpt)
+    assert [c.draw_update() for _ in range(5)] == nxt
+    assert ckpt["unicon_config"]["seed"] == 3
+
+
+def test_bad_loss_config_is_refused():
+    with pytest.raises(ValueError, match="loss.type"):
+        ConsistencyModule(TinyUnified(), compose(["loss.type=cosine"]))
+    with pytest.raises(ValueError, match="loss.tasks"):
+        ConsistencyModule(TinyUnified(), compose(["loss.tasks=[caption]"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs (tiny)
+# ---------------------------------------------------------------------------------------------
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_train_writes_checkpoint_config_export_and_resumes_exactly(world, tmp_path, double):
+    # 8 mixture rows / batch 4 -> 2 steps per epoch; checkpoint at every epoch end
+    full = train(run_cfg(world, tmp_path / "a", "name=full", "trainer.max_epochs=2"))
+    assert full["global_step"] == 4
+    run_dir = Path(full["run_dir"])
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "export" / "unicon_model.json").is_file()
+    ckpt = torch.load(full["ckpt_path"], weights_only=False)
+    assert ckpt["unicon_config"]["name"] == "full" and "gamma_rng_state" in ckpt
+    assert all(k.startswith("model.") for k in ckpt["state_dict"])
+    assert full["counts"]["consistency_updates"] + full["counts"]["standard_updates"] == 4
+
+    class Interrupt(L.Callback):  # the same run, killed after its first epoch
+        def on_train_epoch_end(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    cfg = run_cfg(world, tmp_path / "b", "name=half", "trainer.max_epochs=2")
+    half = train(cfg, extra_callbacks=[Interrupt()])
+    assert half["global_step"] == 2
+    cfg.resume = half["ckpt_path"]
+    resumed = train(cfg)
+    assert resumed["global_step"] == 4
+    assert resumed["counts"] == full["counts"]
+    a, b = _losses(full["run_dir"]), _losses(resumed["run_dir"])
+    assert set(a) == set(b)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    wa = torch.load(full["ckpt_path"], weights_only=False)["state_dict"]
+    wb = torch.load(resumed["ckpt_path"], weights_only=False)["state_dict"]
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k])
+
+
+def test_nonfinite_loss_stops_with_step_and_ids_or_is_skipped(world, tmp_path, monkeypatch):
+    import unicon.models
+
+    monkeypatch.setattr(unicon.models, "build_model", lambda c, w=None: TinyUnified(nan=True))
+    with pytest.raises(NonFiniteLossError, match=r"global step 0 \(batch 0, \w+ update, example ids \["):
+        train(run_cfg(world, tmp_path, "trainer.max_steps=1"))
+    out = train(run_cfg(world, tmp_path, "name=skip", "trainer.max_steps=2", "trainer.max_epochs=1",
+                        "loss.on_nonfinite=skip"))
+    assert out["counts"]["skipped_nonfinite"] == 2
+
+
+def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatch):
+    import unicon.models
+
+    class WithProj(TinyUnified):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(self.d, self.d)
+
+        def _context(self, pooled, prompts):
+            return self.fc1(super()._context(pooled, prompts))
+
+    monkeypatch.setattr(unicon.models, "build_model", lambda c, w=None: WithProj())
+    cfg = run_cfg(world, tmp_path, "trainer.max_steps=2", "model.lora.enabled=true", "model.lora.r=2",
+                  "model.lora.target_modules=[fc1]")
+    model = build_training_model(cfg)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    monkeypatch.setattr("unicon.training.run.build_training_model", lambda c: model)
+    out = train(cfg)
+    state = torch.load(out["ckpt_path"], weights_only=False)["state_dict"]
+    for name, value in before.items():  # frozen base weights are unchanged in the checkpoint
+        torch.testing.assert_close(state[f"model.{name}"], value)
+    lora_a, lora_b = state["model.fc1.lora_A.default.weight"], state["model.fc1.lora_B.default.weight"]
+    assert lora_b.abs().sum() > 0  # B starts at zero: the adapters trained
+    export = Path(out["export_dir"])
+    assert (export / "lora_adapters.safetensors").is_file()
+    sd = torch.load(export / "weights.pt")
+    assert "fc1.weight" in sd and not any("lora_" in k for k in sd)
+    # merged weight = base + (alpha / r) * B @ A
+    expected = before["fc1.base_layer.weight"] + (16 / 2) * lora_b @ lora_a
+    torch.testing.assert_close(sd["fc1.weight"], expected)
+
+
+def test_deepspeed_without_cuda_fails_at_start(world, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    with pytest.raises(UserError, match="needs CUDA"):
+        train(run_cfg(world, tmp_path, "trainer.strategy=deepspeed_zero2"))
+
+
+def test_cli_help_lists_groups_and_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "loss" in text and "spearman" in text and "examples:" in text and "deepspeed_zero2" in text
+    with pytest.raises(UserError, match="lossx"):
+        cli(["lossx.type=none", "--print-config"])
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: 2 gloo processes == 1 process on the same data
+# ---------------------------------------------------------------------------------------------
+class _Record(L.Callback):
+    """Rank-averaged loss per step, and each rank's γ draws, written by rank 0."""
+
+    def __init__(self, path: str):
+        self.path, self.losses, self.kinds = path, [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+        self.kinds.append(pl_module.counts["consistency_updates"])
+
+    def on_train_end(self, trainer, pl_module):
+        kinds = trainer.strategy.all_gather(torch.tensor(self.kinds))
+        rng = trainer.strategy.all_gather(pl_module.gamma_rng.get_state().to(torch.float32))
+        if trainer.is_global_zero:
+            params = {k: v.tolist() for k, v in pl_module.model.state_dict().items()}
+            Path(self.path).write_text(json.dumps({
+                "losses": self.losses, "kinds": kinds.tolist(), "rng": rng.tolist(), "params": params}))
+
+
+def _fit(world: Path, out: Path, devices: int, strategy: str) -> dict:
+    bs = 8 // devices  # one step = the whole (8-example) datasets in both settings
+    cfg = run_cfg(world, out, f"data.batch_size={bs}", f"data.contrast_batch_size={bs}", "seed=1")
+    module = ConsistencyModule(TinyUnified(), cfg)
+    record = out / f"record{devices}.json"
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[_Record(str(record))])
+    trainer.fit(module, datamodule=ConsistencyDataModule(cfg.data, seed=1))
+    return json.loads(record.read_text())
+
+
+@pytest.mark.slow
+def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+    world = make_world(tmp_path / "world", n_contrast=8, n_mixture=8)
+    one = _fit(world, tmp_path, 1, "auto")
+    two = _fit(world, tmp_path, 2, "ddp_fork")
+    assert len(one["losses"]) == len(two["losses"]) == 4
+    assert 0 < one["kinds"][-1] < 4  # both update kinds happened
+    assert two["kinds"][0] == two["kinds"][1] == one["kinds"]  # same γ draws on both ranks
+    assert two["rng"][0] == two["rng"][1]
+    for a, b in zip(one["losses"], two["losses"]):
+        assert b == pytest.approx(a, rel=1e-4)
+    for k in one["params"]:
+        torch.testing.assert_close(torch.tensor(two["params"][k]), torch.tensor(one["params"][k]), rtol=1e-4, atol=1e-5)
+
+
+def test_bench_train_prints_json_ratio(world, double, capsys):
+    from unicon.training.bench import cli as bench_cli
+
+    assert bench_cli([f"data.root={world}", "--steps", "2", "--warmup", "1", "--sequences", "8", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ratio"] == pytest.approx(out["consistency_seq_per_s"] / out["standard_seq_per_s"], rel=1e-2)
+    assert out["sequences_per_step"] == 8 and out["consistency_sequences_per_step_mean"] >= 8

@@ -1,0 +1,675 @@
+"""UReason: loader, refined-prompt extraction, strict judge parsing, metrics, judges, settings run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from unicon.data.ureason import (
+    CATEGORIES,
+    UReasonFormatError,
+    UReasonInstance,
+    load_shapes_ureason,
+    load_ureason,
+)
+from unicon.evaluation import ureason as ur
+from unicon.evaluation.judges import (
+    REASONING_CHAIN_PROMPT,
+    VISUAL_VERIFICATION_PROMPT,
+    Judge,
+    JudgePanel,
+    ReasoningChainJudge,
+    Verdict,
+    VLMJudge,
+    fill_prompt,
+    parse_answer,
+    verdict_from_reply,
+)
+from unicon.models.base import TextGeneration, UnifiedModel
+
+
+# ---------------------------------------------------------------------------------------------
+# loader
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.shared
+def test_release_loads_500_instances_paired_by_id(shared_data):
+    root = shared_data / "ureason"
+    instances = load_ureason(root)
+    assert len(instances) == 500
+    by_cat = {c: [i for i in instances if i.category == c] for c in CATEGORIES}
+    assert {c: len(v) for c, v in by_cat.items()} == {c: 100 for c in CATEGORIES}
+    # ids by category as documented in shared/data/README.md
+    first = {"text": 1, "code": 101, "attribute": 201, "spatial": 301, "arithmetic": 401}
+    for c, rows in by_cat.items():
+        assert sorted(i.id for i in rows) == list(range(first[c], first[c] + 100))
+    # independent re-read: every instance carries the direct row and the think row of its id
+    for c in CATEGORIES:
+        direct = {r["id"]: r for r in map(json.loads, (root / f"direct_{c}.jsonl").read_text().splitlines())}
+        think = {r["id"]: r for r in map(json.loads, (root / f"{c}.jsonl").read_text().splitlines())}
+        for inst in by_cat[c]:
+            assert inst.direct_prompt == direct[inst.id]["prompt"]
+            assert inst.prompt == think[inst.id]["prompt"]
+            assert inst.expect_en == " ".join(think[inst.id]["expect_en"].split())
+            assert inst.direct_prompt != inst.prompt
+    assert len({i.key for i in instances}) == 500
+
+
+def _write(path: Path, rows: list) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def _row(i, cat="spatial", **kw):
+    return {"id": i, "prompt": f"p{i}", "expect_en": f"c{i}", "category": cat, **kw}
+
+
+def test_row_missing_criterion_or_category_names_file_and_line(tmp_path):
+    _write(tmp_path / "direct_spatial.jsonl", [_row(1), {"id": 2, "prompt": "p", "category": "spatial"}])
+    _write(tmp_path / "spatial.jsonl", [_row(1), _row(2)])
+    with pytest.raises(UReasonFormatError, match=r"direct_spatial\.jsonl:2: row is missing expect_en"):
+        load_ureason(tmp_path)
+    _write(tmp_path / "direct_spatial.jsonl", [_row(1), _row(2)])
+    _write(tmp_path / "spatial.jsonl", [_row(1), {"id": 2, "prompt": "p", "expect_en": "c"}])
+    with pytest.raises(UReasonFormatError, match=r"spatial\.jsonl:2: row is missing category"):
+        load_ureason(tmp_path)
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    _write(tmp_path / "direct_code.jsonl", [_row(1, "code"), "", '{"id": 2, "prompt": '])
+    _write(tmp_path / "code.jsonl", [_row(1, "code")])
+    with pytest.raises(UReasonFormatError, match=r"direct_code\.jsonl:3: malformed JSON"):
+        load_ureason(tmp_path)
+
+
+def test_pairing_errors(tmp_path):
+    _write(tmp_path / "direct_code.jsonl", [_row(1, "code"), _row(2, "code")])
+    _write(tmp_path / "code.jsonl", [_row(1, "code"), _row(3, "code")])
+    with pytest.raises(UReasonFormatError, match=r"ids .* differ .*only in direct: \[2\].*only in think: \[3\]"):
+        load_ureason(tmp_path)
+    _write(tmp_path / "code.jsonl", [_row(1, "code"), _row(1, "code")])
+    with pytest.raises(UReasonFormatError, match=r"code\.jsonl:2: duplicate id 1 \(first on line 1\)"):
+        load_ureason(tmp_path)
+    _write(tmp_path / "code.jsonl", [_row(1, "code"), _row(2, "code", expect_en="something else")])
+    with pytest.raises(UReasonFormatError, match=r"id 2: expect_en differs"):
+        load_ureason(tmp_path)
+    _write(tmp_path / "code.jsonl", [_row(1, "code"), _row(2, "spatial")])
+    with pytest.raises(UReasonFormatError, match=r"code\.jsonl:2: category 'spatial' does not match"):
+        load_ureason(tmp_path)
+    with pytest.raises(UReasonFormatError, match="no files for categories"):
+        load_ureason(tmp_path, categories=["text"])
+
+
+def test_splits_from_subdirectories_or_a_split_field(tmp_path):
+    for split, ids in (("test", [1, 2, 3]), ("testmini", [4])):
+        (tmp_path / split).mkdir()
+        _write(tmp_path / split / "direct_code.jsonl", [_row(i, "code") for i in ids])
+        _write(tmp_path / split / "code.jsonl", [_row(i, "code") for i in ids])
+    assert [i.id for i in load_ureason(tmp_path, split="testmini")] == [4]
+    assert [i.id for i in load_ureason(tmp_path, split="test")] == [1, 2, 3]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    rows = [_row(1, "code", split="test"), _row(2, "code", split="testmini"), _row(3, "code", split="test")]
+    _write(flat / "direct_code.jsonl", rows)
+    _write(flat / "code.jsonl", rows)
+    assert [i.id for i in load_ureason(flat, split="test")] == [1, 3]
+    assert len(load_ureason(flat)) == 3
+    with pytest.raises(UReasonFormatError, match="split must be one of"):
+        load_ureason(flat, split="train")
+
+
+def test_shapes_prompts_need_a_target_scene(tmp_path):
+    (tmp_path / "ureason").mkdir()
+    scene = {"objects": [{"shape": "circle", "color": "red", "cell": [0, 0]}]}
+    _write(tmp_path / "ureason" / "direct_arithmetic.jsonl", [_row(1, "arithmetic", target_scene=scene)])
+    _write(tmp_path / "ureason" / "arithmetic.jsonl", [_row(1, "arithmetic", target_scene=scene)])
+    (inst,) = load_shapes_ureason(tmp_path)
+    assert inst.target_scene == scene
+    _write(tmp_path / "ureason" / "arithmetic.jsonl", [_row(1, "arithmetic")])
+    _write(tmp_path / "ureason" / "direct_arithmetic.jsonl", [_row(1, "arithmetic")])
+    with pytest.raises(UReasonFormatError, match=r"arithmetic\.jsonl:1: ShapesWorld row has no 'target_scene'"):
+        load_shapes_ureason(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# refined-prompt extraction: traces written to trip a regex that also accepts a bare "prompt"
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "trace, text, rule",
+    [
+        # a later bare "prompt" must not win
+        ("Let me count: 10-5-2-1 = 2.\nRefined prompt: Two red apples on a wooden table.\n"
+         "This prompt keeps only the final state.",
+         "Two red apples on a wooden table.\nThis prompt keeps only the final state.", "refined prompt"),
+        ("The prompt asks for letters.\nrefined prompt: The letter 'G' on a label.\n"
+         "Note that the original prompt mentioned Stop and Caution.",
+         "The letter 'G' on a label.\nNote that the original prompt mentioned Stop and Caution.", "refined prompt"),
+        # bold / heading markers and think tags
+        ("<think>The user prompt wants a shelf. Draft prompt: a shelf.</think>\n**Refined Prompt:** A shelf with a cola.",
+         "A shelf with a cola.", "refined prompt"),
+        ("<think>reasoning</think>\n### Final Scene Prompt:\n{Three cats on a sofa.}", "Three cats on a sofa.",
+         "final scene prompt"),
+        ("Reasoning: 4 + 3 = 7\n__Final Prompt__: \"Seven blue cubes.\"", "Seven blue cubes.", "final prompt"),
+        # the LAST explicit marker wins over an earlier one
+        ("Refined prompt: five dogs.\nWait, two left. Refined prompt: three dogs.", "three dogs.", "refined prompt"),
+        ("Final prompt: a cat.\nFINAL SCENE PROMPT: a dog.", "a dog.", "final scene prompt"),
+        # only a wrapper around the whole text is removed
+        ("refined prompt: {red} cube and {blue} ball", "{red} cube and {blue} ball", "refined prompt"),
+        ("refined prompt: \"The letter 'G' on a label.\"", "The letter 'G' on a label.", "refined prompt"),
+        # snake_case survives emphasis stripping
+        ("menu_grid[0][0] = pizza\n\nrefined prompt: menu_grid shows a pizza", "menu_grid shows a pizza",
+         "refined prompt"),
+        # no explicit marker: last paragraph, even if it mentions "prompt"
+        ("The prompt says 3 apples.\n\nThe prompt: two apples remain on the table.",
+         "The prompt: two apples remain on the table.", "last_paragraph"),
+        ("<think>hmm</think>\n\nA single green cone.\n\n", "A single green cone.", "last_paragraph"),
+        # marker with nothing after it, or no text at all
+        ("I will now write the refined prompt:", "", "empty"),
+        ("<think></think>", "", "empty"),
+    ],
+)
+def test_extract_refined_prompt(trace, text, rule):
+    got = ur.extract_refined_prompt(trace)
+    assert (got.text, got.rule) == (text, rule)
+    assert got.fallback == (rule == "last_paragraph")
+
+
+# ---------------------------------------------------------------------------------------------
+# strict answer parsing
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "reply, status",
+    [
+        ("The image shows 3 apples. <answer>Yes</answer>", "yes"),
+        ("<answer> no. </answer>", "no"),
+        ("<ANSWER>YES</ANSWER>", "yes"),
+        ("I do not know.", "unparseable"),  # a substring judge scores this "no"
+        ("<answer>I do not know</answer>", "unparseable"),
+        ("Not sure; the cats are not visible.", "unparseable"),
+        ("No.", "unparseable"),  # no tag, no guess
+        ("<answer>Yes, mostly</answer>", "unparseable"),
+        # the format is quoted first, the final tag decides
+        ("If it matches, output <answer>Yes</answer>. Here it does not. <answer>No</answer>", "no"),
+        ("", "unparseable"),
+    ],
+)
+def test_parse_answer_is_strict(reply, status):
+    assert parse_answer(reply) == status
+
+
+def test_reply_length_limit_truncates_and_flags():
+    reply = "step " * 100 + "<answer>Yes</answer>"
+    v = verdict_from_reply(reply, max_reply_chars=50)
+    assert (v.status, v.truncated, len(v.reply)) == ("unparseable", True, 50)
+    v = verdict_from_reply(reply, max_reply_chars=10_000)
+    assert (v.status, v.truncated) == ("yes", False)
+    assert verdict_from_reply("<answer>No</answer>", hit_token_limit=True).truncated
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("\u2019", "'").split())
+
+
+@pytest.mark.shared
+def test_judge_prompts_match_the_paper_appendix_f(shared_dir):
+    paper = _flat((shared_dir / "papers" / "ureason-reasoning-paradox.txt").read_text())
+    fig19 = paper.split("Evaluation Prompt for Visual Verification Accuracy ", 1)[1].split(" Figure 19:", 1)[0]
+    fig20 = paper.split("Evaluation Prompt for the Quality of Reasoning Chain ", 1)[1].split(" Figure 20:", 1)[0]
+    assert _flat(VISUAL_VERIFICATION_PROMPT) == fig19
+    assert _flat(REASONING_CHAIN_PROMPT) == fig20
+    # code in a user prompt holds braces; the substitution must not choke on them
+    text = fill_prompt(REASONING_CHAIN_PROMPT, user_prompt="x = {'a': 1} {criteria}", model_thought="R",
+                       criteria="C")
+    assert "x = {'a': 1} {criteria}" in text and "=== Target Criteria ===\nC\n" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics by hand
+# ---------------------------------------------------------------------------------------------
+def _inst(i, cat):
+    return UReasonInstance(id=i, category=cat, direct_prompt=f"d{i}", prompt=f"p{i}", expect_en=f"c{i}")
+
+
+def _sample(i, cat, statuses, images=(True, True, True), chain=None, rule="refined prompt"):
+    s = ur.Sample(_inst(i, cat), refined=ur.Extraction("x" if rule != "empty" else "", rule))
+    for k, st, has in zip((1, 2, 3), statuses, images):
+        s.images[k] = Image.new("RGB", (4, 4)) if has else None
+        s.verdicts[k] = Verdict(st)
+    s.chain = None if chain is None else Verdict(chain)
+    return s
+
+
+def test_metrics_by_hand_missing_image_is_a_failure():
+    samples = [
+        _sample(1, "code", ("no", "yes", "yes"), chain="yes"),
+        _sample(2, "code", ("no", "no", "yes"), chain="yes", rule="last_paragraph"),
+        _sample(3, "code", ("yes", "yes", "no_input"), images=(True, True, False), chain="no", rule="empty"),
+        _sample(4, "text", ("no", "unparseable", "yes"), chain="yes"),
+        _sample(5, "text", ("no_input", "no", "yes"), images=(False, True, True), chain="unparseable"),
+    ]
+    m = ur.compute_metrics(samples)
+    assert m["n"] == 5
+    assert m["acc_s1"] == pytest.approx(100 * 1 / 5)
+    assert m["acc_s2"] == pytest.approx(100 * 2 / 5)
+    assert m["acc_s3"] == pytest.approx(100 * 4 / 5)
+    assert m["delta_12"] == pytest.approx(20.0) and m["delta_23"] == pytest.approx(40.0)
+    # the reference's denominator would drop the missing image
+    assert m["acc_s1_excl_missing"] == pytest.approx(100 * 1 / 4)
+    assert m["acc_s3_excl_missing"] == pytest.approx(100 * 4 / 4)
+    assert m["acc_s1/code"] == pytest.approx(100 / 3) and m["acc_s3/code"] == pytest.approx(200 / 3)
+    assert m["acc_s2/text"] == 0.0 and m["acc_s3/text"] == 100.0
+    assert m["delta_23/text"] == 100.0
+    assert m["chain_acc"] == pytest.approx(60.0) and m["chain_acc/code"] == pytest.approx(200 / 3)
+    assert m["fallback_rate"] == pytest.approx(20.0) and m["empty_refined_rate"] == pytest.approx(20.0)
+    assert (m["missing_s1"], m["missing_s2"], m["missing_s3"]) == (1, 0, 1)
+    assert (m["unparseable_s1"], m["unparseable_s2"], m["unparseable_s3"]) == (0, 1, 0)
+    table = ur.markdown_table(m, ["code", "text"])
+    assert "| 3 De-contextualized | 66.7 | +0.0 | 100.0 | +100.0 | 80.0 | +40.0 |" in table
+    assert "| 1 Direct | 33.3 | - | 0.0 | - | 20.0 | - |" in table
+
+
+# ---------------------------------------------------------------------------------------------
+# a deterministic test double of a unified model and a colour judge
+# ---------------------------------------------------------------------------------------------
+COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+
+
+class ColorDouble(UnifiedModel):
+    """Draws a solid image of the LAST colour word in (context + prompt); reasons by echoing the
+    first colour word of the prompt into a refined prompt, wrapped in distracting commentary."""
+
+    backend = "double"
+
+    def __init__(self, fail_on: str | None = None):
+        super().__init__()
+        self.fail_on = fail_on
+        self.calls: list[tuple[list[str], list[str] | None]] = []
+
+    def _color(self, text):
+        words = [w for w in re.findall(r"[a-z]+", text.lower()) if w in COLORS]
+        return words[-1] if words else None
+
+    def generate_image(self, prompts, context=None, config=None):
+        self.calls.append((list(prompts), None if context is None else list(context)))
+        out = []
+        for b, p in enumerate(prompts):
+            if self.fail_on and self.fail_on in p:
+                raise RuntimeError(f"cannot draw {p!r}")
+            c = self._color((context[b] + " " if context else "") + p)
+            out.append(Image.new("RGB", (8, 8), COLORS.get(c, (0, 0, 0))))
+        return out
+
+    def reason(self, prompts, max_new_tokens=256):
+        out = []
+        for p in prompts:
+            words = [w for w in re.findall(r"[a-z]+", p.lower()) if w in COLORS]
+            first = words[0] if words else "grey"
+            text = f"<think>The prompt mentions {' and '.join(words)}.</think>\n**Refined prompt:** a {first} square"
+            out.append(TextGeneration(text=text, truncated=len(text.split()) > max_new_tokens,
+                                      num_tokens=len(text.split())))
+        return out
+
+    # unused by UReason
+    def prepare_images(self, images): raise NotImplementedError
+    def score_text(self, images, prompts, candidates): raise NotImplementedError
+    def score_boxes(self, images, expressions, boxes): raise NotImplementedError
+    def score_image(self, prompts, images): raise NotImplementedError
+    def caption(self, images, prompt=None, **kw): raise NotImplementedError
+    def answer(self, images, questions, **kw): raise NotImplementedError
+    def locate(self, images, expressions): raise NotImplementedError
+    def save_pretrained(self, path): raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs): raise NotImplementedError
+
+
+class ColorJudge(Judge):
+    """Yes iff the image's colour is the criterion's colour word; chains: refined prompt names it."""
+
+    name = "color"
+    judges_reasoning = True
+
+    def judge_images(self, instances, images):
+        out = []
+        for inst, im in zip(instances, images):
+            if im is None:
+                out.append(Verdict("no_input"))
+                continue
+            rgb = im.getpixel((0, 0))
+            ok = COLORS.get(inst.expect_en) == rgb
+            out.append(Verdict("yes" if ok else "no", f"<answer>{'Yes' if ok else 'No'}</answer>"))
+        return out
+
+    def judge_reasoning(self, instances, traces, refined_prompts):
+        return [Verdict("yes" if i.expect_en in r else "no") for i, r in zip(instances, refined_prompts)]
+
+
+def _color_instances():
+    # target colour = criterion; the think prompt names the target first and a distractor last
+    spec = [(1, "code", "red", "green"), (2, "code", "blue", "red"), (3, "spatial", "green", "blue"),
+            (4, "spatial", "red", "red")]
+    return [
+        UReasonInstance(id=i, category=cat, direct_prompt=f"draw it, not {distractor}",
+                        prompt=f"the answer is {target}; ignore {distractor}", expect_en=target)
+        for i, cat, target, distractor in spec
+    ]
+
+
+def test_three_settings_with_a_test_double_and_outputs(tmp_path):
+    model = ColorDouble(fail_on="blue")  # setting 3 of instance 2 ("a blue square") fails to draw
+    instances = _color_instances()
+    metrics, samples = ur.evaluate_ureason(model, instances, ColorJudge(), out_dir=tmp_path, batch_size=3)
+    # s1: the direct prompt names only the distractor -> correct only for id 4 (red/red)
+    # s2: last colour in trace+prompt is the distractor -> correct only for id 4
+    # s3: refined prompt "a <target> square" -> correct except id 2 whose image failed
+    assert [s.passed(1) for s in samples] == [False, False, False, True]
+    assert [s.passed(2) for s in samples] == [False, False, False, True]
+    assert [s.passed(3) for s in samples] == [True, False, True, True]
+    assert metrics["acc_s1"] == 25.0 and metrics["acc_s2"] == 25.0 and metrics["acc_s3"] == 75.0
+    assert metrics["delta_23"] == 50.0 and metrics["missing_s3"] == 1.0
+    assert metrics["acc_s3_excl_missing"] == 100.0
+    assert metrics["chain_acc"] == 100.0 and metrics["fallback_rate"] == 0.0
+    # setting 2 passes the trace as context; setting 3 passes R_p alone
+    s2_calls = [c for c in model.calls if c[1] is not None]
+    assert s2_calls and s2_calls[0][1][0] == samples[0].trace
+    assert any(c[0] == ["a red square", "a blue square", "a green square"] for c in model.calls)
+    # outputs
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    r = rows[1]
+    assert r["refined_prompt"] == "a blue square" and r["extraction_rule"] == "refined prompt"
+    assert r["image_s3"] is None and "cannot draw" in r["image_error_s3"] and r["verdict_s3"] == "no_input"
+    assert r["trace_truncated"] is False and r["judge_reply_s1"] == "<answer>No</answer>"
+    assert (tmp_path / rows[0]["image_s1"]).is_file()
+    saved = json.loads((tmp_path / "ureason.json").read_text())
+    assert saved["metrics"]["acc_s3"] == 75.0 and saved["judge"] == "color"
+    assert "| 2 Reasoning-Guided |" in (tmp_path / "table.md").read_text()
+
+
+def test_truncated_trace_is_flagged(tmp_path):
+    metrics, samples = ur.evaluate_ureason(ColorDouble(), _color_instances()[:2], ColorJudge(), max_new_tokens=3)
+    assert all(s.trace_truncated for s in samples) and metrics["trace_truncated"] == 2.0
+
+
+def test_subset_is_round_robin_over_categories():
+    inst = [_inst(i, c) for c, n in (("code", 3), ("text", 1), ("spatial", 2)) for i in range(n)]
+    got = ur.subset(inst, 4)
+    assert [(i.category, i.id) for i in got] == [("code", 0), ("text", 0), ("spatial", 0), ("code", 1)]
+
+
+def test_cli_and_loggers(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    for cat in ("code", "spatial"):
+        rows = [{"id": i.id, "prompt": i.prompt, "expect_en": i.expect_en, "category": cat}
+                for i in _color_instances() if i.category == cat]
+        direct = [{**r, "prompt": i.direct_prompt} for r, i in
+                  zip(rows, [i for i in _color_instances() if i.category == cat])]
+        _write(data / f"{cat}.jsonl", rows)
+        _write(data / f"direct_{cat}.jsonl", direct)
+    import unicon.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda path, **kw: ColorDouble(), raising=False)
+    monkeypatch.setattr(ur, "build_judge", lambda spec, **kw: ColorJudge())
+    from unicon.errors import UserError
+
+    with pytest.raises(UserError, match="judge 'exact' needs ShapesWorld prompts"):
+        ur.cli(["--ckpt", "x", "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
+    out = tmp_path / "out"
+    assert ur.cli(["--ckpt", "x", "--data", str(data), "--out", str(out), "--logger", "none",
+                   "--device", "cpu", "--judge", "vlm:unused"]) == 0
+    metrics = json.loads((out / "ureason.json").read_text())["metrics"]
+    assert metrics["acc_s3"] == 100.0 and metrics["acc_s1/code"] == 0.0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["ureason/acc_s3"] == 100.0
+    table = [json.loads(line) for line in (out / "tables" / "ureason_samples.jsonl").read_text().splitlines()]
+    assert len(table) == 4 and all(Path(out / "tables" / t["image_s1"]).is_file() for t in table)
+    with pytest.raises(SystemExit):
+        ur.cli(["--help"])
+
+
+def test_callback_logs_headline_metrics(tmp_path):
+    import lightning.pytorch as pl
+
+    from unicon.training.loggers import JsonlLogger
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for cat in ("code", "spatial"):
+        chosen = [i for i in _color_instances() if i.category == cat]
+        _write(data / f"{cat}.jsonl",
+               [{"id": i.id, "prompt": i.prompt, "expect_en": i.expect_en, "category": cat} for i in chosen])
+        _write(data / f"direct_{cat}.jsonl",
+               [{"id": i.id, "prompt": i.direct_prompt, "expect_en": i.expect_en, "category": cat} for i in chosen])
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = ColorDouble()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, idx):
+            return (self.w - batch[0]).pow(2).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = ur.UReasonCallback(data, judge=ColorJudge(), max_samples=3, fail_on_error=True)
+    trainer = pl.Trainer(max_epochs=1, logger=[JsonlLogger(tmp_path)], callbacks=[cb], default_root_dir=tmp_path,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu")
+    trainer.fit(Module(), torch.utils.data.DataLoader(torch.zeros(2, 1), batch_size=1))
+    logged = {k: v for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              for k, v in row.items()}
+    # subset of 3 round-robin: ids 1 (code), 3 (spatial), 2 (code) -> s3 correct for 1, 3 and 2
+    assert logged["ureason/failed"] == 0.0
+    assert logged["ureason/acc_s1"] == 0.0 and logged["ureason/acc_s3"] == 100.0
+    assert logged["ureason/delta_23"] == 100.0 and logged["ureason/delta_12"] == 0.0
+    assert (tmp_path / "eval" / "ureason" / "epoch-1" / "ureason.json").is_file()
+    table = (tmp_path / "tables" / "ureason_samples.jsonl").read_text().splitlines()
+    assert [json.loads(r)["id"] for r in table] == ["1", "3", "2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny randomly initialised judge models (wiring only; no downloads)
+# ---------------------------------------------------------------------------------------------
+VLM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _word_tokenizer(specials):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = re.findall(r"\w+|[^\w\s]", VISUAL_VERIFICATION_PROMPT + REASONING_CHAIN_PROMPT + " red square")
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(specials + ["[UNK]"] + words))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="[UNK]", chat_template=CHAT_TEMPLATE), vocab
+
+
+def _reference_replies(model, tokenizer, inputs, max_new_tokens):
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    new = out[:, inputs["input_ids"].shape[1]:]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return [(tokenizer.decode(r, skip_special_tokens=True).strip(), eos not in r.tolist()) for r in new]
+
+
+def test_vlm_judge_wiring_with_a_tiny_qwen2_vl(tmp_path):
+    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    tokenizer, vocab = _word_tokenizer(VLM_SPECIALS)
+    tokenizer.image_token = "<|image_pad|>"
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
+        tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+                         eos_token_id=vocab["<|im_end|>"], bos_token_id=None, pad_token_id=vocab["<|endoftext|>"]),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2),
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(cfg).save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+
+    judge = VLMJudge.from_pretrained(str(tmp_path / "vlm"), max_new_tokens=6, batch_size=2)
+    instances = [_inst(i, "code") for i in range(3)]
+    images = [Image.new("RGB", (64, 64), "red"), None, Image.new("RGB", (40, 80), "blue")]
+    verdicts = judge.judge_images(instances, images)
+    assert verdicts[1].status == "no_input"
+    # independent re-run of the same model on the same two prompts
+    text = [judge.build_text(instances[i].expect_en) for i in (0, 2)]
+    assert 'Target Description: "c0"' in text[0] and "<|image_pad|>" in text[0]
+    inputs = judge.processor(text=text, images=[images[0], images[2]], return_tensors="pt", padding=True)
+    expected = _reference_replies(judge.model, judge.tokenizer, inputs, 6)
+    for v, (reply, hit) in zip([verdicts[0], verdicts[2]], expected):
+        assert v.reply == reply and v.truncated == hit and v.status == parse_answer(reply)
+
+
+def test_chain_judge_wiring_with_a_tiny_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer, vocab = _word_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                 eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
+                                 bos_token_id=None)).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    chain = ReasoningChainJudge.from_pretrained(str(tmp_path / "lm"), max_new_tokens=5, batch_size=2)
+    instances = [_inst(i, "code") for i in range(3)]
+    traces = ["red square", "", "refined prompt: red square"]
+    verdicts = chain.judge_reasoning(instances, traces, ["red square", "", "red square"])
+    assert verdicts[1].status == "no_input"
+    text = [chain.build_text(instances[i].prompt, traces[i], instances[i].expect_en) for i in (0, 2)]
+    assert text[0].startswith("<|im_start|>user\nYou are an objective logic evaluator.")
+    assert "=== Model Thought Process ===\nred square\n=== Target Criteria ===\nc0" in text[0]
+    inputs = chain.tokenizer(text, return_tensors="pt", padding=True, add_special_tokens=False)
+    expected = _reference_replies(chain.model, chain.tokenizer, inputs, 5)
+    for v, (reply, hit) in zip([verdicts[0], verdicts[2]], expected):
+        assert v.reply == reply and v.truncated == hit and v.status == parse_answer(reply)
+    # a panel routes images and chains to their own judges
+    panel = JudgePanel(ColorJudge(), chain)
+    assert panel.judges_reasoning and panel.name == "color+chain-llm"
+    with pytest.raises(NotImplementedError):
+        chain.judge_images(instances, [None] * 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# ShapesWorld: exact judge and a run of the three settings
+# ---------------------------------------------------------------------------------------------
+PATTERN = {"objects": [{"shape": "circle", "color": "red"}, {"shape": "square", "color": "blue"},
+                       {"shape": "circle", "color": "red"}],
+           "relations": [{"subject": 0, "relation": "left", "object": 1}]}
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("a blue square to the right of a red circle and a red circle", True),  # inverse relation
+        ("a red circle left of a blue square, a red circle", True),
+        ("two red circles and a blue square", False),  # relation not stated
+        ("a red circle to the left of a blue square", False),  # one red circle missing
+        ("a circle to the left of a blue square and a red circle", False),  # colour not named
+        ("a red circle above a blue square and a red circle", False),  # wrong relation
+        ("the answer is two red circles", False),  # outside the grammar
+    ],
+)
+def test_refined_prompt_implies_pattern(text, ok):
+    from unicon.evaluation.judges import refined_prompt_implies
+
+    assert refined_prompt_implies(text, PATTERN) is ok
+
+
+def test_exact_judge_on_rendered_scenes():
+    from unicon.evaluation.judges import ShapesJudge
+    from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, render
+
+    cfg = WorldConfig()
+    good = render(Scene((ShapeObject("circle", "red", 0, 0), ShapeObject("square", "blue", 0, 2),
+                         ShapeObject("circle", "red", 3, 3))), cfg, seed=1)
+    bad = render(Scene((ShapeObject("circle", "red", 0, 3), ShapeObject("square", "blue", 0, 2),
+                        ShapeObject("circle", "red", 3, 3))), cfg, seed=1)
+    inst = UReasonInstance(id=1, category="spatial", direct_prompt="d", prompt="p", expect_en="c",
+                           target_scene=PATTERN)
+    judge = ShapesJudge(cfg)
+    got = judge.judge_images([inst] * 4, [good, bad, None, Image.new("RGB", (64, 64), "white")])
+    assert [v.status for v in got] == ["yes", "no", "no_input", "no"]
+    chains = judge.judge_reasoning([inst] * 2, ["t", "t"], ["a red circle left of a blue square, a red circle", ""])
+    assert [v.status for v in chains] == ["yes", "no_input"]
+    with pytest.raises(Exception, match="needs 'target_scene'"):
+        judge.judge_images([_inst(1, "code")], [good])
+
+
+class ShapesDouble(ColorDouble):
+    """Test double of a think-then-draw ShapesWorld model: it draws the scene of a caption it knows
+    (an empty board otherwise) and reasons by an answer key with one wrong answer."""
+
+    def __init__(self, drawings: dict, answers: dict, cfg):
+        super().__init__()
+        self.drawings, self.answers, self.cfg = drawings, answers, cfg
+
+    def generate_image(self, prompts, context=None, config=None):
+        from unicon.worlds.shapes import Scene, render
+
+        self.calls.append((list(prompts), None if context is None else list(context)))
+        return [render(self.drawings.get(p if context is None else None, Scene()), self.cfg) for p in prompts]
+
+    def reason(self, prompts, max_new_tokens=256):
+        return [TextGeneration(f"<think>count the shapes</think>\nrefined prompt: {self.answers[p]}", False, 9)
+                for p in prompts]
+
+
+def test_shapes_run_reports_all_three_settings(tmp_path):
+    """A ShapesWorld-format run (the tiny trained OFA is not used here: a deterministic test double)."""
+    from unicon.evaluation.judges import ShapesJudge
+    from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig
+
+    cfg = WorldConfig()
+    one_red = {"objects": [{"shape": "circle", "color": "red"}]}
+    world = tmp_path / "world" / "ureason"
+    world.mkdir(parents=True)
+    rows = {"arithmetic": [(1, "there were three red circles; two rolled away", one_red)],
+            "spatial": [(2, "the red circles hug a blue square", PATTERN)]}
+    for cat, items in rows.items():
+        _write(world / f"direct_{cat}.jsonl", [{"id": i, "prompt": "draw: " + p, "expect_en": "c", "category": cat,
+                                                  "target_scene": t} for i, p, t in items])
+        _write(world / f"{cat}.jsonl", [{"id": i, "prompt": "think: " + p, "expect_en": "c", "category": cat,
+                                           "target_scene": t} for i, p, t in items])
+    instances = ur.load_instances(tmp_path / "world")
+    drawings = {
+        "a red circle": Scene((ShapeObject("circle", "red", 1, 1),)),
+        "two red circles and a blue square": Scene((ShapeObject("circle", "red", 0, 0),
+                                                    ShapeObject("square", "blue", 0, 2),
+                                                    ShapeObject("circle", "red", 3, 3))),
+    }
+    answers = {"think: there were three red circles; two rolled away": "a red circle",
+               "think: the red circles hug a blue square": "two red circles and a blue square"}
+    model = ShapesDouble(drawings, answers, cfg)
+    metrics, samples = ur.evaluate_ureason(model, instances, ShapesJudge(cfg), out_dir=tmp_path / "out")
+    # s1/s2 draw an empty board (prompt unknown to the double) -> fail; s3 draws the refined prompt:
+    # correct for arithmetic; for spatial the scene happens to satisfy the pattern but the
+    # refined prompt does not state the relation -> image correct, chain wrong.
+    assert (metrics["acc_s1"], metrics["acc_s2"], metrics["acc_s3"]) == (0.0, 0.0, 100.0)
+    assert metrics["acc_s3/arithmetic"] == 100.0 and metrics["acc_s3/spatial"] == 100.0
+    assert metrics["chain_acc/arithmetic"] == 100.0 and metrics["chain_acc/spatial"] == 0.0
+    assert metrics["delta_23"] == 100.0 and metrics["fallback_rate"] == 0.0
+    table = (tmp_path / "out" / "table.md").read_text()
+    for k in (1, 2, 3):
+        assert f"| {k} {ur.SETTING_NAMES[k]} |" in table
