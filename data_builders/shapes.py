@@ -5,7 +5,10 @@ Writes (see the team brief for the schemas)::
     world.json                      config, held-out compositions, seed, sizes, build options
     tokenizer.json                  byte-level BPE trained on all world text (<s>=0 <pad>=1 </s>=2 <unk>=3)
     images/<split>/<scene_id>.png   one rendered scene per file (jittered, noise per --noise)
-    mixture_<split>.jsonl           caption / vqa / grounding / t2i rows (+ "reason" rows in train)
+    mixture_<split>.jsonl           caption / vqa / grounding / t2i rows
+    reason_train.jsonl              think-then-draw training rows, task "reason" (text = think prompt,
+                                    target = gold trace ending "refined prompt: ..."); with
+                                    --reason-in-mixture they are appended to mixture_train.jsonl instead
     cococon_<split>.json            CocoCon schema + "category" + "scene" per annotation
     drift_seeds.jsonl               (image, caption) pairs from the test split
     geneval_metadata.jsonl          GenEval schema with ShapesWorld classes and colours
@@ -31,6 +34,7 @@ import os
 import shutil
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,6 +57,7 @@ from unicon.worlds.shapes_text import (
     describe_scene,
     make_contrast_sample,
     mentions_kind,
+    number_word,
     answer_question,
     plural,
     question_type,
@@ -63,6 +68,10 @@ SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>"]
 GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 UREASON_ID_RANK = {"code": 1, "attribute": 2, "spatial": 3, "arithmetic": 4}  # as in the real release
 QTYPES = ("color", "shape", "count", "exist", "relation")
+# The OFA task prompts (owned by OFAUnifiedModel) are added to the BPE corpus so that their words
+# are whole tokens too.
+TASK_PROMPTS = (" what does the image describe?", ' which region does the text " X " describe?',
+                " what is the complete image? caption: X")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--min-contrast-sets", type=int, default=1)
     t.add_argument("--max-contrast-sets", type=int, default=5)
     t.add_argument("--num-reason-train", type=int, default=2000, help="think-then-draw rows in the train mixture")
+    t.add_argument("--reason-in-mixture", action="store_true",
+                   help="append the reasoning rows to mixture_train.jsonl instead of reason_train.jsonl")
     t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
     t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
     t.add_argument("--num-drift-seeds", type=int, default=64)
@@ -206,6 +217,16 @@ def _init_worker(state: dict[str, Any]) -> None:
     _STATE.update(state)
 
 
+def _make_importable() -> None:
+    """The CLI loads this file by path, so its module name is not importable; worker processes
+    unpickle ``process_scene`` by module name. Register the name (forked workers inherit it)."""
+    name = process_scene.__module__
+    if sys.modules.get(name) is None or getattr(sys.modules[name], "process_scene", None) is not process_scene:
+        module = types.ModuleType(name)
+        module.__dict__.update(globals())
+        sys.modules[name] = module
+
+
 def scene_name(scene_id: int, width: int) -> str:
     return f"{scene_id:0{width}d}"
 
@@ -254,10 +275,13 @@ def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
     for k in range(args["t2i_per_scene"]):
         rows.append(row("t2i", k, captions[k % len(captions)] if captions else describe_scene(scene, rng), None))
 
+    # One contrast sample per scene. Categories take turns by scene index; when the scene cannot
+    # host its turn's category, a random feasible one is used (so no category absorbs the misses).
     ann = None
     cats = list(args["categories"])
-    start = index % len(cats)
-    for cat in cats[start:] + cats[:start]:
+    preferred = cats[index % len(cats)]
+    others = [c for c in cats if c != preferred]
+    for cat in [preferred] + [others[k] for k in rng.permutation(len(others))]:
         sample = make_contrast_sample(scene, cat, cfg, rng, args["min_contrast_sets"], args["max_contrast_sets"],
                                       forbidden=forbidden, boxes=boxes)
         if sample is not None:
@@ -286,7 +310,6 @@ def geneval_rows(cfg: WorldConfig, per_tag: int, seed: int) -> list[dict[str, An
             return [{"include": [{"class": s, "count": 1}, {"class": t, "count": 1}],
                      "prompt": f"a photo of {a(s)} {s} and {a(t)} {t}"} for s in shapes for t in shapes if s != t]
         if tag == "counting":
-            from unicon.worlds.shapes_text import number_word
             return [{"include": [{"class": s, "count": n}], "exclude": [{"class": s, "count": n + 1}],
                      "prompt": f"a photo of {number_word(n)} {plural(s)}"}
                     for s in shapes for n in range(2, cfg.max_objects + 1)]
@@ -362,13 +385,18 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, path: Path) -> int:
 
 
 def _world_texts(out: Path) -> Iterator[str]:
-    for split in SPLITS:
-        with open(out / f"mixture_{split}.jsonl") as f:
+    for _ in range(10):
+        yield from TASK_PROMPTS
+    for name in [f"mixture_{s}.jsonl" for s in SPLITS] + ["reason_train.jsonl"]:
+        if not (out / name).is_file():
+            continue
+        with open(out / name) as f:
             for line in f:
                 r = json.loads(line)
                 for v in (r["text"], r["target"]):
                     if isinstance(v, str):
                         yield v
+    for split in SPLITS:
         data = json.loads((out / f"cococon_{split}.json").read_text())
         for a in data["annotations"]:
             yield from (a["caption"], a["query"], a["answer"])
@@ -422,6 +450,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     counts: dict[str, Any] = {}
     evals, reason_train = reasoning_items(cfg, args, held_out)
     drift = []
+    if workers > 1:
+        _make_importable()
     pool = mp.get_context("fork").Pool(workers, _init_worker, (state,)) if workers > 1 else None
     if pool is None:
         _init_worker(state)
@@ -449,7 +479,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
                         if split == "test" and len(drift) < args.num_drift_seeds:
                             drift.append(res["drift"])
                         progress.advance(bar)
-                    if split == "train":
+                    if split == "train" and args.reason_in_mixture:
                         for r in reason_train:
                             mix.write(json.dumps(r) + "\n")
                         n_rows += len(reason_train)
@@ -461,6 +491,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             pool.close()
             pool.join()
 
+    if not args.reason_in_mixture:
+        _write_jsonl(out / "reason_train.jsonl", reason_train)
     _write_jsonl(out / "drift_seeds.jsonl", drift)
     geneval = geneval_rows(cfg, args.geneval_per_tag, args.seed)
     _write_jsonl(out / "geneval_metadata.jsonl", geneval)

@@ -389,7 +389,93 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
     path = _mini_file(tmp_path)
     single = cc.evaluate_model(HashModel(), load_cococon(path).samples, batch_size=4, cider_tokenizer="simple")
     expected = json.loads(json.dumps([single.results, single.per_sample]))
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=2, join=True)
+    # fork: the children inherit the imported modules (spawn would re-import torch/torchmetrics twice)
+    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=2,
+                       join=True, start_method="fork")
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The real tiny OFA (random init) on a small ShapesWorld, through `unicon evaluate cococon`
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_world_model(tmp_path_factory):
+    from omegaconf import OmegaConf
+
+    from data_builders.shapes import main as build_shapes
+    from unicon.models import build_model
+
+    root = tmp_path_factory.mktemp("shapes")
+    world = root / "world"
+    build_shapes(["--out", str(world), "--num-train", "8", "--num-val", "2", "--num-test", "12", "--quiet",
+                  "--num-reason-train", "2", "--num-ureason", "1", "--geneval-per-tag", "1",
+                  "--num-drift-seeds", "1", "--vocab-size", "300"])
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "model" / "ofa_shapes_tiny.yaml")
+    torch.manual_seed(0)
+    model = build_model(cfg, world_root=world)
+    model.save_pretrained(str(root / "model"))
+    return world, root / "model"
+
+
+def test_cli_with_tiny_ofa_on_shapesworld(tiny_world_model, tmp_path):
+    world, ckpt = tiny_world_model
+    out = tmp_path / "out"
+    rc = cc.cli(["--ckpt", str(ckpt), "--data", str(world / "cococon_test.json"), "--out", str(out),
+                 "--logger", "csv", "--max-samples", "8", "--batch-size", "8", "--cider-tokenizer", "simple"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
+    assert results["num_samples"] == 8 and len(rows) == 8
+    for task in cc.TASKS:
+        assert results[task]["n_k"]["1"] > 0
+    check_against_reference(results, rows)
+    gen = results["generative"]
+    # a world root with world.json enables the exact ShapesWorld T2I check; FID needs weights
+    assert isinstance(gen["t2i_scene_match"], float) and gen["t2i_fid"] == "unavailable"
+    assert 0.0 <= gen["vqa_accuracy"] <= 100.0 and gen["localization_n"] == results["localization"]["n_k"]["1"]
+    assert set(results["truncated_candidates"]) == {"caption", "vqa", "localization", "t2i"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Epoch-end callback inside a Lightning run
+# ---------------------------------------------------------------------------------------------
+def test_callback_logs_metrics_and_table(tmp_path):
+    import lightning.pytorch as pl
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from unicon.config import RunConfig
+    from unicon.training.loggers import JsonlLogger, read_metrics
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = HashModel()
+
+        def training_step(self, batch, batch_idx):
+            return (self.model.dummy * batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    path = _mini_file(tmp_path)
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.eval.cococon.data, cfg.eval.cococon.max_samples, cfg.eval.cococon.table_rows = str(path), 6, 3
+    cfg.eval.fail_on_error = True
+    callback = cc.CocoConCallback.from_config(cfg)
+    assert (callback.max_samples, callback.batch_size, callback.every_n_epochs) == (6, 16, 1)
+    run_dir = tmp_path / "run"
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=JsonlLogger(run_dir), callbacks=[callback],
+                         default_root_dir=run_dir, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Module(), DataLoader(torch.ones(2, 1), batch_size=1))
+    logged = {k: v for row in read_metrics(run_dir / "metrics.jsonl") for k, v in row.items()}
+    assert logged["cococon/failed"] == 0.0
+    results = json.loads((run_dir / "eval" / "cococon" / "epoch-1" / "results.json").read_text())
+    assert results["num_samples"] == 6
+    assert logged["cococon/vqa/C_1"] == pytest.approx(results["vqa"]["C_k"]["1"])
+    assert "cococon/t2i/rho" in logged and "cococon/localization/acc@1" in logged
+    table = (run_dir / "tables" / "cococon_samples.jsonl").read_text().splitlines()
+    assert len(table) == 3 and "vqa_consistent" in json.loads(table[0])

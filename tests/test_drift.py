@@ -711,3 +711,67 @@ def test_train_shapes_clip_saves_open_clip_checkpoint(world_cfg, tmp_path):
     with torch.no_grad():
         ref = model.encode_text(tok, normalize=True)
     assert torch.allclose(ref[0], t[0], atol=1e-5)
+
+
+def make_world(root: Path, cfg, n: int = 4) -> Path:
+    """A minimal on-disk world: world.json, drift_seeds.jsonl, geneval_metadata.jsonl, images."""
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "world.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    rng = np.random.default_rng(1)
+    gen = ShapesModel(cfg, competent=False)
+    with open(root / "drift_seeds.jsonl", "w") as f:
+        for i in range(n):
+            scene = gen._random_scene(rng)
+            shapes.render(scene, cfg, seed=0).save(root / "images" / f"{i}.png")
+            f.write(json.dumps({"id": f"{i:05d}", "image": f"images/{i}.png", "caption": shapes.describe_scene(scene),
+                                "scene": scene.to_dict()}) + "\n")
+    (root / "geneval_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
+    return root
+
+
+def test_drift_callback_logs_metrics(world_cfg, tmp_path):
+    from types import SimpleNamespace
+
+    from unicon.config import DriftEvalConfig
+    from unicon.training.loggers import JsonlLogger
+
+    world = make_world(tmp_path / "world", world_cfg)
+    cfg = DriftEvalConfig(num_chains=3, generations=2, embedders=["scene", "clip"], clip=str(tmp_path / "no_clip"),
+                          batch_size=4, strips=1)
+    cb = drift.DriftCallback(cfg, world)
+    logger = JsonlLogger(tmp_path / "run")
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path / "run"), current_epoch=0, global_step=7,
+                              loggers=[logger], sanity_checking=False)
+    metrics = cb.evaluate(trainer, ShapesModel(world_cfg, competent=True))
+    # the missing CLIP was skipped (warning), the scene embedder covers all four mappings
+    assert metrics["drift/MCD_avg"] == pytest.approx(1.0)
+    assert {f"drift/MCD_{m}" for m in drift.MAPPINGS} <= set(metrics)
+    assert 0.8 <= metrics["drift/MGG"] <= 1.0
+    out = tmp_path / "run" / "eval" / "drift" / "epoch-1"
+    assert (out / "drift.json").is_file() and (out / "mgg" / "text-first" / "gen-1").is_dir()
+    table = (tmp_path / "run" / "tables" / "drift_strips.jsonl").read_text().splitlines()
+    assert len(table) == 2 and json.loads(table[0])["chain"] == "text-first"
+
+
+def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, capsys):
+    world = make_world(tmp_path / "world", world_cfg)
+    monkeypatch.setattr(drift, "_load_model", lambda ckpt: ShapesModel(world_cfg, competent=True))
+    out = tmp_path / "out"
+    rc = drift.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
+                    "--embedders", "scene", "--logger", "csv", "--batch-size", "3"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["MCD_avg"] == pytest.approx(1.0) and summary["MGG"] > 0.8 and summary["repairs"] == 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["drift/MCD_avg"] == pytest.approx(1.0)
+    # a second invocation resumes: nothing recomputed
+    rc = drift.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
+                    "--embedders", "scene", "--batch-size", "3"])
+    assert rc == 0
+    with pytest.raises(SystemExit):
+        drift.cli(["--help"])
+    capsys.readouterr()
+    rc = drift.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "4", "--generations", "2"])
+    bench = json.loads(capsys.readouterr().out)
+    assert rc == 0 and bench["batched_batch_size"] == 4 and bench["sequential_batch_size"] == 1
+    assert bench["speedup"] == pytest.approx(bench["batched_steps_per_s"] / bench["sequential_steps_per_s"])

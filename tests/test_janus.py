@@ -114,10 +114,9 @@ def test_score_text_shapes_grad_and_naive(model, images):
     model.zero_grad(set_to_none=True)
 
 
-def test_score_text_checkpointing_path_matches_cached_path(images):
+def test_score_text_checkpointing_path_matches_cached_path(model, images):
     """Gradient checkpointing in training mode disables the KV cache; the full-sequence path must agree."""
-    torch.manual_seed(0)
-    m = JanusUnifiedModel.from_config(_tiny_cfg())
+    m = copy.deepcopy(model)
     prompts, cands = ["Q?", "What is shown here?"], [["yes", "no"], ["a cat", "dog", "x"]]
     with torch.no_grad():
         cached = m.eval().score_text(images, prompts, cands)
@@ -265,9 +264,8 @@ def test_text_generation_and_truncation(model, images):
 
 
 # ---- LoRA ----------------------------------------------------------------------------------------
-def test_lora_step_changes_only_adapters_and_merges_on_save(images, tmp_path):
-    torch.manual_seed(0)
-    m = JanusUnifiedModel.from_config(_tiny_cfg())
+def test_lora_step_changes_only_adapters_and_merges_on_save(model, images, tmp_path):
+    m = copy.deepcopy(model)
     m.add_lora({"r": 4, "alpha": 8, "dropout": 0.0})
     targets = m.default_lora_targets
     assert targets and all(".language_model." in t for t in targets)
@@ -363,5 +361,163 @@ def test_bad_inputs(model, images):
     # truncation is counted, never silent
     long = copy.copy(model)
     long.max_target_length = 3
-    s = long.score_text(images[:1], ["q"], [["a long answer", "ab"]])
+    s = long.score_text(images[:1], ["q"], [["a long answer", "a"]])  # " a" + eos = 3 tokens
     assert s.num_truncated == 1 and s.num_tokens.tolist() == [[3, 3]]
+
+
+def test_factory_config_and_load_model(images, tmp_path):
+    from unicon.config import compose
+    from unicon.models import build_model, load_model
+
+    cfg = compose(["model=janus_tiny"])
+    torch.manual_seed(0)
+    built = build_model(cfg.model).eval()
+    assert isinstance(built, JanusUnifiedModel) and built.num_image_tokens == 16
+    assert 1e6 < sum(p.numel() for p in built.parameters()) < 5e6  # "a few million parameters"
+    built.save_pretrained(str(tmp_path / "export"))
+    loaded = load_model(str(tmp_path / "export"), world_root="ignored")
+    assert isinstance(loaded, JanusUnifiedModel) and not loaded.training
+    # `pretrained` in the model section goes through from_pretrained
+    again = build_model(compose(["model=janus_pro_1b", f"model.pretrained={tmp_path / 'export'}", "model.dtype=float32"]).model)
+    with torch.no_grad():
+        a = built.score_text(images, ["q", "q"], [["x", "y"], ["z"]]).sum_nll
+        b = loaded.score_text(images, ["q", "q"], [["x", "y"], ["z"]]).sum_nll
+        c = again.eval().score_text(images, ["q", "q"], [["x", "y"], ["z"]]).sum_nll
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(a, c, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cannot change the architecture"):
+        JanusUnifiedModel.from_config({**_tiny_cfg(), "pretrained": str(tmp_path / "export")})
+    # the real-checkpoint configs compose, and an absent local checkpoint fails with its path
+    pro = compose(["model=janus_pro_1b"]).model
+    assert pro.dtype == "bfloat16" and pro.lora.enabled and not pro.trust_remote_code and not pro.allow_pickle
+    with pytest.raises(NotAJanusCheckpoint, match="models/Janus-Pro-1B: not a local directory"):
+        JanusUnifiedModel.from_config({**OmegaConf.to_container(pro), "pretrained": "models/Janus-Pro-1B"})
+
+
+# ---- end to end through the evaluation suites --------------------------------------------------------
+def _mini_cococon(tmp_path: Path) -> Path:
+    (tmp_path / "images").mkdir()
+    anns, table = [], []
+    for i in range(3):
+        Image.new("RGB", (40, 30 + i), (60 * i, 120, 30)).save(tmp_path / "images" / f"{i}.png")
+        table.append({"id": i, "file_name": f"images/{i}.png", "width": 40, "height": 30 + i})
+        ann = {
+            "id": i, "question_id": 10 + i, "image_id": i, "caption": f"a red circle left of shape {i}",
+            "query": "what color is the circle?", "answer": "red",
+            "contrast_sets": [{"mutex_caption": f"a {c} circle left of shape {i}", "mutex_answer": c}
+                              for c in ["blue", "green"][: i + 1]],
+        }
+        if i != 1:
+            ann["detection"], ann["boxes"] = "the circle", [[2, 3, 10, 8]]
+            ann["contrast_sets"][0]["mutex_detection"] = "the square"
+        anns.append(ann)
+    path = tmp_path / "cococon.json"
+    path.write_text(json.dumps({"annotations": anns, "images": table}))
+    return path
+
+
+def test_cococon_evaluation_end_to_end(model, tmp_path):
+    cc = pytest.importorskip("unicon.evaluation.cococon")
+    from unicon.data.cococon import load_cococon
+
+    data = load_cococon(_mini_cococon(tmp_path))
+    result = cc.evaluate_model(model, data.samples, batch_size=2, cider_tokenizer="simple")
+    flat = result.flat()
+    for task in ("vqa", "localization", "t2i"):
+        assert 0.0 <= flat[f"cococon/{task}/C_1"] <= 100.0
+    assert "cococon/caption/acc@1" in flat
+    # the evaluator's NLLs are the backend's scores: check sample 2's caption row directly
+    cc.write_outputs(result, tmp_path / "out")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "per_sample.jsonl").read_text().splitlines()]
+    s = data.samples[2]
+    with torch.no_grad():
+        direct = model.score_text([s.load_image()], [model.caption_prompt],
+                                  [[cc.normalize_text(s.caption)] + [cc.normalize_text(c.caption) for c in s.contrast_sets]])
+    assert rows[2]["nll"]["caption"] == pytest.approx(direct.nll[0].tolist(), abs=1e-5)
+
+
+def test_drift_two_generations_end_to_end(model, tmp_path):
+    drift = pytest.importorskip("unicon.evaluation.drift")
+    from unicon.data.drift_seeds import DriftSeed
+
+    seeds = []
+    for i in range(2):
+        p = tmp_path / f"s{i}.png"
+        Image.new("RGB", (32, 32), (100 * i, 50, 200)).save(p)
+        seeds.append(DriftSeed(id=f"s{i}", caption=f"a blue square number {i}", image=p))
+    run = drift.run_chains(model, seeds, tmp_path / "chains", generations=2, batch_size=2,
+                           image_config=ImageGenerationConfig(seed=0))
+    assert run is not None
+    files = sorted(str(p.relative_to(tmp_path / "chains")) for p in (tmp_path / "chains").rglob("*") if p.is_file())
+    assert any(f.endswith(".png") for f in files) and any(f.endswith(".csv") for f in files)
+    for png in (tmp_path / "chains").rglob("*.png"):
+        with Image.open(png) as im:
+            assert im.size == (32, 32)
+
+
+def test_ureason_settings_end_to_end(model, tmp_path):
+    ur = pytest.importorskip("unicon.evaluation.ureason")
+    from unicon.data.ureason import UReasonInstance
+    from unicon.evaluation.judges import Judge, Verdict
+
+    class BrightJudge(Judge):
+        name = "bright"
+
+        def __init__(self):
+            self.seen = []
+
+        def judge_images(self, instances, images):
+            self.seen += [im.size if im is not None else None for im in images]
+            return [Verdict("yes" if im is not None and sum(im.getpixel((0, 0))) > 384 else "no") for im in images]
+
+    instances = [UReasonInstance(id=i, category="attribute", direct_prompt=f"draw {c}", prompt=f"think about {c}",
+                                 expect_en=c) for i, c in enumerate(["red", "blue"])]
+    judge = BrightJudge()
+    metrics, samples = ur.evaluate_ureason(model, instances, judge, out_dir=tmp_path, max_new_tokens=8, batch_size=2,
+                                           image_config=ImageGenerationConfig(seed=0))
+    assert len(samples) == 2 and judge.seen and all(s == (32, 32) for s in judge.seen)
+    assert all(0.0 <= metrics[k] <= 100.0 for k in ("acc_s1", "acc_s2", "acc_s3"))
+    assert all(isinstance(s.trace, str) for s in samples)
+
+
+def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatch):
+    """Two ConsistencyModule steps with PEFT LoRA on the tiny Janus, then export + reload."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    builder = pytest.importorskip("data_builders.shapes")
+    run = pytest.importorskip("unicon.training.run")
+    from unicon.config import compose
+    from unicon.models import load_model
+
+    world = tmp_path / "shapes"
+    builder.main(["--out", str(world), "--num-train", "6", "--num-val", "2", "--num-test", "2", "--quiet",
+                  "--overwrite", "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1",
+                  "--num-reason-train", "0"])
+    cfg = compose([
+        "model=janus_tiny", "trainer=cpu", "logger=csv", "eval=none", f"data.root={world}",
+        f"output_dir={tmp_path / 'runs'}", "data.batch_size=2", "data.contrast_batch_size=2", "data.max_contrast=2",
+        "trainer.max_steps=2", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+        "optim.lr=1e-2", "optim.warmup_ratio=0.0", "loss.gamma=1.0", "model.lora.enabled=true", "model.lora.r=2",
+    ])
+    model = run.build_training_model(cfg)
+    assert isinstance(model, JanusUnifiedModel)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any(".language_model." in n for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    monkeypatch.setattr(run, "build_training_model", lambda c: model)
+    out = run.train(cfg)
+    assert out["global_step"] == 2
+    state = torch.load(out["ckpt_path"], weights_only=False)["state_dict"]
+    for name, value in frozen.items():  # only adapters moved
+        torch.testing.assert_close(state[f"model.{name}"], value, atol=0, rtol=0)
+    assert any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k and ".language_model." in k)
+    exported = load_model(out["export_dir"])
+    assert isinstance(exported, JanusUnifiedModel)
+    assert not any("lora_" in n for n, _ in exported.named_parameters())
+    images = [Image.new("RGB", (32, 32), (200, 10, 10))]
+    with torch.no_grad():  # `model` was merged in place by the export
+        torch.testing.assert_close(exported.score_text(images, ["q"], [["a red square", "x"]]).sum_nll,
+                                   model.eval().score_text(images, ["q"], [["a red square", "x"]]).sum_nll,
+                                   atol=1e-5, rtol=1e-6)

@@ -176,6 +176,9 @@ def test_beam_search_with_cache(ofa_fixture_dir, reference_model):
         for _ in range(greedy.shape[1] - 1):
             seq = torch.cat([seq, reference_model.decode(seq, enc)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(cached, recomputed)
+    bare = OFAModel.from_pretrained(ofa_fixture_dir)  # the un-prefixed class generates identically
+    with torch.no_grad():
+        assert torch.equal(bare.generate(**kw), cached)
     assert cached[:, 0].eq(0).all()  # decoder_start_token_id
     assert torch.equal(greedy, seq)
     for row in cached.tolist():
@@ -292,6 +295,16 @@ def test_published_sizes(name, millions):
     assert abs(sum(p.numel() for p in model.parameters()) / 1e6 - millions) < 1.5
 
 
+def test_preset_overrides_checked():
+    assert preset_config("shapes-tiny", vocab_size=300, d_model=192).d_model == 192
+    with pytest.raises(ValueError, match="d_modle"):
+        preset_config("shapes-tiny", d_modle=192)
+    with pytest.raises(ValueError, match="unknown OFA preset"):
+        preset_config("ofa-gigantic")
+    with pytest.raises(OFAConfigError, match="not divisible"):
+        preset_config("shapes-tiny", encoder_attention_heads=5)
+
+
 def test_shapes_tiny_grid_and_gradients():
     model = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300))
     model.train()
@@ -308,7 +321,7 @@ def test_shapes_tiny_grid_and_gradients():
     assert model.model.decoder.image_rel_pos_table_list[0].weight.grad.abs().sum() > 0
 
 
-def test_gradient_checkpointing_same_gradients():
+def test_gradient_checkpointing_same_gradients(monkeypatch):
     torch.manual_seed(0)
     model = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300, dropout=0.0))
     model.train()
@@ -321,9 +334,13 @@ def test_gradient_checkpointing_same_gradients():
         return model.model.encoder.layers[0].fc1.weight.grad.clone()
 
     plain = grads()  # train-mode BatchNorm uses batch statistics, so both passes see the same function
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     assert model.model.encoder.gradient_checkpointing and model.model.decoder.gradient_checkpointing
+    calls = []
+    original = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
     assert torch.allclose(grads(), plain, atol=1e-6)
+    assert len(calls) == 6  # 3 encoder + 3 decoder layers
 
 
 def test_encoder_output_is_model_output():

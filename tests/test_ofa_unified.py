@@ -323,3 +323,174 @@ def test_scores_type_and_wrapper_config_errors():
         OFAWrapperConfig.from_dict({"num_beam": 3})
     assert isinstance(Scores(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
                              torch.ones(1, 1, dtype=torch.long)), Scores)
+
+
+# ---- the factory, load_model and the ShapesWorld evaluator --------------------------------------------------
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+TINY_ARCH = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, resnet_width=8,
+                 num_bins=65, num_beams=2, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_world(tmp_path_factory):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shapes_builder_ofa", REPO / "data_builders" / "shapes.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    out = tmp_path_factory.mktemp("ofa_world") / "shapes"
+    builder.main(["--out", str(out), "--num-train", "20", "--num-val", "4", "--num-test", "12",
+                  "--num-reason-train", "0", "--num-ureason", "2", "--geneval-per-tag", "2",
+                  "--num-drift-seeds", "2", "--quiet"])
+    return out
+
+
+def _world_model(world, seed=0):
+    from unicon.models import build_model
+
+    torch.manual_seed(seed)
+    return build_model({"backend": "ofa", "preset": "shapes-tiny", "arch": dict(TINY_ARCH)}, world_root=world).eval()
+
+
+def _world_batch(world, n=3):
+    rows = [json.loads(line) for line in (world / "mixture_test.jsonl").read_text().splitlines()]
+    caps = [r for r in rows if r["task"] == "caption"][:n]
+    return [Image.open(world / r["image"]).convert("RGB") for r in caps], [[r["target"], "a red circle"] for r in caps]
+
+
+def test_build_model_sizes_the_vocabulary_from_the_world(tiny_world):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from unicon.worlds.shapes import load_world
+
+    model = _world_model(tiny_world)
+    n_text = HFTokenizer.from_file(str(tiny_world / "tokenizer.json")).get_vocab_size()
+    codes = load_world(tiny_world).config.codebook_size
+    assert model.tokenizer.num_text == n_text and model.tokenizer.num_codes == codes == 49
+    assert model.ofa.config.vocab_size == n_text + codes + 65
+    assert model.image_tokenizer.grid_size == (4, 4) and model.settings.image_size == 64
+    images, cands = _world_batch(tiny_world)
+    with torch.no_grad():
+        s = model.score_image([[c[0]] for c in cands], images)  # the world's own image codes
+    assert s.num_tokens[:, 0].tolist() == [16] * len(images)
+
+
+def test_build_model_refuses_bad_configs(tiny_world):
+    from unicon.errors import UserError
+    from unicon.models import build_model
+
+    with pytest.raises(UserError, match="preset 'nope' is unknown"):
+        build_model({"backend": "ofa", "preset": "nope"}, world_root=tiny_world)
+    with pytest.raises(UserError, match="backend 'cnn' is unknown"):
+        build_model({"backend": "cnn"})
+    with pytest.raises(UserError, match="needs a world"):
+        build_model({"backend": "ofa", "preset": "shapes-tiny"})
+    with pytest.raises(UserError, match="code grid"):
+        build_model({"backend": "ofa", "preset": "shapes-tiny", "arch": {**TINY_ARCH, "code_image_size": 64}},
+                     world_root=tiny_world)
+
+
+def test_load_model_accepts_save_pretrained_dirs_and_lightning_ckpts(tiny_world, tmp_path):
+    from unicon.config import RunConfig
+    from unicon.errors import UserError
+    from unicon.models import load_model
+    from omegaconf import OmegaConf
+
+    model = _world_model(tiny_world, seed=3)
+    images, cands = _world_batch(tiny_world)
+    prompts = [model.caption_prompt] * len(images)
+    with torch.no_grad():
+        ref = model.score_text(images, prompts, cands).nll
+    model.save_pretrained(str(tmp_path / "export"))
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "model": {"backend": "ofa", "preset": "shapes-tiny", "arch": dict(TINY_ARCH)},
+        "data": {"root": str(tiny_world)}}))
+    ckpt = {"unicon_config": cfg, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    for path in (tmp_path / "export", tmp_path / "last.ckpt"):
+        again = load_model(path)
+        assert not again.training
+        with torch.no_grad():
+            assert torch.equal(again.score_text(images, prompts, cands).nll, ref), path
+    with pytest.raises(UserError, match="does not exist"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(UserError, match="not a unicon model directory"):
+        load_model(tmp_path)
+    ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if "layer_norm" not in k}
+    torch.save(ckpt, tmp_path / "broken.ckpt")
+    with pytest.raises(UserError, match="first missing"):
+        load_model(tmp_path / "broken.ckpt")
+
+
+def test_box_iou_by_hand():
+    from unicon.worlds.shapes_eval import box_iou
+
+    assert box_iou([0, 0, 10, 10], [0, 0, 10, 10]) == 1.0
+    assert box_iou([0, 0, 10, 10], [5, 0, 10, 10]) == pytest.approx(50 / 150)
+    assert box_iou([0, 0, 10, 10], [20, 20, 5, 5]) == 0.0
+    assert box_iou([0, 0, 0, 0], [0, 0, 0, 0]) == 0.0
+
+
+class _Oracle(torch.nn.Module):
+    """Answers from the parsed image with the world's own functions (or wrongly, when ``wrong``)."""
+
+    def __init__(self, world, wrong=False):
+        super().__init__()
+        from unicon.worlds.shapes import load_world
+
+        self.world, self.cfg, self.wrong = world, load_world(world).config, wrong
+        rows = [json.loads(line) for line in (world / "mixture_test.jsonl").read_text().splitlines()]
+        self.t2i = {r["text"]: r["image"] for r in rows if r["task"] == "t2i"}
+
+    def _scene(self, im):
+        from unicon.worlds.shapes import parse
+
+        return parse(im, self.cfg)
+
+    def answer(self, images, questions):
+        from unicon.worlds.shapes_text import answer_question
+
+        return ["zebra" if self.wrong else answer_question(q, self._scene(im), self.cfg).upper() + "."
+                for im, q in zip(images, questions)]
+
+    def caption(self, images):
+        from unicon.worlds.shapes_text import describe_scene
+
+        return ["a zebra" if self.wrong else describe_scene(self._scene(im)) for im in images]
+
+    def locate(self, images, expressions):
+        from unicon.worlds.shapes import parse_cells, object_box
+        from unicon.worlds.shapes_text import resolve_expression
+
+        out = []
+        for im, e in zip(images, expressions):
+            cells = dict(parse_cells(im, self.cfg))
+            obj = resolve_expression(e, self._scene(im), self.cfg)
+            box = object_box(obj, self.cfg, cells[obj])
+            out.append([box[0] + 30, box[1], box[2], box[3]] if self.wrong else box)
+        return torch.tensor(out, dtype=torch.float32)
+
+    def generate_image(self, prompts):
+        if self.wrong:
+            return [Image.new("RGB", (64, 64), (255, 0, 255)) for _ in prompts]
+        return [Image.open(self.world / self.t2i[p]).convert("RGB") for p in prompts]
+
+
+def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_world):
+    from unicon.worlds.shapes_eval import shapes_task_accuracies
+
+    good = shapes_task_accuracies(_Oracle(tiny_world), tiny_world, "test", limit=8)
+    bad = shapes_task_accuracies(_Oracle(tiny_world, wrong=True), tiny_world, "test", limit=8)
+    for key in ("vqa_accuracy", "caption_match", "loc_iou50", "t2i_match"):
+        assert good[key] == 1.0 and bad[key] == 0.0, key
+        assert 1 <= good[f"{key}_n"] <= 8
+    assert good["loc_miou"] > 0.99
+
+
+def test_shapes_task_accuracies_runs_the_real_model(tiny_world):
+    from unicon.worlds.shapes_eval import shapes_task_accuracies
+
+    acc = shapes_task_accuracies(_world_model(tiny_world), tiny_world, "test", limit=3)
+    assert set(acc) >= {"vqa_accuracy", "caption_match", "loc_iou50", "t2i_match", "loc_miou"}
+    assert all(0.0 <= v <= 1.0 for k, v in acc.items() if not k.endswith("_n"))

@@ -22,6 +22,7 @@ from unicon.losses.consistency import spearman_rank_loss
 from unicon.models.base import Scores, UnifiedModel, check_candidates, pil_to_tensor
 from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
 from unicon.training.module import ConsistencyModule, NonFiniteLossError, supported_tasks, task_candidates
+from unicon.models import build_model, load_model
 from unicon.training.run import build_training_model, cli, train
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +229,23 @@ def config_root(tmp_path_factory):
         os.environ.pop("UNICON_CONFIG_DIR")
     else:
         os.environ["UNICON_CONFIG_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def tiny_shapes_world(tmp_path_factory) -> Path:
+    """A 12-scene ShapesWorld built by the real builder (tokenizer, mixture, CocoCon files)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from data_builders.shapes import main as build_shapes
+    except ImportError as e:  # pragma: no cover - the builder is part of the repository
+        pytest.skip(f"ShapesWorld builder unavailable: {e}")
+    root = tmp_path_factory.mktemp("shapes")
+    build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
+                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
+                  "--num-reason-train", "0"])
+    return root
 
 
 @pytest.fixture()
@@ -449,10 +467,10 @@ class _Record(L.Callback):
                 "losses": self.losses, "kinds": kinds.tolist(), "rng": rng.tolist(), "params": params}))
 
 
-def _fit(world: Path, out: Path, devices: int, strategy: str) -> dict:
+def _fit(world: Path, out: Path, devices: int, strategy: str, make_model=TinyUnified) -> dict:
     bs = 8 // devices  # one step = the whole (8-example) datasets in both settings
     cfg = run_cfg(world, out, f"data.batch_size={bs}", f"data.contrast_batch_size={bs}", "seed=1")
-    module = ConsistencyModule(TinyUnified(), cfg)
+    module = ConsistencyModule(make_model(), cfg)
     record = out / f"record{devices}.json"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -462,10 +480,27 @@ def _fit(world: Path, out: Path, devices: int, strategy: str) -> dict:
 
 
 @pytest.mark.slow
-def test_ddp_two_gloo_processes_match_one_process(tmp_path):
-    world = make_world(tmp_path / "world", n_contrast=8, n_mixture=8)
-    one = _fit(world, tmp_path, 1, "auto")
-    two = _fit(world, tmp_path, 2, "ddp_fork")
+def test_ddp_two_gloo_processes_match_one_process(tmp_path, tiny_shapes_world):
+    """With the real tiny OFA on an 8-sample ShapesWorld subset: one step sees all of it either way."""
+    world = tmp_path / "world"
+    world.mkdir()
+    (world / "images").symlink_to(tiny_shapes_world / "images")
+    (world / "tokenizer.json").symlink_to(tiny_shapes_world / "tokenizer.json")
+    (world / "world.json").symlink_to(tiny_shapes_world / "world.json")
+    contrast = json.loads((tiny_shapes_world / "cococon_train.json").read_text())
+    contrast["annotations"] = [a for a in contrast["annotations"] if a["contrast_sets"]][:8]
+    (world / "cococon_train.json").write_text(json.dumps(contrast))
+    rows = (tiny_shapes_world / "mixture_train.jsonl").read_text().splitlines()
+    picked = [r for r in rows if json.loads(r)["task"] in ("caption", "vqa", "grounding", "t2i")][::7][:8]
+    (world / "mixture_train.jsonl").write_text("\n".join(picked) + "\n")
+    assert len(contrast["annotations"]) == 8 and len(picked) == 8
+
+    def make_model():
+        torch.manual_seed(0)
+        return build_model(compose(["model=ofa_shapes_tiny"]).model, world)
+
+    one = _fit(world, tmp_path, 1, "auto", make_model)
+    two = _fit(world, tmp_path, 2, "ddp_fork", make_model)
     assert len(one["losses"]) == len(two["losses"]) == 4
     assert 0 < one["kinds"][-1] < 4  # both update kinds happened
     assert two["kinds"][0] == two["kinds"][1] == one["kinds"]  # same γ draws on both ranks
@@ -476,6 +511,15 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(two["params"][k]), torch.tensor(one["params"][k]), rtol=1e-4, atol=1e-5)
 
 
+def test_ddp_with_the_test_double(tmp_path):
+    world = make_world(tmp_path / "world", n_contrast=8, n_mixture=8)
+    one = _fit(world, tmp_path, 1, "auto")
+    two = _fit(world, tmp_path, 2, "ddp_fork")
+    assert two["kinds"][0] == two["kinds"][1] == one["kinds"]
+    for a, b in zip(one["losses"], two["losses"]):
+        assert b == pytest.approx(a, rel=1e-5)
+
+
 def test_bench_train_prints_json_ratio(world, double, capsys):
     from unicon.training.bench import cli as bench_cli
 
@@ -483,3 +527,21 @@ def test_bench_train_prints_json_ratio(world, double, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["ratio"] == pytest.approx(out["consistency_seq_per_s"] / out["standard_seq_per_s"], rel=1e-2)
     assert out["sequences_per_step"] == 8 and out["consistency_sequences_per_step_mean"] >= 8
+
+
+@pytest.mark.slow
+def test_real_tiny_ofa_trains_exports_and_reloads(tiny_shapes_world, tmp_path):
+    cfg = run_cfg(tiny_shapes_world, tmp_path, "model=ofa_shapes_tiny", "trainer.max_steps=3", "optim.lr=1e-3",
+                  "data.max_contrast=3")
+    out = train(cfg)
+    assert out["global_step"] == 3 and out["counts"]["skipped_nonfinite"] == 0
+    assert {"train/loss", "train/loss_ce"} <= set(out["metrics"])
+    from_ckpt, from_export = load_model(out["ckpt_path"]), load_model(out["export_dir"])
+    dm = ConsistencyDataModule(cfg.data)
+    dm.setup()
+    batch = collate_contrast([dm.contrast[i] for i in range(2)])
+    with torch.no_grad():
+        a = from_ckpt.score_text(batch["images"], [" what does the image describe?"] * 2, batch["captions"])
+        b = from_export.score_text(batch["images"], [" what does the image describe?"] * 2, batch["captions"])
+    torch.testing.assert_close(a.nll, b.nll)
+    assert torch.equal(a.mask, batch["candidate_mask"])

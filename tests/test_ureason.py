@@ -266,6 +266,7 @@ def test_metrics_by_hand_missing_image_is_a_failure():
     assert m["fallback_rate"] == pytest.approx(20.0) and m["empty_refined_rate"] == pytest.approx(20.0)
     assert (m["missing_s1"], m["missing_s2"], m["missing_s3"]) == (1, 0, 1)
     assert (m["unparseable_s1"], m["unparseable_s2"], m["unparseable_s3"]) == (0, 1, 0)
+    assert m["chain_unparseable"] == 1
     table = ur.markdown_table(m, ["code", "text"])
     assert "| 3 De-contextualized | 66.7 | +0.0 | 100.0 | +100.0 | 80.0 | +40.0 |" in table
     assert "| 1 Direct | 33.3 | - | 0.0 | - | 20.0 | - |" in table
@@ -673,3 +674,77 @@ def test_shapes_run_reports_all_three_settings(tmp_path):
     table = (tmp_path / "out" / "table.md").read_text()
     for k in (1, 2, 3):
         assert f"| {k} {ur.SETTING_NAMES[k]} |" in table
+
+
+@pytest.fixture(scope="module")
+def shapes_world(tmp_path_factory):
+    """A small ShapesWorld built by ``unicon build-data shapes`` (3 UReason prompts per category)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "shapes_builder", Path(__file__).resolve().parents[1] / "data_builders" / "shapes.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    out = tmp_path_factory.mktemp("ureason_world") / "world"
+    assert builder.main(["--out", str(out), "--seed", "5", "--num-train", "60", "--num-val", "10", "--num-test", "10",
+                         "--num-reason-train", "10", "--num-ureason", "3", "--geneval-per-tag", "2",
+                         "--num-drift-seeds", "4", "--quiet"]) == 0
+    return out
+
+
+def test_shapes_gold_traces_pass_extraction_and_the_exact_chain_check(shapes_world):
+    """The builder's own think-then-draw traces are the ideal chains: all must be judged correct."""
+    from unicon.evaluation.judges import ShapesJudge
+
+    instances = ur.load_instances(shapes_world)
+    assert {i.category for i in instances} == {"arithmetic", "attribute", "spatial", "code"} and len(instances) == 12
+    gold = {}
+    for cat in ("arithmetic", "attribute", "spatial", "code"):
+        for row in map(json.loads, (shapes_world / "ureason" / f"{cat}.jsonl").read_text().splitlines()):
+            gold[(cat, row["id"])] = row["trace"]
+    traces = [gold[(i.category, i.id)] for i in instances]
+    refined = [ur.extract_refined_prompt(t) for t in traces]
+    assert all(r.rule == "refined prompt" for r in refined)
+    judge = ShapesJudge.from_world(str(shapes_world))
+    verdicts = judge.judge_reasoning(instances, traces, [r.text for r in refined])
+    assert all(v.status == "yes" for v in verdicts)
+    # a wrong chain (another instance's answer) is rejected
+    wrong = judge.judge_reasoning(instances, traces, [r.text for r in refined[1:] + refined[:1]])
+    assert sum(v.status == "yes" for v in wrong) < len(instances)
+
+
+def test_shapes_run_with_a_tiny_ofa(shapes_world, tmp_path):
+    """The real OFA backend (randomly initialised tiny preset; no trained checkpoint here) through
+    all three settings with the exact judge; verdicts re-checked from the saved PNGs."""
+    from unicon.models import build_model
+    from unicon.evaluation.judges import build_judge
+    from unicon.worlds.shapes import check_criterion, load_world
+
+    torch.manual_seed(0)
+    model = build_model({"backend": "ofa", "preset": "shapes-tiny",
+                         "arch": {"num_bins": 65, "max_source_length": 48, "max_target_length": 16, "num_beams": 1,
+                                  "max_new_tokens": 16, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+                                  "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                                  "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}}, shapes_world)
+    instances = ur.subset(ur.load_instances(shapes_world), 4)
+    judge = build_judge("exact", world_root=ur.world_root_of(shapes_world))
+    out = tmp_path / "out"
+    metrics, samples = ur.evaluate_ureason(model, instances, judge, out_dir=out, max_new_tokens=16, batch_size=4)
+    cfg = load_world(shapes_world).config
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row, inst in zip(rows, instances):
+        assert row["trace_tokens"] <= 16 and isinstance(row["trace_truncated"], bool)
+        for k in (1, 2, 3):
+            if row[f"image_s{k}"] is None:  # only an empty refined prompt may leave no image
+                assert k == 3 and row["extraction_rule"] == "empty" and row[f"verdict_s{k}"] == "no_input"
+                continue
+            image = Image.open(out / row[f"image_s{k}"])
+            assert image.size == (cfg.canvas, cfg.canvas)
+            assert row[f"correct_s{k}"] == check_criterion(inst.target_scene, image, cfg)
+    for k in (1, 2, 3):
+        assert metrics[f"acc_s{k}"] == pytest.approx(100 * sum(r[f"correct_s{k}"] for r in rows) / 4)
+        for cat in {i.category for i in instances}:
+            assert f"acc_s{k}/{cat}" in metrics
+    assert metrics["fallback_rate"] == pytest.approx(100 * sum(r["extraction_rule"] == "last_paragraph"
+                                                               for r in rows) / 4)

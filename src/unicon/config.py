@@ -125,6 +125,7 @@ class CocoConEvalConfig:
     generative: bool = True  # also compute CIDEr / VQA / loc / T2I accuracies
     table_rows: int = 16
     skip_missing: bool = False  # skip (and count) samples whose image file is missing
+    tasks: list[str] = field(default_factory=lambda: ["vqa", "localization", "t2i"])  # compared with captioning
 
 
 @dataclass

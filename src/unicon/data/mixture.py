@@ -15,11 +15,14 @@ multi-worker loading decodes PNGs in parallel. :func:`collate_mixture` keeps ima
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 from PIL import Image
 from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
 
 TASKS = ("caption", "vqa", "grounding", "t2i")
 
@@ -29,14 +32,15 @@ def _row_error(path: Path, line: int, msg: str) -> ValueError:
 
 
 def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[str, Any]]:
-    """Rows of a mixture file, validated, restricted to ``tasks``."""
+    """Rows of a mixture file restricted to ``tasks`` (other tasks' rows are skipped), validated."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no pretraining-mixture file {path} (build it with `unicon build-data shapes`)")
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"data.tasks: unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, int] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -44,12 +48,15 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise _row_error(path, n, f"not valid JSON ({e.msg})") from None
-        for key in ("id", "image", "task"):
+        if not isinstance(row, dict) or "task" not in row:
+            raise _row_error(path, n, "missing key 'task'")
+        task = row["task"]
+        if task not in tasks:  # e.g. ShapesWorld's optional "reason" rows
+            skipped[task] = skipped.get(task, 0) + 1
+            continue
+        for key in ("id", "image"):
             if key not in row:
                 raise _row_error(path, n, f"missing key '{key}'")
-        task = row["task"]
-        if task not in TASKS:
-            raise _row_error(path, n, f"unknown task {task!r}")
         if task in ("vqa", "grounding", "t2i") and not row.get("text"):
             raise _row_error(path, n, f"task {task} needs a non-empty 'text'")
         if task in ("caption", "vqa") and not isinstance(row.get("target"), str):
@@ -58,10 +65,11 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
             box = row.get("target")
             if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
                 raise _row_error(path, n, "task grounding needs 'target' = [x, y, w, h]")
-        if task in tasks:
-            rows.append(row)
+        rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no rows for tasks {list(tasks)}")
+        raise ValueError(f"{path}: no rows for tasks {list(tasks)} (found {skipped or 'none'})")
+    if skipped:
+        log.info("%s: skipped rows of tasks not in data.tasks: %s", path, skipped)
     return rows
 
 

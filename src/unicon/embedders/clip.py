@@ -213,7 +213,7 @@ def train_shapes_clip(
         sched.step()
         with torch.no_grad():
             model.logit_scale.clamp_(0, math.log(100))
-        losses.append(float(loss))
+        losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             log.info("shapes clip step %d/%d loss %.4f", step + 1, steps, sum(losses[-log_every:]) / log_every)
     model.eval()

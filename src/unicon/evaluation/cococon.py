@@ -164,19 +164,28 @@ def _to_rows(scores, width: int) -> torch.Tensor:
 
 
 def score_samples(model, samples: Sequence[CocoConSample], images: list, width: int,
-                  caption_prompt: str | None = None) -> dict[str, torch.Tensor]:
-    """NLLs ``[B, width]`` per task; column 0 = gold, column 1+j = contrast set j, NaN = absent."""
+                  caption_prompt: str | None = None, tasks: Sequence[str] = TASKS,
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """NLLs ``[B, width]`` per task (column 0 = gold, column 1+j = contrast set j, NaN = absent or
+    task not selected) and the number of candidates each task had to truncate (``Scores.num_truncated``)."""
     B = len(samples)
     prompt = caption_prompt or getattr(model, "caption_prompt", None) or DEFAULT_CAPTION_PROMPT
+    vqa_template = (getattr(model, "task_prompts", None) or {}).get("vqa", "{}")
     captions = [[normalize_text(s.caption)] + [normalize_text(c.caption) for c in s.contrast_sets] for s in samples]
     answers = [[normalize_text(s.answer)] + [normalize_text(c.answer) for c in s.contrast_sets] for s in samples]
-    out = {
-        "caption": _to_rows(model.score_text(images, [prompt] * B, captions), width),
-        "vqa": _to_rows(model.score_text(images, [s.query for s in samples], answers), width),
-        "t2i": _to_rows(model.score_image(captions, images), width),
+    calls = {
+        "caption": lambda: model.score_text(images, [prompt] * B, captions),
+        "vqa": lambda: model.score_text(images, [vqa_template.format(s.query) for s in samples], answers),
+        "t2i": lambda: model.score_image(captions, images),
     }
-    loc = torch.full_like(out["caption"], float("nan"))
-    idx = [b for b, s in enumerate(samples) if s.has_localization]
+    scores = {task: _call(task, samples, fn) for task, fn in calls.items() if task == "caption" or task in tasks}
+    out = {task: _to_rows(sc, width) for task, sc in scores.items()}
+    truncated = {task: int(sc.num_truncated) for task, sc in scores.items()}
+    nan_rows = torch.full_like(out["caption"], float("nan"))
+    out.setdefault("vqa", nan_rows.clone())
+    out.setdefault("t2i", nan_rows.clone())
+    loc = nan_rows.clone()
+    idx = [b for b, s in enumerate(samples) if s.has_localization] if "localization" in tasks else []
     if idx:
         exprs, columns = [], []
         for b in idx:
@@ -184,12 +193,24 @@ def score_samples(model, samples: Sequence[CocoConSample], images: list, width: 
             cols = [0] + [1 + j for j, c in enumerate(s.contrast_sets) if c.detection is not None]
             exprs.append([normalize_text(s.detection)] + [normalize_text(s.contrast_sets[c - 1].detection) for c in cols[1:]])
             columns.append(cols)
-        scores = model.score_boxes([images[b] for b in idx], exprs, [samples[b].boxes[0] for b in idx])
-        rows = _to_rows(scores, width)
+        loc_scores = _call("localization", [samples[b] for b in idx], lambda: model.score_boxes(
+            [images[b] for b in idx], exprs, [samples[b].boxes[0] for b in idx]))
+        truncated["localization"] = int(loc_scores.num_truncated)
+        rows = _to_rows(loc_scores, width)
         for r, (b, cols) in enumerate(zip(idx, columns)):
             loc[b, cols] = rows[r, : len(cols)].to(loc.device)
     out["localization"] = loc
-    return out
+    return out, truncated
+
+
+def _call(task: str, samples: Sequence[CocoConSample], fn):
+    """Run one scoring call; a failure names the task and the samples (use ``tasks`` to skip a task)."""
+    try:
+        return fn()
+    except Exception as e:
+        ids = [s.id for s in samples]
+        raise RuntimeError(f"CocoCon {task} scoring failed on sample ids {ids[:8]}{'...' if len(ids) > 8 else ''}: "
+                           f"{type(e).__name__}: {e}") from e
 
 
 def _encode_texts(texts: Sequence[str], device) -> torch.Tensor:
@@ -223,13 +244,17 @@ class CocoConMetric(Metric):
         self.add_state("index", default=[], dist_reduce_fx="cat")
         for task in SCORED:
             self.add_state(f"nll_{task}", default=[], dist_reduce_fx="cat")
+            self.add_state(f"truncated_{task}", default=torch.tensor(0), dist_reduce_fx="sum")
         for name in ("vqa_match", "vqa_soft", "loc_iou", "t2i_match"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self.add_state("gen_caption", default=[], dist_reduce_fx="cat")
         self.add_state("gen_answer", default=[], dist_reduce_fx="cat")
 
-    def update(self, index: torch.Tensor, nll: dict[str, torch.Tensor], generated: dict[str, Any] | None = None) -> None:
+    def update(self, index: torch.Tensor, nll: dict[str, torch.Tensor], generated: dict[str, Any] | None = None,
+               truncated: dict[str, int] | None = None) -> None:
         B = index.shape[0]
+        for task, n in (truncated or {}).items():
+            setattr(self, f"truncated_{task}", getattr(self, f"truncated_{task}") + n)
         self.index.append(index.to(self.device, torch.long))
         for task in SCORED:
             if nll[task].shape != (B, self.width):
@@ -254,7 +279,7 @@ class CocoConMetric(Metric):
         keep = torch.ones_like(sorted_idx, dtype=torch.bool)
         keep[1:] = sorted_idx[1:] != sorted_idx[:-1]
         sel = order[keep]
-        out = {"index": index[sel]}
+        out = {"index": index[sel], "truncated": {t: int(getattr(self, f"truncated_{t}")) for t in SCORED}}
         names = [f"nll_{t}" for t in SCORED] + ["vqa_match", "vqa_soft", "loc_iou", "t2i_match", "gen_caption", "gen_answer"]
         for name in names:
             out[name] = cat(getattr(self, name))[sel]
@@ -335,20 +360,21 @@ def aggregate(per_sample: list[dict], max_k: int) -> dict:
     return res
 
 
-def consistency_metrics(nll: dict[str, np.ndarray], categories: Sequence[str | None] | None = None, max_k: int = 5) -> tuple[dict, list[dict]]:
+def consistency_metrics(nll: dict[str, np.ndarray], categories: Sequence[str | None] | None = None, max_k: int = 5,
+                        tasks: Sequence[str] = TASKS) -> tuple[dict, list[dict]]:
     """Metrics per task (and per category) from NLL arrays ``[N, 1 + K]`` (NaN = absent).
 
     Returns ``(results, per_sample)`` where ``per_sample[i][task]`` is :func:`sample_consistency`.
     """
     N = nll["caption"].shape[0]
-    per_sample = [{t: sample_consistency(nll["caption"][i].tolist(), nll[t][i].tolist(), max_k) for t in TASKS}
+    per_sample = [{t: sample_consistency(nll["caption"][i].tolist(), nll[t][i].tolist(), max_k) for t in tasks}
                   for i in range(N)]
-    results = {t: aggregate([p[t] for p in per_sample], max_k) for t in TASKS}
+    results = {t: aggregate([p[t] for p in per_sample], max_k) for t in tasks}
     if categories is not None and any(c is not None for c in categories):
         results["categories"] = {}
         for cat in sorted({c for c in categories if c is not None}):
             rows = [p for p, c in zip(per_sample, categories) if c == cat]
-            results["categories"][cat] = {t: aggregate([p[t] for p in rows], max_k) for t in TASKS}
+            results["categories"][cat] = {t: aggregate([p[t] for p in rows], max_k) for t in tasks}
     return results, per_sample
 
 
@@ -371,8 +397,7 @@ class _ShapesChecker:
         from unicon.worlds import shapes
 
         self.shapes = shapes
-        self.world = shapes.load_world(world_root)
-        self.cfg = getattr(self.world, "config", None) or getattr(self.world, "cfg")
+        self.cfg = shapes.load_world(world_root).config
 
     def __call__(self, image, caption: str) -> float:
         try:
@@ -387,7 +412,12 @@ class CocoConEvaluator:
 
     def __init__(self, samples: Sequence[CocoConSample], max_k: int = 5, generative: bool = True,
                  world_root: str | Path | None = None, fid_weights: str | None = None,
-                 caption_prompt: str | None = None, cider_tokenizer: str = "auto", device=None):
+                 caption_prompt: str | None = None, cider_tokenizer: str = "auto", device=None,
+                 tasks: Sequence[str] = TASKS):
+        unknown = sorted(set(tasks) - set(TASKS))
+        if unknown or not tasks:
+            raise UserError(f"CocoCon tasks must be a non-empty subset of {list(TASKS)}, got {list(tasks)}")
+        self.tasks = tuple(t for t in TASKS if t in tasks)
         self.samples = {s.index: s for s in samples}
         self.max_k = max_k
         self.generative = generative
@@ -398,10 +428,10 @@ class CocoConEvaluator:
         if device is not None:
             self.metric = self.metric.to(device)
         self.scene_checker = None
-        if generative and world_root is not None and (Path(world_root) / "world.json").is_file():
+        if generative and "t2i" in self.tasks and world_root is not None and (Path(world_root) / "world.json").is_file():
             self.scene_checker = _ShapesChecker(Path(world_root))
         self.fid = None
-        if generative and fid_weights:
+        if generative and "t2i" in self.tasks and fid_weights:
             self.fid = _make_fid(fid_weights)
             if device is not None:
                 self.fid = self.fid.to(device)
@@ -409,20 +439,22 @@ class CocoConEvaluator:
     @torch.no_grad()
     def update(self, model, samples: Sequence[CocoConSample]) -> None:
         images = [s.load_image() for s in samples]
-        nll = score_samples(model, samples, images, self.width, self.caption_prompt)
+        nll, truncated = score_samples(model, samples, images, self.width, self.caption_prompt, self.tasks)
         generated = self._generate(model, samples, images) if self.generative else None
         index = torch.tensor([s.index for s in samples], dtype=torch.long)
-        self.metric.update(index, nll, generated)
+        self.metric.update(index, nll, generated, truncated)
 
     def _generate(self, model, samples, images) -> dict:
         B = len(samples)
         out: dict[str, Any] = {"caption": model.caption(images)}
-        out["answer"] = model.answer(images, [s.query for s in samples])
-        out["vqa_match"] = [float(normalize_answer(a) == normalize_answer(s.answer)) for a, s in zip(out["answer"], samples)]
-        out["vqa_soft"] = [vqa_soft_accuracy(a, s.answers) if s.answers and len(s.answers) == 10 else float("nan")
-                           for a, s in zip(out["answer"], samples)]
+        if "vqa" in self.tasks:
+            out["answer"] = model.answer(images, [s.query for s in samples])
+            out["vqa_match"] = [float(normalize_answer(a) == normalize_answer(s.answer))
+                                for a, s in zip(out["answer"], samples)]
+            out["vqa_soft"] = [vqa_soft_accuracy(a, s.answers) if s.answers and len(s.answers) == 10 else float("nan")
+                               for a, s in zip(out["answer"], samples)]
         iou = [float("nan")] * B
-        idx = [b for b, s in enumerate(samples) if s.has_localization]
+        idx = [b for b, s in enumerate(samples) if s.has_localization] if "localization" in self.tasks else []
         if idx:
             boxes = model.locate([images[b] for b in idx], [samples[b].detection for b in idx])
             for b, box in zip(idx, boxes.tolist()):
@@ -447,9 +479,11 @@ class CocoConEvaluator:
         index = state["index"].cpu().tolist()
         nll = {t: state[f"nll_{t}"].cpu().numpy() for t in SCORED}
         samples = [self.samples[i] for i in index]
-        results, per_task = consistency_metrics(nll, [s.category for s in samples], self.max_k)
+        results, per_task = consistency_metrics(nll, [s.category for s in samples], self.max_k, self.tasks)
         results["num_samples"] = len(samples)
         results["max_k"] = self.max_k
+        # candidates cut to the model's max length: their scores (and possible ties) are affected
+        results["truncated_candidates"] = state["truncated"]
         gen_caption = _decode_texts(state["gen_caption"])
         gen_answer = _decode_texts(state["gen_answer"])
         gen = {name: state[name].cpu().numpy() for name in ("vqa_match", "vqa_soft", "loc_iou", "t2i_match")}
@@ -467,8 +501,10 @@ class CocoConEvaluator:
                 "nll": {t: [None if math.isnan(v) else v for v in nll[t][i, : 1 + len(s.contrast_sets)].tolist()]
                         for t in SCORED},
             }
-            row["nll"]["localization"] = row["nll"]["localization"] if s.has_localization else None
-            for t in TASKS:
+            for t in TASKS:  # a task without any score for this sample (not selected / no localization)
+                if t not in self.tasks or (t == "localization" and not s.has_localization):
+                    row["nll"][t] = None
+            for t in self.tasks:
                 p = per_task[i][t]
                 row[t] = {"order": p["order"], "consistent": p["consistent"], "tie": p["tie"],
                           "acc": p["task_acc"], "rho": p["rho"]}
@@ -489,17 +525,16 @@ class CocoConEvaluator:
         cands = {i: c for i, c in enumerate(gen_caption)}
         cider, tok = cider_score(refs, cands, self.cider_tokenizer)
         loc = gen["loc_iou"][~np.isnan(gen["loc_iou"])]
-        out = {
-            "caption_cider": cider, "cider_tokenizer": tok,
-            "vqa_accuracy": mean_pct(gen["vqa_match"]),
-            "vqa_soft_accuracy": mean_pct(gen["vqa_soft"]),
-            "vqa_soft_n": int((~np.isnan(gen["vqa_soft"])).sum()),
-            "localization_acc@0.5": 100.0 * float((loc >= 0.5).mean()) if loc.size else float("nan"),
-            "localization_mean_iou": float(loc.mean()) if loc.size else float("nan"),
-            "localization_n": int(loc.size),
-            "t2i_scene_match": mean_pct(gen["t2i_match"]) if self.scene_checker is not None else "unavailable",
-            "t2i_fid": float(self.fid.compute()) if self.fid is not None else "unavailable",
-        }
+        out: dict[str, Any] = {"caption_cider": cider, "cider_tokenizer": tok}
+        if "vqa" in self.tasks:
+            out.update(vqa_accuracy=mean_pct(gen["vqa_match"]), vqa_soft_accuracy=mean_pct(gen["vqa_soft"]),
+                       vqa_soft_n=int((~np.isnan(gen["vqa_soft"])).sum()))
+        if "localization" in self.tasks:
+            out["localization_acc@0.5"] = 100.0 * float((loc >= 0.5).mean()) if loc.size else float("nan")
+            out.update(localization_mean_iou=float(loc.mean()) if loc.size else float("nan"), localization_n=int(loc.size))
+        if "t2i" in self.tasks:
+            out["t2i_scene_match"] = mean_pct(gen["t2i_match"]) if self.scene_checker is not None else "unavailable"
+            out["t2i_fid"] = float(self.fid.compute()) if self.fid is not None else "unavailable"
         return out
 
 
@@ -539,10 +574,15 @@ def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16
 # ---------------------------------------------------------------------------------------------
 # Reporting: flat scalars, files, plots, W&B table rows
 # ---------------------------------------------------------------------------------------------
+def evaluated_tasks(results: dict) -> list[str]:
+    return [t for t in TASKS if t in results]
+
+
 def flat_metrics(results: dict, prefix: str = "cococon") -> dict[str, float]:
     """``cococon/<task>/C_k``, ``n_k``, ``ties_k``, ``acc@k``, ``rho`` ... as logger scalars."""
     out: dict[str, float] = {}
-    for t in TASKS:
+    tasks = evaluated_tasks(results)
+    for t in tasks:
         r = results[t]
         for k in r["C_k"]:
             out[f"{prefix}/{t}/C_{k}"] = r["C_k"][k]
@@ -551,13 +591,15 @@ def flat_metrics(results: dict, prefix: str = "cococon") -> dict[str, float]:
             out[f"{prefix}/{t}/acc@{k}"] = r["acc@k"][k]
         out[f"{prefix}/{t}/rho"] = r["rho"]
         out[f"{prefix}/{t}/rho_undefined"] = r["rho_undefined"]
-    for k, v in results["vqa"]["caption_acc@k"].items():
+    for t, n in results.get("truncated_candidates", {}).items():
+        out[f"{prefix}/{t}/truncated"] = n
+    for k, v in results[tasks[0]]["caption_acc@k"].items():
         out[f"{prefix}/caption/acc@{k}"] = v
     for name, v in results.get("generative", {}).items():
         if isinstance(v, (int, float)):
             out[f"{prefix}/generative/{name}"] = v
     for cat, res in results.get("categories", {}).items():
-        for t in TASKS:
+        for t in tasks:
             out[f"{prefix}/category/{cat}/{t}/C_1"] = res[t]["C_k"][1]
     return out
 
@@ -565,11 +607,22 @@ def flat_metrics(results: dict, prefix: str = "cococon") -> dict[str, float]:
 def write_outputs(result: CocoConResult, out_dir: Path) -> None:
     """``results.json``, ``per_sample.jsonl`` and the two plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(result.results, indent=2, default=_json_default) + "\n")
+    (out_dir / "results.json").write_text(json.dumps(_nan_to_none(result.results), indent=2, default=_json_default) + "\n")
     with (out_dir / "per_sample.jsonl").open("w") as f:
         for row in result.per_sample:
-            f.write(json.dumps(row, default=_json_default) + "\n")
+            f.write(json.dumps(_nan_to_none(row), default=_json_default) + "\n")
     plot_results(result.results, out_dir)
+
+
+def _nan_to_none(x):
+    """NaN (an undefined metric, e.g. C_k with n_k = 0) becomes JSON ``null``."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
 
 
 def _json_default(x):
@@ -589,7 +642,7 @@ def plot_results(results: dict, out_dir: Path) -> None:
 
     colors = {"vqa": "tab:blue", "localization": "tab:red", "t2i": "tab:green"}
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
-    for t in TASKS:
+    for t in evaluated_tasks(results):
         ks = [k for k, n in results[t]["n_k"].items() if n > 0]
         ax.plot(ks, [results[t]["C_k"][k] for k in ks], "o-", color=colors[t], label=t)
     ax.set_xlabel("difficulty k (1 = hardest contrast)")
@@ -602,7 +655,7 @@ def plot_results(results: dict, out_dir: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 100], [0, 100], "k--", lw=0.8)
-    for t in TASKS:
+    for t in evaluated_tasks(results):
         ks = [k for k, n in results[t]["n_k"].items() if n > 0]
         xs = [results[t]["acc@k"][k] for k in ks]
         ys = [results[t]["C_k"][k] for k in ks]
@@ -624,22 +677,23 @@ TABLE_COLUMNS = ["image", "id", "caption", "hardest_contrast", "answer", "contra
 
 
 def table_rows(result: CocoConResult, samples: dict[int, CocoConSample], n: int) -> list[list]:
-    """A few per-sample rows (hardest contrast, k=1) for the W&B table."""
+    """A few per-sample rows for the W&B table: the hardest contrast (k=1) and, per task, whether
+    the model was consistent at k=1 (localization ranks only contrasts with a ``mutex_detection``)."""
     rows = []
     for row in result.per_sample:
         if len(rows) >= n:
             break
-        order = row["vqa"]["order"]
-        if not order:
+        caps = row["nll"]["caption"]
+        if len(caps) < 2:
             continue
-        j = order[0]
+        j = min(range(len(caps) - 1), key=lambda c: (caps[1 + c], c))  # hardest contrast by caption NLL
         s = samples[row["index"]]
 
         def pair(task):
             v = row["nll"][task]
             return None if v is None else [v[0], v[1 + j]]
 
-        consistent = {t: (row[t]["consistent"][0] if row[t]["consistent"] else None) for t in TASKS}
+        consistent = {t: (row[t]["consistent"][0] if t in row and row[t]["consistent"] else None) for t in TASKS}
         rows.append([s.load_image(), s.id, row["caption"], row["contrast_captions"][j], row["answer"],
                      row["contrast_answers"][j], pair("caption"), pair("vqa"), pair("t2i"),
                      consistent["vqa"], consistent["localization"], consistent["t2i"]])
@@ -656,7 +710,7 @@ class CocoConCallback(EvalCallback):
 
     def __init__(self, data: str | Path, images_root: str | Path | None = None, max_samples: int | None = 200,
                  batch_size: int = 16, generative: bool = True, table_rows: int = 16, skip_missing: bool = False,
-                 every_n_epochs: int = 1, fail_on_error: bool = False):
+                 tasks: Sequence[str] = TASKS, every_n_epochs: int = 1, fail_on_error: bool = False):
         super().__init__(every_n_epochs=every_n_epochs, fail_on_error=fail_on_error)
         self.data_path = Path(data)
         self.images_root = images_root
@@ -665,6 +719,7 @@ class CocoConCallback(EvalCallback):
         self.generative = generative
         self.table_rows = table_rows
         self.skip_missing = skip_missing
+        self.tasks = tuple(tasks)
         self._data: CocoConData | None = None
 
     @classmethod
@@ -673,7 +728,7 @@ class CocoConCallback(EvalCallback):
         c = cfg.eval.cococon
         data = c.data or str(Path(cfg.data.root) / "cococon_test.json")
         return cls(data=data, images_root=c.images_root, max_samples=c.max_samples, batch_size=c.batch_size,
-                   generative=c.generative, table_rows=c.table_rows, skip_missing=c.skip_missing,
+                   generative=c.generative, table_rows=c.table_rows, skip_missing=c.skip_missing, tasks=list(c.tasks),
                    every_n_epochs=c.every_n_epochs, fail_on_error=cfg.eval.fail_on_error)
 
     def dataset(self) -> CocoConData:
@@ -685,7 +740,7 @@ class CocoConCallback(EvalCallback):
         data = self.dataset()
         result = evaluate_model(model, data.samples, self.batch_size, rank=trainer.global_rank,
                                 world_size=trainer.world_size, generative=self.generative,
-                                world_root=data.images_root)
+                                world_root=data.images_root, tasks=self.tasks)
         if trainer.is_global_zero:
             write_outputs(result, self.output_dir(trainer))
             if self.table_rows:
@@ -708,6 +763,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-samples", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-k", type=int, default=5)
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS),
+                        help="tasks compared with captioning (t2i needs an image tokenizer that encodes the images)")
     parser.add_argument("--no-generative", action="store_true", help="only likelihood scoring (no CIDEr/acc/FID)")
     parser.add_argument("--fid-weights", default=None, help="local Inception weights for FID (else 'unavailable')")
     parser.add_argument("--cider-tokenizer", choices=["auto", "ptb", "simple"], default="auto")
@@ -728,7 +785,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     result = evaluate_model(model, data.samples, args.batch_size, progress=True, max_k=args.max_k,
                             generative=not args.no_generative, world_root=data.images_root,
-                            fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer)
+                            fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks)
     seconds = time.perf_counter() - start
     result.results.update(
         data=str(args.data), ckpt=str(args.ckpt), seconds=seconds,
@@ -749,7 +806,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         lg.finalize("success")
     r = result.results
     print(f"cococon: {r['num_samples']} samples in {seconds:.1f}s -> {out}")
-    for t in TASKS:
+    for t in evaluated_tasks(r):
         print(f"  {t:12s} C_1={r[t]['C_k'][1]:.1f} (n={r[t]['n_k'][1]}, ties={r[t]['ties_k'][1]}) "
               f"rho={r[t]['rho']:.3f} (undefined {r[t]['rho_undefined']}) acc@1={r[t]['acc@k'][1]:.1f}")
     return 0

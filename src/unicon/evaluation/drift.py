@@ -627,7 +627,8 @@ def plot_mgg_heatmap(mgg: dict, path: Path) -> Path:
     ax.set_yticks(range(len(tasks)), tasks)
     for r in range(len(tasks)):
         for c in range(len(gens)):
-            ax.text(c, r, f"{grid[r, c]:.2f}", ha="center", va="center", fontsize=7, color="w")
+            ax.text(c, r, f"{grid[r, c]:.2f}", ha="center", va="center", fontsize=7,
+                    color="k" if grid[r, c] > 0.6 else "w")
     ax.set_xlabel("generation")
     ax.set_title(f"MGG = {mgg['MGG']:.3f}")
     fig.colorbar(im, ax=ax, fraction=0.04)
@@ -673,9 +674,9 @@ def plot_strips(out: Path, ids: Sequence[str], generations: int, path: Path, cha
                 ax.text(0.0, 0.5, "\n".join(textwrap.wrap(item, 28)[:9]), fontsize=6, va="center", wrap=True)
             else:
                 ax.imshow(item)
-            ax.set_title(f"{chain[:5]} {id_[:12]} g{g}" if g == 0 else f"g{g}", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+            ax.set_title(f"{chain} {id_[:16]} g0" if g == 0 else f"g{g}", fontsize=7)
+    fig.subplots_adjust(left=0.01, right=0.99, top=0.95, bottom=0.01, wspace=0.05, hspace=0.25)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -1004,7 +1005,7 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
         model = build_model(cfg.model, world_root=args.world)
     model.eval()
     result = {"num_chains": len(seeds), "generations": args.generations, "chains": list(CHAINS),
-              "device": str(next(model.parameters()).device), "torch_threads": torch.get_num_threads()}
+              "device": str(next(model.parameters(), torch.empty(0)).device), "torch_threads": torch.get_num_threads()}
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
         for label, bs in (("batched", max(args.batch_size, len(seeds))), ("sequential", 1)):
             best = math.inf

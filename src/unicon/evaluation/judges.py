@@ -178,7 +178,12 @@ def _eos_ids(model, tokenizer) -> set[int]:
 @torch.no_grad()
 def _generate_replies(model, tokenizer, inputs: dict, max_new_tokens: int) -> list[tuple[str, bool]]:
     """Greedy replies and whether each hit ``max_new_tokens`` without an EOS token."""
-    inputs = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in inputs.items()}
+    def move(v):  # pixel values follow the model's dtype (bf16 judges), ids stay integer
+        if not torch.is_tensor(v):
+            return v
+        return v.to(model.device, model.dtype) if v.is_floating_point() else v.to(model.device)
+
+    inputs = {k: move(v) for k, v in inputs.items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     new = out[:, inputs["input_ids"].shape[1] :]

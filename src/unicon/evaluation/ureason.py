@@ -20,7 +20,8 @@ Metrics (sec. 3.2), over the N instances evaluated, in percent:
 * ``chain_acc = 100 * sum_i 1[chain_judge(P_i, R_i, C_i) == yes] / N`` -- reasoning-chain accuracy
   (Table 3), when the judge can judge chains.
 * ``fallback_rate = 100 * #(no marker, last paragraph used) / N`` and ``empty_refined_rate``.
-* counts: ``missing_s{k}``, ``unparseable_s{k}``, ``judge_truncated_s{k}``, ``trace_truncated``.
+* counts: ``missing_s{k}``, ``unparseable_s{k}``, ``judge_truncated_s{k}``, ``trace_truncated``,
+  ``chain_unparseable``.
 
 Refined-prompt extraction (:func:`extract_refined_prompt`): think tags (``<think>``,
 ``</think>``, ``<thinking>``, ``<reasoning>`` ...) and markdown emphasis/headings are removed, then
@@ -241,6 +242,7 @@ COUNT_FIELDS = (
     *(f"judge_truncated_s{k}" for k in SETTINGS),
     "chain_pass",
     "chain_judged",
+    "chain_unparseable",
     "fallback",
     "empty_refined",
     "trace_truncated",
@@ -264,6 +266,7 @@ def count_matrix(samples: Sequence[Sample], categories: Sequence[str]) -> torch.
         if s.chain is not None:
             counts[r, col["chain_judged"]] += 1
             counts[r, col["chain_pass"]] += float(s.chain.passed)
+            counts[r, col["chain_unparseable"]] += float(s.chain.status == "unparseable")
         counts[r, col["fallback"]] += float(s.refined.fallback)
         counts[r, col["empty_refined"]] += float(s.refined.rule == EMPTY_RULE)
         counts[r, col["trace_truncated"]] += float(s.trace_truncated)
@@ -300,6 +303,8 @@ def metrics_from_counts(counts: torch.Tensor, categories: Sequence[str]) -> dict
     m["fallback_rate"] = _pct(float(total[col["fallback"]]), n)
     m["empty_refined_rate"] = _pct(float(total[col["empty_refined"]]), n)
     m["trace_truncated"] = float(total[col["trace_truncated"]])
+    if float(total[col["chain_judged"]]):
+        m["chain_unparseable"] = float(total[col["chain_unparseable"]])
     for i, cat in enumerate(categories):
         if float(counts[i, col["n"]]):
             accs(counts[i], f"/{cat}")
@@ -373,6 +378,7 @@ def sample_record(s: Sample, image_paths: dict[int, str | None]) -> dict[str, An
         rec[f"correct_s{k}"] = s.passed(k)
     rec["chain_reply"] = s.chain.reply if s.chain else None
     rec["chain_verdict"] = s.chain.status if s.chain else None
+    rec["chain_truncated"] = s.chain.truncated if s.chain else None
     return rec
 
 

@@ -282,6 +282,10 @@ class JanusUnifiedModel(UnifiedModel):
     """Janus / Janus-Pro as a unified model (see module docstring for prompts and scores)."""
 
     backend = "janus"
+    #: instruction used for captioning and for scoring captions (read by training and CocoCon)
+    caption_prompt = CAPTION_PROMPT
+    #: task prompt templates (``{}`` = the question); Janus takes VQA questions as they are
+    task_prompts = {"caption": CAPTION_PROMPT, "vqa": "{}"}
     #: parameter-name prefixes (of this module) frozen by default: SigLIP encoder + VQ-VAE
     default_frozen_prefixes = ("janus.model.vision_model.", "janus.model.vqmodel.")
 
@@ -292,23 +296,40 @@ class JanusUnifiedModel(UnifiedModel):
         self.tokenizer = processor.tokenizer
         self.max_target_length = int(max_target_length)
         self._check_tokenizer()
-        if getattr(janus.generation_config, "generation_kwargs", None) is None or "boi_token_id" not in (
-            janus.generation_config.generation_kwargs or {}
-        ):
-            janus.generation_config.generation_kwargs = {"boi_token_id": self.boi_id}
+        # generate(generation_mode="image") reads the BOI id from generation_config.generation_kwargs
+        extra = dict(getattr(janus.generation_config, "generation_kwargs", None) or {})
+        extra.setdefault("boi_token_id", self.boi_id)
+        janus.generation_config.generation_kwargs = extra
         self.image_tokenizer = JanusVQTokenizer(janus, processor.image_processor)
         self.freeze(list(self.default_frozen_prefixes) + list(freeze))
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_config(cls, model_cfg: Any) -> "JanusUnifiedModel":
-        """Random-weight model from ``ModelConfig`` (``arch`` = ``JanusConfig`` overrides); no download."""
+        """The model of a ``ModelConfig`` section: random weights from ``arch`` (``JanusConfig`` overrides,
+        no download), or ``from_pretrained(pretrained)`` when ``pretrained`` is set.
+
+        ``dtype`` and ``freeze`` are applied here; LoRA (``model.lora``) and gradient checkpointing are
+        applied by the training run (``unicon.training.run.build_training_model``), or with
+        :meth:`add_lora` / :meth:`gradient_checkpointing_enable`.
+        """
         from transformers import JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor
 
         cfg = _to_dict(model_cfg)
         if cfg.get("backend", "janus") != "janus":
             raise ValueError(f"model.backend is '{cfg.get('backend')}', expected 'janus'")
         arch = dict(cfg.get("arch") or {})
+        if cfg.get("pretrained"):
+            if arch:
+                raise ValueError(
+                    f"model.arch keys {sorted(arch)} cannot change the architecture of the pretrained model {cfg['pretrained']}"
+                )
+            return cls.from_pretrained(
+                cfg["pretrained"],
+                allow_pickle=bool(cfg.get("allow_pickle", False)),
+                trust_remote_code=bool(cfg.get("trust_remote_code", False)),
+                model_cfg=cfg,
+            )
         tokenizer = build_byte_tokenizer()
         ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in SPECIAL_TOKENS.items()}
         text = dict(arch.pop("text_config", {}) or {})
@@ -338,7 +359,7 @@ class JanusUnifiedModel(UnifiedModel):
             num_image_tokens=config.vision_config.num_image_tokens,
         )
         model = cls(janus, processor, freeze=cfg.get("freeze") or ())
-        return model._apply_runtime_options(cfg)
+        return model._apply_dtype(cfg)
 
     @classmethod
     def from_pretrained(
@@ -348,13 +369,16 @@ class JanusUnifiedModel(UnifiedModel):
         trust_remote_code: bool = False,
         dtype: str | torch.dtype | None = None,
         model_cfg: Any = None,
+        world_root: Any = None,
+        map_location: str | torch.device | None = None,
         **hf_kwargs,
     ) -> "JanusUnifiedModel":
         """Load a transformers Janus checkpoint (local directory or hub id, e.g. ``deepseek-community/Janus-Pro-1B``).
 
         Safetensors only unless ``allow_pickle=True``; ``trust_remote_code`` is passed through and off by
-        default (Janus is native to transformers). ``model_cfg`` (a ``ModelConfig``) supplies dtype,
-        freezing, gradient checkpointing and LoRA options when given.
+        default (Janus is native to transformers). ``model_cfg`` (a ``ModelConfig``) supplies dtype and
+        extra frozen prefixes. ``world_root`` is accepted for ``unicon.models.load_model`` and ignored
+        (Janus has its own tokenizer); ``map_location`` moves the loaded model to that device.
         """
         from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
 
@@ -376,7 +400,7 @@ class JanusUnifiedModel(UnifiedModel):
                     else ""
                 )
                 raise NotAJanusCheckpoint(f"{path}: config.json has model_type '{model_type}'{hint}; expected {expected}")
-            has_safetensors = any(local.glob("*.safetensors")) or (local / "model.safetensors.index.json").is_file()
+            has_safetensors = any(local.glob("model*.safetensors")) or (local / "model.safetensors.index.json").is_file()
             has_pickle = any(local.glob("pytorch_model*.bin")) or any(local.glob("*.pt"))
             if not has_safetensors:
                 if has_pickle and not allow_pickle:
@@ -390,7 +414,10 @@ class JanusUnifiedModel(UnifiedModel):
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
-            raise NotAJanusCheckpoint(f"{path}: cannot read a config ({str(e).splitlines()[0]}); expected {expected}") from None
+            raise NotAJanusCheckpoint(
+                f"{path}: not a local directory, and no config could be read for it as a hub id "
+                f"({str(e).splitlines()[0]}); expected {expected}"
+            ) from None
         if getattr(config, "model_type", None) != "janus":
             raise NotAJanusCheckpoint(f"{path}: model_type '{config.model_type}'; expected {expected}")
         torch_dtype = _dtype(dtype if dtype is not None else cfg.get("dtype"))
@@ -411,17 +438,14 @@ class JanusUnifiedModel(UnifiedModel):
         if marker is not None and marker.is_file():
             extra = json.loads(marker.read_text())
         model = cls(janus, processor, max_target_length=extra.get("max_target_length", 128), freeze=cfg.get("freeze") or ())
-        return model._apply_runtime_options(cfg)
+        if map_location is not None:
+            model.to(map_location)
+        return model._apply_dtype(cfg)
 
-    def _apply_runtime_options(self, cfg: dict) -> "JanusUnifiedModel":
+    def _apply_dtype(self, cfg: dict) -> "JanusUnifiedModel":
         dtype = _dtype(cfg.get("dtype"))
         if dtype is not None and dtype != self.janus.dtype:
             self.janus.to(dtype)
-        if cfg.get("gradient_checkpointing"):
-            self.gradient_checkpointing_enable()
-        lora = cfg.get("lora") or {}
-        if lora.get("enabled"):
-            self.add_lora(lora)
         return self
 
     def _check_tokenizer(self) -> None:
@@ -780,7 +804,7 @@ class JanusUnifiedModel(UnifiedModel):
         sizes = self._image_sizes(images)
         pixels = self._pixels(images)
         ids = [self._image_question_ids(GROUNDING_PROMPT.format(expression=e.strip())) for e in expressions]
-        texts = [g.text for g in self._generate_text(ids, pixels, max_new_tokens=24)]
+        texts = [g.text for g in self._generate_text(ids, pixels, max_new_tokens=32)]
         boxes, failed = [], 0
         for text, (w, h) in zip(texts, sizes):
             box = parse_box(text, w, h)

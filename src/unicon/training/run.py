@@ -155,9 +155,17 @@ def make_eval_callbacks(cfg: DictConfig) -> list:
         except (ImportError, AttributeError) as e:
             print(f"warning: eval.{suite} is enabled but {module_name}.{cls_name} is unavailable ({e}); skipped")
             continue
-        factory = getattr(cls, "from_config", None)
-        callbacks.append(factory(cfg) if factory else cls(cfg))
+        callbacks.append(_make_callback(suite, cls, cfg))
     return callbacks
+
+
+def _make_callback(suite: str, cls, cfg: DictConfig):
+    """Each suite's constructor: ``from_config(RunConfig)`` where it has one, else ``(section, world_root)``."""
+    if hasattr(cls, "from_config"):
+        if suite == "ureason":
+            return cls.from_config(cfg, fail_on_error=cfg.eval.fail_on_error)
+        return cls.from_config(cfg)
+    return cls(cfg.eval[suite], world_root=cfg.data.root, fail_on_error=cfg.eval.fail_on_error)
 
 
 def _run_dir(cfg: DictConfig) -> Path:

@@ -28,11 +28,12 @@ iff ``a.row < b.row`` (rows grow downwards, as in image coordinates).
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TypedDict
+from typing import Any, Iterable, TypedDict
 
 import numpy as np
 import torch
@@ -306,6 +307,8 @@ def _masks(cfg: WorldConfig) -> _Masks:
             _SHAPE_DRAWERS[name](ImageDraw.Draw(im), big / 2 - 0.5, big / 2 - 0.5, r)
             a = np.asarray(im, dtype=np.float64).reshape(s, ss, s, ss).mean(axis=(1, 3)) / 255.0
             ys, xs = np.nonzero(a > 0)
+            if cfg.jitter and min(ys.min(), xs.min(), s - 1 - ys.max(), s - 1 - xs.max()) < cfg.jitter:
+                raise ValueError(f"a {cfg.jitter}px jitter would move the {name} out of its cell; lower jitter")
             boxes.append([xs.min(), ys.min(), xs.max() - xs.min() + 1, ys.max() - ys.min() + 1])
             covs.append(a)
         coverage = np.stack(covs)
@@ -314,6 +317,11 @@ def _masks(cfg: WorldConfig) -> _Masks:
         shifted = np.stack([np.stack([_shift(c, dy, dx).ravel() for dy, dx in shifts]) for c in coverage])
         _CACHE[key] = _Masks(coverage, shifts, shifted, np.asarray(boxes))
     return _CACHE[key]
+
+
+def shape_coverage(cfg: WorldConfig) -> np.ndarray:
+    """``[len(shapes), cell, cell]`` anti-aliased coverage (0..1) of each shape, centred in a cell."""
+    return _masks(cfg).coverage
 
 
 def _shift(a: np.ndarray, dy: int, dx: int) -> np.ndarray:
@@ -557,6 +565,11 @@ class World:
         return self._split_file("cococon_{}.json", split)
 
     @property
+    def reason_train_path(self) -> Path:
+        """Think-then-draw training rows (task "reason"); absent if built with --reason-in-mixture."""
+        return self.root / "reason_train.jsonl"
+
+    @property
     def drift_seeds_path(self) -> Path:
         return self.root / "drift_seeds.jsonl"
 
@@ -602,21 +615,30 @@ def iter_jsonl(path: str | Path) -> Iterable[dict]:
                     raise ValueError(f"{path}:{i}: invalid JSON ({e})") from e
 
 
-# Language and verifiers (they import the names above; keep these imports last).
-from unicon.worlds.shapes_text import (  # noqa: E402
-    CaptionParseError,
-    answer_question,
-    caption_matches,
-    describe_scene,
-    parse_caption,
-    resolve_expression,
-)
-from unicon.worlds.shapes_verify import check_criterion, check_geneval  # noqa: E402
+# Language and verifiers live in their own modules (which import this one); they are re-exported
+# lazily (PEP 562) so that importing either module first works.
+_REEXPORTS = {
+    "CaptionParseError": "unicon.worlds.shapes_text",
+    "answer_question": "unicon.worlds.shapes_text",
+    "caption_matches": "unicon.worlds.shapes_text",
+    "describe_scene": "unicon.worlds.shapes_text",
+    "parse_caption": "unicon.worlds.shapes_text",
+    "resolve_expression": "unicon.worlds.shapes_text",
+    "check_criterion": "unicon.worlds.shapes_verify",
+    "check_geneval": "unicon.worlds.shapes_verify",
+}
+
+
+def __getattr__(name: str):
+    if name in _REEXPORTS:
+        return getattr(importlib.import_module(_REEXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "WorldConfig", "ShapeObject", "Scene", "Detection", "NotAShapesWorldImage", "ShapesTokenizer", "World",
     "render", "parse", "parse_cells", "detect", "object_box", "scene_boxes", "scene_to_codes", "codes_to_scene",
-    "relation_holds", "relations_between", "load_world", "caption_matches", "parse_caption", "describe_scene",
+    "relation_holds", "relations_between", "load_world", "shape_coverage", "caption_matches", "parse_caption", "describe_scene",
     "answer_question", "resolve_expression", "CaptionParseError", "check_geneval", "check_criterion",
     "RELATIONS", "SPLITS", "UREASON_CATEGORIES",
 ]

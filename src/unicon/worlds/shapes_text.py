@@ -42,9 +42,9 @@ from unicon.worlds.shapes import (
     Scene,
     ShapeObject,
     WorldConfig,
-    _masks,
     relation_holds,
     relations_between,
+    shape_coverage,
 )
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
@@ -211,7 +211,7 @@ def parse_caption(text: str, cfg: WorldConfig | None = None) -> CaptionSpec:
                 a, b = noun_phrase(m.group(1).split()), noun_phrase(m.group(2).split())
                 if a.count != 1 or b.count != 1:
                     raise CaptionParseError(f"relations need singular noun phrases: {part!r}")
-                short = short or phrase == REL_PHRASES[_PHRASE_TO_REL[phrase]][-1] and phrase.startswith(("left", "right"))
+                short = short or phrase in ("left of", "right of")
                 clauses.append(Clause(a, _PHRASE_TO_REL[phrase], b))
                 break
         else:
@@ -445,7 +445,7 @@ def color_alternatives(color: str, cfg: WorldConfig) -> list[str]:
 
 def shape_alternatives(shape: str, cfg: WorldConfig) -> list[str]:
     """Other shapes, most similar first, by IoU of their (centred, soft) masks."""
-    cov = _masks(cfg).coverage
+    cov = shape_coverage(cfg)
     a = cov[cfg.shapes.index(shape)]
 
     def iou(s: str) -> float:
@@ -466,11 +466,15 @@ def relation_alternatives(rel: str) -> list[str]:
 
 
 def pick_contrasts(alts: list, rng: np.random.Generator, min_k: int, max_k: int) -> list:
-    """1..max_k alternatives in near->far order; k >= 2 always keeps the nearest and the farthest."""
+    """``min_k..max_k`` alternatives in near->far order; k >= 2 always keeps the nearest and the farthest.
+
+    Half of the samples take as many as allowed (rank-based consistency losses want long lists),
+    the other half a uniform k, so short lists (down to a single near or far contrast) occur too.
+    """
     hi = min(max_k, len(alts))
     if hi < min_k:
         return []
-    k = int(rng.integers(min_k, hi + 1))
+    k = hi if rng.random() < 0.5 else int(rng.integers(min_k, hi + 1))
     if k == 1:
         return [alts[0] if rng.random() < 0.5 else alts[-1]]
     middle = sorted(rng.choice(np.arange(1, len(alts) - 1), size=k - 2, replace=False).tolist()) if k > 2 else []

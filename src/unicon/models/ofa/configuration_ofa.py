@@ -19,6 +19,7 @@ names the field that gave it away (``model_type`` or a missing OFA key).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -242,4 +243,8 @@ def preset_config(name: str, **overrides) -> OFAConfig:
     """``OFAConfig`` of a named preset with keyword overrides (e.g. ``vocab_size``)."""
     if name not in OFA_PRESETS:
         raise ValueError(f"unknown OFA preset {name!r}; choose one of {sorted(OFA_PRESETS)}")
+    known = {f.name for f in dataclasses.fields(OFAConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown OFAConfig key {unknown[0]!r} (all unknown: {unknown})")
     return OFAConfig(**(copy.deepcopy(OFA_PRESETS[name]) | overrides))

@@ -21,7 +21,15 @@ Public API (names are stable; ``unicon.models.ofa.unified`` builds on them)
     * ``generate(...)`` from transformers' ``GenerationMixin`` (beam search, sampling, ...),
       with a KV cache for the decoder; the encoder runs once.
     * ``from_pretrained(dir, allow_pickle=False)`` / ``save_pretrained(dir)``.
-``OFAModel``: the same ``forward``/``encode``/``decode`` without the ``model.`` key prefix.
+``OFAModel``: the same ``forward``/``encode``/``decode``/``generate`` without the ``model.``
+key prefix (the reference decoder already ends in the tied output projection). Either class
+loads a checkpoint of the other (``unicon.models.ofa.convert`` maps the prefix).
+
+Attention runs through torch SDPA with one additive float mask carrying the position biases
+and the padding/causal mask (``config._attn_implementation = "sdpa"``, the default: max
+|Δlogit| ≈ 8e-6 from the reference on the fixture, whose logits reach ~20). With
+``"eager"`` (matmul + softmax in the reference's order) the fixture is reproduced bit for bit.
+Gradient checkpointing: ``model.activation_checkpointing_enable()`` (training, no KV cache).
 
 Architecture summary (see the fixture README for the full statement)
 --------------------------------------------------------------------
@@ -45,12 +53,12 @@ its absolute position embedding to the token embedding (the reference tests
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -61,14 +69,10 @@ from transformers.utils import ModelOutput
 from .configuration_ofa import OFAConfig
 from .convert import load_pretrained, save_pretrained
 
-logger = logging.getLogger(__name__)
-
 #: The reference builds the text bucket table for 1024 positions whatever the config says.
 TOKEN_BUCKET_MAX_POSITION = 1024
 #: Attention layers are built with the default ``scale_factor=2.0`` (not ``attn_scale_factor``).
 ATTENTION_SCALE_FACTOR = 2.0
-#: Entries of the state dict that are computed from the config, never loaded.
-DERIVED_BUFFERS = ("token_rp_bucket", "image_rp_bucket", "image_position_idx")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +363,7 @@ class _RelPosTables(nn.Module):
         self.image_rel_pos_table_list = nn.ModuleList(nn.Embedding(num_image_rel, num_heads) for _ in range(num_layers))
 
     def _register_buckets(self, config: OFAConfig) -> None:
-        # derived, never loaded (see DERIVED_BUFFERS); registered first to match the reference order
+        # derived from the config, never loaded (see convert.DERIVED_SUFFIXES); reference order: first
         self.register_buffer("token_rp_bucket", make_token_bucket_position(config.token_bucket_size), persistent=False)
         num_image_rel = (2 * config.image_bucket_size - 1) ** 2 + 3
         self.register_buffer(
@@ -386,6 +390,8 @@ class _RelPosTables(nn.Module):
 
 class OFAEncoder(_RelPosTables):
     """ResNet + text embeddings -> NormFormer encoder with absolute and relative position biases."""
+
+    main_input_name = "input_ids"
 
     def __init__(self, config: OFAConfig, embed_tokens: nn.Embedding):
         super().__init__()
@@ -426,8 +432,15 @@ class OFAEncoder(_RelPosTables):
     def forward(self, input_ids: torch.Tensor, patch_images: torch.Tensor | None = None,
                 patch_masks: torch.Tensor | None = None, output_attentions: bool = False,
                 output_hidden_states: bool = False, return_dict: bool = True) -> OFAEncoderOutput:
+        """Encode ``[image patches, text]``. ``patch_masks[b]`` False masks row b's image as padding.
+
+        ``output_attentions``/``output_hidden_states``/``return_dict`` are accepted for
+        ``GenerationMixin`` and ignored (the output is always an :class:`OFAEncoderOutput`).
+        """
         B, L = input_ids.shape
         device = input_ids.device
+        if L > self.embed_positions.num_embeddings:
+            raise ValueError(f"text of {L} tokens exceeds the encoder's {self.embed_positions.num_embeddings} positions")
         text_pos = self.embed_positions(torch.arange(L, device=device)).expand(B, L, -1)
         x = self._embed(self.embed_tokens(input_ids), text_pos, 0, self.layernorm_embedding)
         padding_mask = input_ids.eq(self.padding_idx)
@@ -436,6 +449,9 @@ class OFAEncoder(_RelPosTables):
         if patch_images is not None:
             feats = self.embed_images(patch_images)  # [B, C, h, w]
             h, w = feats.shape[-2:]
+            if max(h, w) > self.image_bucket_size:
+                raise ValueError(f"image of {tuple(patch_images.shape[-2:])} px gives a {h}x{w} patch grid; the "
+                                 f"position window is {self.image_bucket_size}x{self.image_bucket_size} (stride 16)")
             num_patches = h * w
             patch_ids = image_position_ids(h, w, self.image_bucket_size).to(device)
             image_pos = self.embed_image_positions(patch_ids).expand(B, num_patches, -1)
@@ -486,7 +502,6 @@ class OFADecoder(_RelPosTables):
         self.padding_idx = config.pad_token_id
         self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
         self.dropout = config.dropout
-        self.max_target_positions = config.max_position_embeddings
         self.embed_tokens = embed_tokens
         rates = linear_rates(config.decoder_drop_path_rate, config.decoder_layers)
         self.layers = nn.ModuleList(OFADecoderLayer(config, i, r) for i, r in enumerate(rates))
@@ -530,8 +545,9 @@ class OFADecoder(_RelPosTables):
         device = input_ids.device
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         total = past + T
-        if total > self.image_position_idx.numel() or total > self.embed_positions.num_embeddings:
-            raise ValueError(f"decoder length {total} exceeds the model's maximum {self.embed_positions.num_embeddings}")
+        max_len = min(self.image_position_idx.numel(), self.embed_positions.num_embeddings)
+        if total > max_len:
+            raise ValueError(f"decoder length {total} exceeds the model's maximum {max_len}")
         code = code_masks.to(device=device, dtype=torch.bool) if code_masks is not None else None
         all_pos = torch.arange(total, device=device)
         new_pos = all_pos[past:]
@@ -604,6 +620,9 @@ class OFAPreTrainedModel(PreTrainedModel):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
@@ -628,8 +647,17 @@ class OFAPreTrainedModel(PreTrainedModel):
         save_pretrained(self, path)
 
 
-class OFAModel(OFAPreTrainedModel):
-    """Encoder-decoder (keys ``encoder.*`` / ``decoder.*``); the decoder ends in the tied output projection."""
+class OFAModel(OFAPreTrainedModel, GenerationMixin):
+    """Encoder-decoder (keys ``encoder.*`` / ``decoder.*``); the decoder ends in the tied output projection.
+
+    The reference decoder already projects to the vocabulary, so this class returns logits and
+    can ``generate`` like the top class; it only lacks the ``model.`` key prefix.
+    """
+
+    _tied_weights_keys = {
+        "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
+        "decoder.output_projection.weight": "encoder.embed_tokens.weight",
+    }
 
     def __init__(self, config: OFAConfig):
         super().__init__(config)
@@ -640,6 +668,9 @@ class OFAModel(OFAPreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.encoder.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.decoder.output_projection
 
     def get_encoder(self):
         return self.encoder
