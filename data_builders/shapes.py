@@ -397,8 +397,7 @@ def _world_texts(out: Path) -> Iterator[str]:
                     if isinstance(v, str):
                         yield v
     for split in SPLITS:
-        data = json.loads((out / f"cococon_{split}.json").read_text())
-        for a in data["annotations"]:
+        for a in _stream_annotations(out / f"cococon_{split}.json"):
             yield from (a["caption"], a["query"], a["answer"])
             for cs in a["contrast_sets"]:
                 yield from (cs["mutex_caption"], cs["mutex_answer"])
@@ -409,6 +408,16 @@ def _world_texts(out: Path) -> Iterator[str]:
             for line in open(out / "ureason" / name):
                 r = json.loads(line)
                 yield from (r["prompt"], r["expect_en"], r["trace"])
+
+
+def _stream_annotations(path: Path) -> Iterator[dict]:
+    """Annotations of a CocoCon file written by :func:`build` (one annotation per line), without
+    loading the whole file -- a 100k-scene world's file is large."""
+    with open(path) as f:
+        for line in f:
+            line = line.strip().rstrip(",")
+            if line.startswith('{"id"'):
+                yield json.loads(line)
 
 
 def _write_jsonl(path: Path, rows) -> None:
@@ -423,15 +432,31 @@ def _write_jsonl(path: Path, rows) -> None:
 def build(args: argparse.Namespace) -> dict[str, Any]:
     cfg = world_config(args)
     validate(args, cfg)
-    out = Path(args.out)
-    if (out / "world.json").exists() or (out / "images").exists():
-        if not args.overwrite:
-            raise ValueError(f"{out} already holds a world; pass --overwrite to replace it")
-        for sub in ("images", "ureason"):
-            shutil.rmtree(out / sub, ignore_errors=True)
-        for f in out.glob("*.json*"):
-            f.unlink()
+    final = Path(args.out)
+    if final.exists():
+        if not (final / "world.json").exists() and any(final.iterdir()):
+            raise ValueError(f"{final} exists and is not a ShapesWorld directory; choose another --out")
+        if (final / "world.json").exists() and not args.overwrite:
+            raise ValueError(f"{final} already holds a world; pass --overwrite to replace it")
+    # Build next to the target and swap at the end, so readers never see a half-written world.
+    out = final.with_name(final.name + ".partial")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     t0 = time.time()
+    try:
+        info = write_world(args, cfg, out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
+    info["seconds"] = round(time.time() - t0, 2)
+    return info
+
+
+def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[str, Any]:
+    """Write every file of the world into ``out`` (an empty directory); returns world.json's content."""
     held_out = choose_held_out(cfg, args.held_out, args.seed)
     sizes = {"train": args.num_train, "val": args.num_val, "test": args.num_test}
     scenes = sample_splits(cfg, sizes, held_out, args.seed)
@@ -460,7 +485,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         with progress:
             bar = progress.add_task("rendering scenes", total=total)
             for split in SPLITS:
-                tasks = [(split, i, offsets[split] + i, s.to_dict()) for i, s in enumerate(scenes[split])]
+                tasks = ((split, i, offsets[split] + i, s.to_dict()) for i, s in enumerate(scenes[split]))
                 results = pool.imap(process_scene, tasks, chunksize=64) if pool else map(process_scene, tasks)
                 n_rows, n_ann, n_sets, by_cat, images = 0, 0, 0, {}, []
                 with open(out / f"mixture_{split}.jsonl", "w") as mix, open(out / f"cococon_{split}.json", "w") as coco:
@@ -523,7 +548,6 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         "build": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "quiet", "workers")},
     }
     (out / "world.json").write_text(json.dumps(info, indent=2) + "\n")
-    info["seconds"] = round(time.time() - t0, 2)
     return info
 
 

@@ -331,8 +331,8 @@ def test_scoring_end_to_end_matches_reference(tmp_path):
 def test_real_cococon_file_flows_through(shared_data, tmp_path):
     src = shared_data / "cococon" / "cococon.json"
     raw = json.loads(src.read_text())
-    for im in raw["images"]:  # placeholder images at the recorded size
-        Image.new("RGB", (im["width"], im["height"]), (im["id"] % 251, 90, 160)).save(tmp_path / im["file_name"], quality=50)
+    for im in raw["images"]:  # small placeholders (the test double ignores box coordinates)
+        Image.new("RGB", (im["width"] // 8, im["height"] // 8), (im["id"] % 251, 90, 160)).save(tmp_path / im["file_name"])
     data = load_cococon(src, images_root=tmp_path)
     rep = data.report
     assert (len(data), rep.num_contrast_sets, rep.num_localization) == (1500, 5091, 443)
@@ -479,3 +479,53 @@ def test_callback_logs_metrics_and_table(tmp_path):
     assert "cococon/t2i/rho" in logged and "cococon/localization/acc@1" in logged
     table = (run_dir / "tables" / "cococon_samples.jsonl").read_text().splitlines()
     assert len(table) == 3 and "vqa_consistent" in json.loads(table[0])
+
+
+def test_real_file_subset_with_tiny_ofa(shared_data, tiny_world_model, tmp_path):
+    """The random-init tiny OFA scores real CocoCon text and boxes on placeholder images. Its
+    ShapesWorld tokenizer cannot encode COCO images, so T2I uses a tiny random VQGAN tokenizer."""
+    from diffusers import VQModel
+
+    from unicon.models import load_model
+    from unicon.models.vqgan import VQGANTokenizer
+
+    src = shared_data / "cococon" / "cococon.json"
+    raw = json.loads(src.read_text())
+    chosen = [a for a in raw["annotations"] if "detection" in a][:6] + raw["annotations"][:6]
+    sizes = {im["id"]: im for im in raw["images"]}
+    for a in chosen:
+        im = sizes[a["image_id"]]
+        Image.new("RGB", (im["width"], im["height"]), (120, 60, 200)).save(tmp_path / im["file_name"])
+    data = load_cococon(src, images_root=tmp_path, skip_missing=True)
+    wanted = {a["id"] for a in chosen}
+    assert {s.id for s in data} >= wanted
+    assert len(data) + len(data.report.missing_images) == 1500
+
+    model = load_model(ckpt := tiny_world_model[1])
+    assert Path(ckpt).is_dir()
+    torch.manual_seed(0)
+    vq = VQModel(down_block_types=("DownEncoderBlock2D",) * 5, up_block_types=("UpDecoderBlock2D",) * 5,
+                 block_out_channels=(8,) * 5, layers_per_block=1, latent_channels=4,
+                 num_vq_embeddings=model.image_tokenizer.codebook_size, vq_embed_dim=4, norm_num_groups=4,
+                 sample_size=64)
+    model.image_tokenizer = VQGANTokenizer(vq, image_size=64)
+    samples = [s for s in data if s.id in wanted]
+    result = cc.evaluate_model(model, samples, batch_size=6, generative=False)
+    r = result.results
+    assert r["num_samples"] == len(samples) and r["localization"]["n_k"][1] == 6
+    for task in cc.TASKS:
+        assert r[task]["n_k"][1] > 0 and r[task]["rho_n"] + r[task]["rho_undefined"] > 0
+    check_against_reference(json.loads(json.dumps(cc._nan_to_none(r))), json.loads(json.dumps(result.per_sample)))
+
+
+def test_metric_drops_duplicate_indices_and_checks_shapes():
+    m = cc.CocoConMetric(width=3)
+    nan = float("nan")
+    nll = {t: torch.tensor([[1.0, 2.0, nan], [0.5, 0.2, 0.3]], dtype=torch.float64) for t in cc.SCORED}
+    m.update(torch.tensor([4, 1]), nll)
+    m.update(torch.tensor([1]), {t: v[1:] for t, v in nll.items()})  # DistributedSampler padding repeat
+    state = m.compute()
+    assert state["index"].tolist() == [1, 4]
+    assert state["nll_vqa"][:, 0].tolist() == [0.5, 1.0]
+    with pytest.raises(ValueError, match=r"nll\['caption'\] has shape \(1, 2\), expected \(1, 3\)"):
+        m.update(torch.tensor([0]), {t: torch.zeros(1, 2) for t in cc.SCORED})

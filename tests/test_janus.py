@@ -26,7 +26,7 @@ from unicon.models.janus import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-ATOL = 1e-5
+ATOL = 1e-5  # on the length-normalised NLL (and relative on the summed NLL)
 
 
 def _tiny_cfg(**arch_extra) -> dict:
@@ -86,6 +86,23 @@ def _naive_image_nll(model: JanusUnifiedModel, prompt: str, codes: torch.Tensor)
 
 
 # ---- scoring -----------------------------------------------------------------------------------
+def test_prompt_layout_is_the_janus_pro_format(model):
+    bos, boi, eoi, img = "<｜begin▁of▁sentence｜>", "<begin_of_image>", "<end_of_image>", "<image_placeholder>"
+    assert model._chat([{"type": "image"}, {"type": "text", "text": " What is it? "}]) == (
+        "<|User|>: <image_placeholder>\nWhat is it?\n\n<|Assistant|>:"
+    )
+    head, rest = model._image_prompt_parts("What is it?")
+    decode = model.tokenizer.decode
+    assert decode(head) == f"{bos}<|User|>: {boi}{img * 16}{eoi}"
+    assert decode(rest) == "\nWhat is it?\n\n<|Assistant|>:"
+    assert decode(model._generation_prompt_ids("draw a cat")) == f"{bos}<|User|>: draw a cat\n\n<|Assistant|>:{boi}"
+    assert decode(model._generation_prompt_ids("draw a cat", "think first")) == (
+        f"{bos}<|User|>: think first\ndraw a cat\n\n<|Assistant|>:{boi}"
+    )
+    target, cut = model._target_ids("red")
+    assert decode(target) == " red<｜end▁of▁sentence｜>" and not cut
+
+
 def test_score_text_shapes_grad_and_naive(model, images):
     prompts = ["What color is it?", "Describe it."]
     cands = [["red", "a blue square", "green"], ["two circles"]]
@@ -101,6 +118,7 @@ def test_score_text_shapes_grad_and_naive(model, images):
             for k, cand in enumerate(row):
                 ref = _naive_text_nll(model, images[b], prompts[b], cand)
                 assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
+                assert abs(scores.nll[b, k].item() - ref.item() / lengths[b][k]) < ATOL, (b, k)
     # candidates differ, so the scores do too (the image and prompt are shared)
     assert len(set(scores.nll[0].tolist())) == 3
 
@@ -143,6 +161,7 @@ def test_score_boxes_format_and_naive(model, images):
                 prompt = GROUNDING_PROMPT.format(expression=expr)
                 ref = _naive_text_nll(model, images[b], prompt, targets[b])
                 assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
+                assert abs(scores.nll[b, k].item() - ref.item() / scores.num_tokens[b, k].item()) < ATOL, (b, k)
 
 
 def test_score_image_shapes_grad_and_naive(model, images):
@@ -158,6 +177,7 @@ def test_score_image_shapes_grad_and_naive(model, images):
             for k, p in enumerate(row):
                 ref = _naive_image_nll(model, p, codes[b])
                 assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
+                assert abs(scores.nll[b, k].item() - ref.item() / N) < ATOL, (b, k)
     model.zero_grad(set_to_none=True)
     scores.sum_nll[scores.mask].sum().backward()
     named = dict(model.named_parameters())
@@ -358,6 +378,8 @@ def test_bad_inputs(model, images):
         model.score_text(["not an image"], ["a"], [["x"]])
     with pytest.raises(ValueError, match="expected prepared images"):
         model.prepare_images(torch.zeros(1, 3, 8, 8))
+    prepared = model.prepare_images(images)
+    assert prepared.shape == (2, 3, 32, 32) and torch.equal(model.prepare_images(list(prepared)), prepared)
     # truncation is counted, never silent
     long = copy.copy(model)
     long.max_target_length = 3
@@ -480,6 +502,7 @@ def test_ureason_settings_end_to_end(model, tmp_path):
     assert all(isinstance(s.trace, str) for s in samples)
 
 
+@pytest.mark.slow
 def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatch):
     """Two ConsistencyModule steps with PEFT LoRA on the tiny Janus, then export + reload."""
     import sys

@@ -176,6 +176,8 @@ def test_beam_search_with_cache(ofa_fixture_dir, reference_model):
         for _ in range(greedy.shape[1] - 1):
             seq = torch.cat([seq, reference_model.decode(seq, enc)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(cached, recomputed)
+    gc = reference_model.generation_config  # OFA's captioning defaults
+    assert (gc.num_beams, gc.no_repeat_ngram_size, gc.max_new_tokens, gc.decoder_start_token_id) == (5, 3, 16, 0)
     bare = OFAModel.from_pretrained(ofa_fixture_dir)  # the un-prefixed class generates identically
     with torch.no_grad():
         assert torch.equal(bare.generate(**kw), cached)
@@ -282,8 +284,7 @@ def test_pickle_refused_then_converted_once(ofa_fixture_dir, reference_model, tm
 def test_reference_preset_equals_fixture_config(ofa_fixture_dir):
     fixture = OFAConfig.from_pretrained(ofa_fixture_dir)
     for key, value in OFA_PRESETS["reference-tiny"].items():
-        if key != "patch_image_size":
-            assert getattr(fixture, key) == value, key
+        assert getattr(fixture, key) == value, key  # patch_image_size 128: matched by dimensions
 
 
 @pytest.mark.parametrize(
@@ -293,6 +294,16 @@ def test_published_sizes(name, millions):
     with torch.device("meta"):
         model = OFAForConditionalGeneration(preset_config(name))
     assert abs(sum(p.numel() for p in model.parameters()) / 1e6 - millions) < 1.5
+
+
+def test_published_config_gets_its_image_size(tmp_path):
+    from unicon.models.ofa.convert import read_config
+
+    preset = {k: v for k, v in OFA_PRESETS["ofa-base"].items() if k != "patch_image_size"}
+    (tmp_path / "config.json").write_text(json.dumps({**preset, "model_type": "ofa"}))
+    assert read_config(tmp_path).patch_image_size == 384
+    (tmp_path / "config.json").write_text(json.dumps({**preset, "model_type": "ofa", "d_model": 96}))
+    assert read_config(tmp_path).patch_image_size is None
 
 
 def test_preset_overrides_checked():

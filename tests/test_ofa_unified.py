@@ -494,3 +494,35 @@ def test_shapes_task_accuracies_runs_the_real_model(tiny_world):
     acc = shapes_task_accuracies(_world_model(tiny_world), tiny_world, "test", limit=3)
     assert set(acc) >= {"vqa_accuracy", "caption_match", "loc_iou50", "t2i_match", "loc_miou"}
     assert all(0.0 <= v <= 1.0 for k, v in acc.items() if not k.endswith("_n"))
+
+
+# ---- a pretrained ShapesWorld model (from `unicon train experiment=shapes_pretrain`) ---------------------------
+@pytest.fixture(scope="session")
+def pretrained():
+    """The exported pretraining run (``$UNICON_PRETRAINED`` or checkpoints/shapes_pretrain/export) + its world."""
+    import os
+    from pathlib import Path
+
+    from unicon.models import load_model
+
+    path = Path(os.environ.get("UNICON_PRETRAINED", REPO / "checkpoints" / "shapes_pretrain" / "export"))
+    world = Path(os.environ.get("UNICON_WORLD", REPO / "data" / "shapes"))
+    if not (path / "unicon_model.json").is_file() or not (world / "cococon_test.json").is_file():
+        pytest.skip(f"needs a pretrained model in {path} and its world in {world} "
+                    "(run `unicon build-data shapes` and `unicon train experiment=shapes_pretrain`)")
+    return load_model(path), world
+
+
+@pytest.mark.slow
+def test_pretrained_model_prefers_gold_over_contrast_captions(pretrained):
+    model, world = pretrained
+    data = json.loads((world / "cococon_test.json").read_text())
+    files = {im["id"]: im["file_name"] for im in data["images"]}
+    anns = data["annotations"][:64]
+    images = [Image.open(world / files[a["image_id"]]).convert("RGB") for a in anns]
+    cands = [[a["caption"]] + [c["mutex_caption"] for c in a["contrast_sets"]] for a in anns]
+    with torch.no_grad():
+        s = model.score_text(images, [model.caption_prompt] * len(anns), cands)
+    nll = s.nll.masked_fill(~s.mask, float("inf"))
+    gold_best = (nll[:, 0] < nll[:, 1:].min(dim=1).values).float().mean().item()
+    assert gold_best > 0.5, f"gold caption ranked first on only {gold_best:.0%} of {len(anns)} contrast sets"

@@ -479,6 +479,10 @@ def test_build_is_deterministic_and_independent_of_workers(world, tmp_path):
     assert a == b
     different = [str(p) for p in a if not filecmp.cmp(w.root / p, out / p, shallow=False)]
     assert different == []
+    # --overwrite replaces the world (another seed gives other scenes)
+    assert _builder().main(["--out", str(out), "--seed", "4", "--overwrite", *SMALL]) == 0
+    assert load_world(out).info["seed"] == 4 and not out.with_name("again.partial").exists()
+    assert not filecmp.cmp(w.mixture_path("test"), out / "mixture_test.jsonl", shallow=False)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -493,9 +497,14 @@ def test_build_is_deterministic_and_independent_of_workers(world, tmp_path):
 def test_unsatisfiable_builder_configs_fail_clearly(tmp_path, argv, message):
     with pytest.raises(UserError, match=message):
         _builder().main(["--out", str(tmp_path / "w"), *SMALL, *argv])
+    assert list(tmp_path.iterdir()) == []  # nothing half-written is left behind
 
 
-def test_existing_world_is_not_overwritten_silently(world):
+def test_existing_world_is_not_overwritten_silently(world, tmp_path):
     w, _ = world
     with pytest.raises(UserError, match="--overwrite"):
         _builder().main(["--out", str(w.root), *SMALL])
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not a ShapesWorld directory"):
+        _builder().main(["--out", str(tmp_path), *SMALL])
+    assert (tmp_path / "notes.txt").read_text() == "mine"

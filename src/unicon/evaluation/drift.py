@@ -240,8 +240,9 @@ class ChainRunner:
             return None
         try:
             marker = json.loads(path.read_text())
-            assert isinstance(marker.get("items"), dict)
-        except (json.JSONDecodeError, AssertionError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            marker = None
+        if not isinstance(marker, dict) or not isinstance(marker.get("items"), dict):
             self._repair(f"{path}: unreadable completion marker; generation {g} of {chain} is redone")
             path.unlink()
             return None
@@ -351,17 +352,21 @@ class ChainRunner:
     def _read_journal(self, chain: str, g: int) -> dict[int, dict]:
         path = self.journal(chain, g)
         done: dict[int, dict] = {}
+        is_image = modality(chain, g) == "image"
         if not path.is_file():
             return done
         for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             try:
                 entry = json.loads(line)
                 b = int(entry["batch"])
-                assert entry["ids"] == self.batches[b]
-            except (json.JSONDecodeError, KeyError, ValueError, IndexError, AssertionError, TypeError):
+                payload = entry["items" if is_image else "captions"]
+                valid = entry["ids"] == self.batches[b] and set(payload) == set(entry["ids"])
+            except (json.JSONDecodeError, KeyError, ValueError, IndexError, TypeError):
+                valid = False
+            if not valid:
                 self._repair(f"{path}:{lineno}: incomplete journal line (interrupted write); that batch is redone")
                 continue
-            if modality(chain, g) == "image":
+            if is_image:
                 ok = True
                 for i, h in entry["items"].items():
                     p = self.item_path(chain, g, i)
@@ -370,7 +375,7 @@ class ChainRunner:
                         ok = False
                 if not ok:
                     continue
-            done[b] = entry["items"] if modality(chain, g) == "image" else entry["captions"]
+            done[b] = entry["items"] if is_image else entry["captions"]
         return done
 
     def _run_generation(self, chain: str, g: int, redo_ids: set[str] | None = None, marker: dict | None = None) -> bool:
@@ -1007,7 +1012,7 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
     result = {"num_chains": len(seeds), "generations": args.generations, "chains": list(CHAINS),
               "device": str(next(model.parameters(), torch.empty(0)).device), "torch_threads": torch.get_num_threads()}
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
-        for label, bs in (("batched", max(args.batch_size, len(seeds))), ("sequential", 1)):
+        for label, bs in (("batched", min(args.batch_size, len(seeds))), ("sequential", 1)):
             best = math.inf
             for r in range(args.repeats):
                 d = Path(tmp) / f"{label}-{r}"

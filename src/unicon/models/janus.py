@@ -52,12 +52,15 @@ LoRA
 (``q_proj k_proj v_proj o_proj``) and MLP (``gate_proj up_proj down_proj``) projections by full
 module name, so that PEFT's suffix matching never wraps the SigLIP encoder's own ``q_proj``
 layers. :meth:`JanusUnifiedModel.add_lora` injects adapters in place; ``save_pretrained`` writes
-the merged weights. The SigLIP encoder and the VQ-VAE are frozen by default
-(:attr:`default_frozen_prefixes`).
+the merged weights (:meth:`merged_state_dict`, the live model is not modified). The SigLIP encoder
+and the VQ-VAE are always frozen (:attr:`default_frozen_prefixes`); ``model.freeze`` adds prefixes.
+Image-token scoring keeps gradients through ``generation_head``, the generation aligner and the
+language model (or its adapters); the VQ codes themselves are computed without gradients.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -94,15 +97,16 @@ SPECIAL_TOKENS = {
     "assistant_token": "<|Assistant|>",
 }
 
-#: chat template of the tiny tokenizer; renders the Janus-Pro layout (see module docstring)
+#: chat template of the tiny tokenizer; renders the Janus-Pro layout (see module docstring).
+#: Newlines are Jinja string literals because transformers renders templates with ``trim_blocks``.
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}<|User|>: {% else %}<|Assistant|>: {% endif %}"
     "{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}<image_placeholder>{% if not loop.last %}\n{% endif %}"
+    "{% if item['type'] == 'image' %}<image_placeholder>{% if not loop.last %}{{ '\\n' }}{% endif %}"
     "{% else %}{{ item['text'] | trim }}{% endif %}"
     "{% endfor %}"
-    "{% if message['role'] == 'user' %}\n\n{% else %}<｜end▁of▁sentence｜>{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '\\n\\n' }}{% else %}<｜end▁of▁sentence｜>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|Assistant|>:{% endif %}"
 )
@@ -431,7 +435,7 @@ class JanusUnifiedModel(UnifiedModel):
                 **hf_kwargs,
             )
             processor = JanusProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             raise NotAJanusCheckpoint(f"{path}: {str(e).splitlines()[0]}; expected {expected}") from None
         extra = {}
         marker = local / _MARKER_FILE if local.exists() else None
@@ -555,7 +559,11 @@ class JanusUnifiedModel(UnifiedModel):
         return self.janus.device
 
     def prepare_images(self, images: ImageBatch) -> torch.Tensor:
+        """PIL images -> ``[B, 3, S, S]`` via the Janus image processor (resize the long side to S, pad to
+        square with the mean colour, normalise). Tensors (or lists of ``[3, S, S]`` rows of one) pass through."""
         side = self.janus.config.vision_config.image_size
+        if isinstance(images, (list, tuple)) and images and all(isinstance(im, torch.Tensor) for im in images):
+            images = torch.stack(list(images))
         if isinstance(images, torch.Tensor):
             if images.ndim != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != (side, side):
                 raise ValueError(f"expected prepared images [B, 3, {side}, {side}], got {tuple(images.shape)}")
@@ -765,9 +773,11 @@ class JanusUnifiedModel(UnifiedModel):
         self, prompt_ids: list[list[int]], pixels: torch.Tensor | None, max_new_tokens: int, **kwargs
     ) -> list[TextGeneration]:
         ids, mask = _pad(prompt_ids, self.pad_id, left=True, device=self.device)
-        options = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
         if "logits_processor" in kwargs:  # JanusForConditionalGeneration.generate drops it in text mode
             raise ValueError("logits_processor is ignored by transformers' Janus text generation; use generation flags")
+        # max_length (not max_new_tokens) so that the checkpoint's default max_length does not clash with it
+        options = dict(do_sample=False, max_length=ids.shape[1] + max_new_tokens, pad_token_id=self.pad_id,
+                       eos_token_id=self.eos_id)
         options.update(kwargs)
         if pixels is not None:
             options["pixel_values"] = pixels
@@ -832,13 +842,13 @@ class JanusUnifiedModel(UnifiedModel):
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
         ids = [self._generation_prompt_ids(p, context[i] if context else None) for i, p in enumerate(prompts)]
-        options = dict(
+        generation_config = copy.deepcopy(self.janus.generation_config)
+        sampling = dict(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
+        generation_config.update(
             do_sample=config.do_sample,
-            temperature=config.temperature,
-            top_k=config.top_k or None,
-            top_p=config.top_p,
             guidance_scale=max(float(config.guidance_scale), 1.0),
             pad_token_id=self.pad_id,
+            **(sampling if config.do_sample else {}),
             **config.extra,
         )
         processors = [] if config.guidance_scale > 1 else [_ConditionalRows()]
@@ -856,7 +866,7 @@ class JanusUnifiedModel(UnifiedModel):
                     attention_mask=torch.ones_like(input_ids),
                     generation_mode="image",
                     logits_processor=LogitsProcessorList(processors),
-                    **options,
+                    generation_config=generation_config,
                 )
         return codes
 

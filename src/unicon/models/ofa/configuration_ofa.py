@@ -34,7 +34,8 @@ RESNET_LAYERS = {
     "resnet152": [3, 8, 36],
 }
 
-#: Keys every OFA ``config.json`` carries and other encoder-decoders (e.g. BART) do not.
+#: Keys an OFA ``config.json`` must carry (``resnet_type`` is the one BART-style configs lack).
+#: Other OFA keys (bucket sizes, ``code_image_size``, ...) fall back to the reference defaults.
 REQUIRED_KEYS = (
     "vocab_size",
     "d_model",
@@ -45,9 +46,6 @@ REQUIRED_KEYS = (
     "encoder_ffn_dim",
     "decoder_ffn_dim",
     "resnet_type",
-    "token_bucket_size",
-    "image_bucket_size",
-    "code_image_size",
 )
 
 
@@ -142,7 +140,10 @@ class OFAConfig(PretrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs):
-        check_config_dict(config_dict, source=kwargs.get("_source", "config.json"))
+        """Refuse other architectures; fill ``patch_image_size`` (absent from OFA-Sys files) by preset."""
+        check_config_dict(config_dict, source=kwargs.pop("_source", "config.json"))
+        if config_dict.get("patch_image_size") is None:
+            config_dict = {**config_dict, "patch_image_size": published_image_size(config_dict)}
         return super().from_dict(config_dict, **kwargs)
 
     @property
@@ -237,6 +238,16 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
         patch_image_size=64,
     ),
 }
+
+
+def published_image_size(config: dict[str, Any]) -> int | None:
+    """Image size of the preset whose dimensions these are (published OFA sizes: their
+    pretraining resolution; the golden fixture: 128), or None if none matches."""
+    dims = ("d_model", "encoder_layers", "decoder_layers", "resnet_type")
+    for preset in OFA_PRESETS.values():
+        if all(config.get(k) == preset.get(k) for k in dims):
+            return preset["patch_image_size"]
+    return None
 
 
 def preset_config(name: str, **overrides) -> OFAConfig:

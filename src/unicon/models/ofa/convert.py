@@ -9,9 +9,10 @@ missing and the first unexpected key -- never a partial load):
 
 * prefix: ``OFAForConditionalGeneration`` keys are ``model.encoder.*``/``model.decoder.*``;
   ``OFAModel`` keys have no ``model.`` prefix. A checkpoint of either class loads into both.
-* tied embedding: ``encoder.embed_tokens.weight`` is canonical; ``decoder.embed_tokens.weight``
-  and ``decoder.output_projection.weight`` are the same tensor. The reference stores three
-  identical copies (accepted; they must be equal); ``save_pretrained`` stores one.
+* tied embedding: ``encoder.embed_tokens.weight``, ``decoder.embed_tokens.weight`` and
+  ``decoder.output_projection.weight`` are one tensor. The reference stores three identical
+  copies (accepted; they must be equal); any one of them suffices; ``save_pretrained`` stores
+  only the encoder's.
 * derived index buffers (``token_rp_bucket``, ``image_rp_bucket``, ``image_position_idx``) are
   computed from the config. If a checkpoint carries them they must equal ours and are dropped.
 """
@@ -100,13 +101,14 @@ def map_state_dict(state: dict[str, torch.Tensor], model: torch.nn.Module, sourc
         if ours is None or ours.shape != value.shape or not torch.equal(ours.cpu(), value.to(ours.dtype)):
             raise CheckpointError(f"{source}: derived buffer {key!r} differs from the one computed from config.json")
 
-    canonical = prefix + CANONICAL_EMBEDDING
-    for alias in TIED_ALIASES:
-        alias = prefix + alias
-        if alias in mapped and canonical in mapped and not torch.equal(mapped[alias], mapped[canonical]):
-            raise CheckpointError(f"{source}: {alias!r} should be tied to {canonical!r} but the values differ")
-        if canonical in mapped:
-            mapped[alias] = mapped[canonical]
+    tied = [prefix + k for k in (CANONICAL_EMBEDDING, *TIED_ALIASES)]
+    present = [k for k in tied if k in mapped]
+    if present:  # the first stored copy stands for all three
+        for key in present[1:]:
+            if not torch.equal(mapped[key], mapped[present[0]]):
+                raise CheckpointError(f"{source}: {key!r} should be tied to {present[0]!r} but the values differ")
+        for key in tied:
+            mapped[key] = mapped[present[0]]
 
     missing = [k for k in expected if k not in mapped]
     unexpected = [k for k in mapped if k not in expected]

@@ -19,16 +19,19 @@ Public API (names are stable; ``unicon.models.ofa.unified`` builds on them)
     * ``decode(decoder_input_ids, encoder_outputs, code_masks=None, decoder_attention_mask=None)
       -> logits`` ``[B, T, vocab]``.
     * ``generate(...)`` from transformers' ``GenerationMixin`` (beam search, sampling, ...),
-      with a KV cache for the decoder; the encoder runs once.
+      with a KV cache for the decoder; the encoder runs once. ``generation_config`` starts
+      at OFA's captioning defaults: 5 beams, no repeated 3-grams, 16 new tokens.
     * ``from_pretrained(dir, allow_pickle=False)`` / ``save_pretrained(dir)``.
 ``OFAModel``: the same ``forward``/``encode``/``decode``/``generate`` without the ``model.``
 key prefix (the reference decoder already ends in the tied output projection). Either class
 loads a checkpoint of the other (``unicon.models.ofa.convert`` maps the prefix).
 
 Attention runs through torch SDPA with one additive float mask carrying the position biases
-and the padding/causal mask (``config._attn_implementation = "sdpa"``, the default: max
-|Δlogit| ≈ 8e-6 from the reference on the fixture, whose logits reach ~20). With
-``"eager"`` (matmul + softmax in the reference's order) the fixture is reproduced bit for bit.
+and the padding/causal mask (``config._attn_implementation = "sdpa"``, the default). On CPU,
+SDPA's fused kernel sums in another order than the reference: max |Δlogit| ≈ 8e-6 on the
+fixture (logits up to ~20); with SDPA's math backend
+(``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``) or ``_attn_implementation = "eager"``
+(matmul + softmax in the reference's order) the fixture is reproduced bit for bit.
 Gradient checkpointing: ``model.activation_checkpointing_enable()`` (training, no KV cache).
 
 Architecture summary (see the fixture README for the full statement)
@@ -61,6 +64,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import Seq2SeqLMOutput
@@ -220,8 +224,8 @@ class OFAAttention(nn.Module):
     ``softmax((q · (head_dim·2)^-½)·kᵀ + bias) · v``, then each head is multiplied by ``c_attn[h]``
     before ``out_proj``. ``bias`` ``[B, H, T, S]`` carries position biases *and* the mask.
 
-    ``config._attn_implementation``: ``"sdpa"`` (default; torch's fused kernel, which sums in
-    another order: ~1e-5 from the reference on logits of size ~20) or ``"eager"`` (matmul +
+    ``config._attn_implementation``: ``"sdpa"`` (default; torch's fused CPU kernel sums in
+    another order: ≈8e-6 from the reference on logits of size ~20) or ``"eager"`` (matmul +
     softmax in the reference's order: bitwise equal to the reference on CPU).
     """
 
@@ -601,6 +605,11 @@ class OFADecoder(_RelPosTables):
 # ---------------------------------------------------------------------------------------------
 
 
+#: OFA's captioning/VQA inference defaults, set on ``generation_config`` (override per call;
+#: text-to-image uses sampling/greedy without the n-gram block).
+OFA_GENERATION_DEFAULTS = dict(num_beams=5, no_repeat_ngram_size=3, max_new_tokens=16)
+
+
 class OFAPreTrainedModel(PreTrainedModel):
     """Weight init, checkpoint I/O (strict keys, safetensors), gradient checkpointing."""
 
@@ -612,30 +621,16 @@ class OFAPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["OFAEncoderLayer", "OFADecoderLayer"]
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Reference init: N(0, init_std) for Linear/Embedding, identity LayerNorm, zero rel-pos tables."""
-        std = self.config.init_std
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-            if module.padding_idx is not None:
-                with torch.no_grad():
-                    module.weight[module.padding_idx].zero_()
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Conv2d):
-            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(module, nn.BatchNorm2d):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+        """Reference init: N(0, init_std) Linear/Embedding, identity LayerNorm, ``c_attn`` = 1,
+        zero rel-pos tables; Kaiming convs and identity BatchNorm in the ResNet."""
+        super()._init_weights(module)  # Linear, Embedding, LayerNorm, BatchNorm
+        if isinstance(module, nn.Conv2d):
+            init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
         elif isinstance(module, OFAAttention):
-            nn.init.ones_(module.c_attn)
-        if isinstance(module, _RelPosTables):
+            init.ones_(module.c_attn)
+        elif isinstance(module, _RelPosTables):
             for table in (*module.token_rel_pos_table_list, *module.image_rel_pos_table_list):
-                nn.init.zeros_(table.weight)
+                init.zeros_(table.weight)
 
     @classmethod
     def from_pretrained(cls, path, allow_pickle: bool = False, config: OFAConfig | None = None, **kwargs):
@@ -665,6 +660,7 @@ class OFAModel(OFAPreTrainedModel, GenerationMixin):
         self.encoder = OFAEncoder(config, shared)
         self.decoder = OFADecoder(config, shared)
         self.post_init()
+        self.generation_config.update(**OFA_GENERATION_DEFAULTS)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.encoder.embed_tokens
@@ -737,6 +733,7 @@ class OFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = OFAModel(config)
         self.post_init()
+        self.generation_config.update(**OFA_GENERATION_DEFAULTS)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.encoder.embed_tokens
