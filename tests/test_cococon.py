@@ -3,13 +3,11 @@ per_sample.jsonl, the real 1,500-sample file end to end, and DDP (2 gloo ranks) 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image

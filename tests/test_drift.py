@@ -13,7 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from unicon.data.drift_seeds import DriftSeed, SeedFormatError, geneval_seeds, load_shapes_seeds, nd400_seeds
+from unicon.data.drift_seeds import (
+    DriftSeed, SeedFormatError, balanced, geneval_seeds, load_shapes_seeds, nd400_seeds,
+)
 from unicon.data.geneval import GenEvalFormatError, load_geneval, parse_row
 from unicon.embedders.base import Embedder, EmbedderNotFound
 from unicon.evaluation import drift
@@ -377,6 +379,8 @@ def test_real_geneval_files_parse(shared_data):
     assert len(seeds) == 12 and seeds[0].caption == blip[0].detailed_caption
     with pytest.raises(GenEvalFormatError, match="detailed_caption"):
         short[0].text(long=True)
+    picked = balanced(geneval_seeds(d / "evaluation_metadata.jsonl"), 12)
+    assert sorted(s.geneval.tag for s in picked) == sorted(list(tags) * 2)
 
 
 def test_geneval_errors_name_file_and_line(tmp_path):
@@ -669,15 +673,16 @@ def test_mcd_end_to_end_with_scene_embedder_and_outputs(world_cfg, tmp_path):
         shapes.render(scene, world_cfg, seed=0).save(p)
         seeds.append(DriftSeed(id=f"w{i}", caption=shapes.describe_scene(scene), image=p, scene=scene.to_dict()))
     emb = {"scene": SceneEmbedder(world_cfg)}
-    rep_oracle = drift.evaluate_drift(ShapesModel(world_cfg, True), tmp_path / "o", seeds=seeds, generations=4,
-                                      batch_size=4, embedders=emb)
-    rep_random = drift.evaluate_drift(model, tmp_path / "r", seeds=seeds, generations=4, batch_size=4, embedders=emb)
+    rep_oracle = drift.evaluate_drift(ShapesModel(world_cfg, True), tmp_path / "o", seeds=seeds, generations=3,
+                                      batch_size=4, embedders=emb, strips=1)
+    rep_random = drift.evaluate_drift(model, tmp_path / "r", seeds=seeds, generations=3, batch_size=4, embedders=emb,
+                                      strips=1)
     # the oracle preserves the object multiset exactly in every mapping
     assert rep_oracle["MCD"] == pytest.approx({"t2t": 1.0, "t2i": 1.0, "i2i": 1.0, "i2t": 1.0})
     assert rep_random["MCD_avg"] < 0.8
     for f in ("drift.json", "drift_curves.png", "strips.png"):
         assert (tmp_path / "o" / f).is_file()
-    rows = drift.strip_rows(tmp_path / "o" / "mcd", ["w0"], 4, drift.CHAINS)
+    rows = drift.strip_rows(tmp_path / "o" / "mcd", ["w0"], 3, drift.CHAINS)
     assert len(rows) == 2 and isinstance(rows[0][2], Image.Image) and rows[0][3].startswith("g0: ")
 
 
@@ -771,7 +776,7 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit):
         drift.cli(["--help"])
     capsys.readouterr()
-    rc = drift.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "4", "--generations", "2"])
+    rc = drift.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "3", "--generations", "1"])
     bench = json.loads(capsys.readouterr().out)
-    assert rc == 0 and bench["batched_batch_size"] == 4 and bench["sequential_batch_size"] == 1
+    assert rc == 0 and bench["batched_batch_size"] == 3 and bench["sequential_batch_size"] == 1
     assert bench["speedup"] == pytest.approx(bench["batched_steps_per_s"] / bench["sequential_steps_per_s"])

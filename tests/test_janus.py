@@ -72,13 +72,15 @@ def _naive_text_nll(model: JanusUnifiedModel, image, prompt: str, answer: str) -
 def _naive_image_nll(model: JanusUnifiedModel, prompt: str, codes: torch.Tensor) -> torch.Tensor:
     """Unpadded single-prompt forward: processor(generation_mode="image") ids + generation embeddings."""
     chat = model.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": prompt}]}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
     ids = model.processor(text=[chat], generation_mode="image", return_tensors="pt")["input_ids"]
     assert ids[0, -1].item() == model.boi_id
-    embeds = torch.cat(
-        [model.janus.get_input_embeddings()(ids), model.janus.prepare_embeddings_for_image_generation(codes[None])], 1
-    )
+    text_embeds = model.janus.get_input_embeddings()(ids)
+    code_embeds = model.janus.prepare_embeddings_for_image_generation(codes[None])
+    embeds = torch.cat([text_embeds, code_embeds], dim=1)
     hidden = model.janus.model.language_model(inputs_embeds=embeds).last_hidden_state
     P, N = ids.shape[1], codes.shape[0]
     logp = model.janus.model.generation_head(hidden[0, P - 1 : P + N - 1]).float().log_softmax(-1)
@@ -87,7 +89,8 @@ def _naive_image_nll(model: JanusUnifiedModel, prompt: str, codes: torch.Tensor)
 
 # ---- scoring -----------------------------------------------------------------------------------
 def test_prompt_layout_is_the_janus_pro_format(model):
-    bos, boi, eoi, img = "<｜begin▁of▁sentence｜>", "<begin_of_image>", "<end_of_image>", "<image_placeholder>"
+    bos, boi, eoi = "<｜begin▁of▁sentence｜>", "<begin_of_image>", "<end_of_image>"
+    img = "<image_placeholder>"
     assert model._chat([{"type": "image"}, {"type": "text", "text": " What is it? "}]) == (
         "<|User|>: <image_placeholder>\nWhat is it?\n\n<|Assistant|>:"
     )
@@ -95,7 +98,8 @@ def test_prompt_layout_is_the_janus_pro_format(model):
     decode = model.tokenizer.decode
     assert decode(head) == f"{bos}<|User|>: {boi}{img * 16}{eoi}"
     assert decode(rest) == "\nWhat is it?\n\n<|Assistant|>:"
-    assert decode(model._generation_prompt_ids("draw a cat")) == f"{bos}<|User|>: draw a cat\n\n<|Assistant|>:{boi}"
+    expected = f"{bos}<|User|>: draw a cat\n\n<|Assistant|>:{boi}"
+    assert decode(model._generation_prompt_ids("draw a cat")) == expected
     assert decode(model._generation_prompt_ids("draw a cat", "think first")) == (
         f"{bos}<|User|>: think first\ndraw a cat\n\n<|Assistant|>:{boi}"
     )
@@ -110,7 +114,8 @@ def test_score_text_shapes_grad_and_naive(model, images):
     assert scores.nll.shape == scores.sum_nll.shape == scores.mask.shape == (2, 3)
     assert scores.mask.tolist() == [[True, True, True], [True, False, False]]
     assert scores.sum_nll[1, 1:].eq(0).all() and scores.nll[1, 1:].eq(0).all()
-    lengths = [[len(model.tokenizer(" " + c, add_special_tokens=False)["input_ids"]) + 1 for c in row] for row in cands]
+    tok = model.tokenizer
+    lengths = [[len(tok(" " + c, add_special_tokens=False)["input_ids"]) + 1 for c in row] for row in cands]
     assert scores.num_tokens[0].tolist() == lengths[0] and scores.num_tokens[1, 0] == lengths[1][0]
     torch.testing.assert_close(scores.nll, scores.sum_nll / scores.num_tokens.clamp(min=1), atol=0, rtol=0)
     with torch.no_grad():
@@ -161,7 +166,8 @@ def test_score_boxes_format_and_naive(model, images):
                 prompt = GROUNDING_PROMPT.format(expression=expr)
                 ref = _naive_text_nll(model, images[b], prompt, targets[b])
                 assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
-                assert abs(scores.nll[b, k].item() - ref.item() / scores.num_tokens[b, k].item()) < ATOL, (b, k)
+                mean_ref = ref.item() / scores.num_tokens[b, k].item()
+                assert abs(scores.nll[b, k].item() - mean_ref) < ATOL, (b, k)
 
 
 def test_score_image_shapes_grad_and_naive(model, images):
@@ -258,9 +264,12 @@ def test_generate_image_seed_and_context(model):
     b = model.generate_image(["a red square", "x"], config=cfg)
     assert [im.size for im in a] == [(32, 32)] * 2
     assert all(list(x.getdata()) == list(y.getdata()) for x, y in zip(a, b))
-    c1 = model.generate_image_codes(["a red square"], context=["think: red"], config=ImageGenerationConfig(seed=1))
-    c2 = model.generate_image_codes(["think: red\na red square"], config=ImageGenerationConfig(seed=1))
+    seeded = ImageGenerationConfig(seed=1)
+    c1 = model.generate_image_codes(["a red square"], context=["think: red"], config=seeded)
+    c2 = model.generate_image_codes(["think: red\na red square"], config=seeded)
     assert torch.equal(c1, c2)  # context is placed before the prompt in the user turn
+    with pytest.raises(ValueError, match="bogus"):
+        model.generate_image_codes(["x"], config=ImageGenerationConfig(extra={"bogus": 1}))
 
 
 def test_text_generation_and_truncation(model, images):
@@ -366,9 +375,8 @@ def test_pickle_weights_refused_unless_opted_in(model, images, tmp_path):
         JanusUnifiedModel.from_pretrained(str(path))
     loaded = JanusUnifiedModel.from_pretrained(str(path), allow_pickle=True).eval()
     with torch.no_grad():
-        torch.testing.assert_close(
-            loaded.score_image([["q"], ["r"]], images).sum_nll, model.score_image([["q"], ["r"]], images).sum_nll
-        )
+        got = loaded.score_image([["q"], ["r"]], images).sum_nll
+        torch.testing.assert_close(got, model.score_image([["q"], ["r"]], images).sum_nll)
 
 
 def test_bad_inputs(model, images):
@@ -400,7 +408,8 @@ def test_factory_config_and_load_model(images, tmp_path):
     loaded = load_model(str(tmp_path / "export"), world_root="ignored")
     assert isinstance(loaded, JanusUnifiedModel) and not loaded.training
     # `pretrained` in the model section goes through from_pretrained
-    again = build_model(compose(["model=janus_pro_1b", f"model.pretrained={tmp_path / 'export'}", "model.dtype=float32"]).model)
+    overrides = ["model=janus_pro_1b", f"model.pretrained={tmp_path / 'export'}", "model.dtype=float32"]
+    again = build_model(compose(overrides).model)
     with torch.no_grad():
         a = built.score_text(images, ["q", "q"], [["x", "y"], ["z"]]).sum_nll
         b = loaded.score_text(images, ["q", "q"], [["x", "y"], ["z"]]).sum_nll
@@ -453,8 +462,8 @@ def test_cococon_evaluation_end_to_end(model, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "per_sample.jsonl").read_text().splitlines()]
     s = data.samples[2]
     with torch.no_grad():
-        direct = model.score_text([s.load_image()], [model.caption_prompt],
-                                  [[cc.normalize_text(s.caption)] + [cc.normalize_text(c.caption) for c in s.contrast_sets]])
+        captions = [cc.normalize_text(s.caption)] + [cc.normalize_text(c.caption) for c in s.contrast_sets]
+        direct = model.score_text([s.load_image()], [model.caption_prompt], [captions])
     assert rows[2]["nll"]["caption"] == pytest.approx(direct.nll[0].tolist(), abs=1e-5)
 
 
@@ -470,7 +479,7 @@ def test_drift_two_generations_end_to_end(model, tmp_path):
     run = drift.run_chains(model, seeds, tmp_path / "chains", generations=2, batch_size=2,
                            image_config=ImageGenerationConfig(seed=0))
     assert run is not None
-    files = sorted(str(p.relative_to(tmp_path / "chains")) for p in (tmp_path / "chains").rglob("*") if p.is_file())
+    files = [p.name for p in (tmp_path / "chains").rglob("*") if p.is_file()]
     assert any(f.endswith(".png") for f in files) and any(f.endswith(".csv") for f in files)
     for png in (tmp_path / "chains").rglob("*.png"):
         with Image.open(png) as im:
@@ -490,13 +499,18 @@ def test_ureason_settings_end_to_end(model, tmp_path):
 
         def judge_images(self, instances, images):
             self.seen += [im.size if im is not None else None for im in images]
-            return [Verdict("yes" if im is not None and sum(im.getpixel((0, 0))) > 384 else "no") for im in images]
+            bright = [im is not None and sum(im.getpixel((0, 0))) > 384 for im in images]
+            return [Verdict("yes" if b else "no") for b in bright]
 
-    instances = [UReasonInstance(id=i, category="attribute", direct_prompt=f"draw {c}", prompt=f"think about {c}",
-                                 expect_en=c) for i, c in enumerate(["red", "blue"])]
+    instances = [
+        UReasonInstance(id=i, category="attribute", direct_prompt=f"draw {c}", prompt=f"think {c}", expect_en=c)
+        for i, c in enumerate(["red", "blue"])
+    ]
     judge = BrightJudge()
-    metrics, samples = ur.evaluate_ureason(model, instances, judge, out_dir=tmp_path, max_new_tokens=8, batch_size=2,
-                                           image_config=ImageGenerationConfig(seed=0))
+    metrics, samples = ur.evaluate_ureason(
+        model, instances, judge, out_dir=tmp_path, max_new_tokens=8, batch_size=2,
+        image_config=ImageGenerationConfig(seed=0),
+    )
     assert len(samples) == 2 and judge.seen and all(s == (32, 32) for s in judge.seen)
     assert all(0.0 <= metrics[k] <= 100.0 for k in ("acc_s1", "acc_s2", "acc_s3"))
     assert all(isinstance(s.trace, str) for s in samples)
@@ -519,9 +533,10 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
                   "--num-reason-train", "0"])
     cfg = compose([
         "model=janus_tiny", "trainer=cpu", "logger=csv", "eval=none", f"data.root={world}",
-        f"output_dir={tmp_path / 'runs'}", "data.batch_size=2", "data.contrast_batch_size=2", "data.max_contrast=2",
-        "trainer.max_steps=2", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-        "optim.lr=1e-2", "optim.warmup_ratio=0.0", "loss.gamma=1.0", "model.lora.enabled=true", "model.lora.r=2",
+        f"output_dir={tmp_path / 'runs'}", "data.batch_size=2", "data.contrast_batch_size=2",
+        "data.max_contrast=2", "trainer.max_steps=2", "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1", "optim.lr=1e-2", "optim.warmup_ratio=0.0", "loss.gamma=1.0",
+        "model.lora.enabled=true", "model.lora.r=2",
     ])
     model = run.build_training_model(cfg)
     assert isinstance(model, JanusUnifiedModel)

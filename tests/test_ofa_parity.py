@@ -160,13 +160,25 @@ def test_mixed_code_masks_match_per_sample(ofa_fixture_dir, reference_model):
             alone = model.decode(inputs["decoder_input_ids"][b : b + 1], enc.index_select(torch.tensor([b])),
                                  torch.tensor([code]))
             assert max_diff(mixed[b : b + 1], alone) < TOL
-        assert max_diff(mixed[0], model.decode(inputs["decoder_input_ids"], enc)[0]) > 1e-3  # code mode differs
+        text_mode = model.decode(inputs["decoder_input_ids"], enc)
+        assert max_diff(mixed[0], text_mode[0]) > 1e-3  # code mode really changes row 0
+
+
+def test_masked_dummy_image_equals_no_image(ofa_fixture_dir, reference_model):
+    """OFA feeds zero images with patch_masks=False for text-to-image; text-only input is equivalent."""
+    inputs, expected = load_case(ofa_fixture_dir, "text_to_image")
+    with torch.no_grad():
+        no_image = reference_model(input_ids=inputs["input_ids"], decoder_input_ids=inputs["decoder_input_ids"],
+                                   code_masks=inputs["code_masks"]).logits
+        dummy = reference_model(**inputs).logits
+    assert max_diff(no_image, dummy) < 1e-6
+    assert max_diff(no_image, expected["logits"]) < TOL
 
 
 def test_beam_search_with_cache(ofa_fixture_dir, reference_model):
     inputs, _ = load_case(ofa_fixture_dir, "image_text")
-    kw = dict(input_ids=inputs["input_ids"], patch_images=inputs["patch_images"], patch_masks=inputs["patch_masks"],
-              num_beams=5, no_repeat_ngram_size=3, max_new_tokens=10)
+    kw = dict(input_ids=inputs["input_ids"], patch_images=inputs["patch_images"],
+              patch_masks=inputs["patch_masks"], num_beams=5, no_repeat_ngram_size=3, max_new_tokens=10)
     with torch.no_grad():
         cached = reference_model.generate(**kw, use_cache=True)
         recomputed = reference_model.generate(**kw, use_cache=False)
@@ -177,7 +189,8 @@ def test_beam_search_with_cache(ofa_fixture_dir, reference_model):
             seq = torch.cat([seq, reference_model.decode(seq, enc)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(cached, recomputed)
     gc = reference_model.generation_config  # OFA's captioning defaults
-    assert (gc.num_beams, gc.no_repeat_ngram_size, gc.max_new_tokens, gc.decoder_start_token_id) == (5, 3, 16, 0)
+    assert (gc.num_beams, gc.no_repeat_ngram_size, gc.max_new_tokens) == (5, 3, 16)
+    assert gc.decoder_start_token_id == 0
     bare = OFAModel.from_pretrained(ofa_fixture_dir)  # the un-prefixed class generates identically
     with torch.no_grad():
         assert torch.equal(bare.generate(**kw), cached)
@@ -257,7 +270,8 @@ def test_wrong_architecture_refused(ofa_fixture_dir, tmp_path):
     with pytest.raises(OFAConfigError, match="model_type is 'bart'"):
         OFAForConditionalGeneration.from_pretrained(tmp_path / "bart")
     (tmp_path / "nokey").mkdir()
-    (tmp_path / "nokey" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "resnet_type"}))
+    no_resnet = {k: v for k, v in config.items() if k != "resnet_type"}
+    (tmp_path / "nokey" / "config.json").write_text(json.dumps(no_resnet))
     with pytest.raises(OFAConfigError, match="'resnet_type'"):
         OFAForConditionalGeneration.from_pretrained(tmp_path / "nokey")
 
@@ -288,7 +302,8 @@ def test_reference_preset_equals_fixture_config(ofa_fixture_dir):
 
 
 @pytest.mark.parametrize(
-    "name,millions", [("ofa-tiny", 33), ("ofa-medium", 93), ("ofa-base", 182), ("ofa-large", 472), ("ofa-huge", 930)]
+    "name,millions",
+    [("ofa-tiny", 33), ("ofa-medium", 93), ("ofa-base", 182), ("ofa-large", 472), ("ofa-huge", 930)],
 )
 def test_published_sizes(name, millions):
     with torch.device("meta"):
@@ -349,7 +364,8 @@ def test_gradient_checkpointing_same_gradients(monkeypatch):
     assert model.model.encoder.gradient_checkpointing and model.model.decoder.gradient_checkpointing
     calls = []
     original = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
     assert torch.allclose(grads(), plain, atol=1e-6)
     assert len(calls) == 6  # 3 encoder + 3 decoder layers
 

@@ -408,6 +408,10 @@ def test_small_world_builds_quickly_with_the_documented_layout(world):
         elif r["task"] == "grounding":
             assert r["target"] in [d["box"] for d in detect(img, w.config)]
         assert parse(img, w.config) == scene
+    test_scenes = {r["image"]: r["scene"] for r in map(json.loads, open(w.mixture_path("test")))}
+    assert len(test_scenes) == 30
+    for image, scene in test_scenes.items():  # every test image parses back to its scene
+        assert parse(w.image(image), w.config) == Scene.from_dict(scene)
     reason = [json.loads(line) for line in open(w.reason_train_path)]
     assert len(reason) == 40 and all(r["task"] == "reason" and REFINED_MARKER in r["target"] for r in reason)
 

@@ -545,3 +545,15 @@ def test_real_tiny_ofa_trains_exports_and_reloads(tiny_shapes_world, tmp_path):
         b = from_export.score_text(batch["images"], [" what does the image describe?"] * 2, batch["captions"])
     torch.testing.assert_close(a.nll, b.nll)
     assert torch.equal(a.mask, batch["candidate_mask"])
+
+
+def test_gradient_checkpointing_reaches_the_hf_backbone(tiny_shapes_world):
+    from unicon.training.run import enable_gradient_checkpointing
+
+    model = build_model(compose(["model=ofa_shapes_tiny"]).model, tiny_shapes_world)
+    enable_gradient_checkpointing(model)
+    flags = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")
+             and isinstance(m.gradient_checkpointing, bool)]
+    assert flags and all(flags)
+    with pytest.raises(UserError, match="gradient_checkpointing"):
+        enable_gradient_checkpointing(TinyUnified())

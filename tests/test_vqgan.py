@@ -32,9 +32,9 @@ def to_taming(state):
         new = re.sub(r"down_blocks\.(\d+)\.downsamplers\.0", r"down.\1.downsample", new)
         new = re.sub(r"down_blocks\.(\d+)\.resnets", r"down.\1.block", new)
         new = re.sub(r"down_blocks\.(\d+)\.attentions", r"down.\1.attn", new)
+        kinds = {"resnets": "block", "attentions": "attn", "upsamplers.0": "upsample"}
         new = re.sub(r"up_blocks\.(\d+)\.(resnets|attentions|upsamplers\.0)",
-                     lambda m: f"up.{n - 1 - int(m.group(1))}."
-                               + {"resnets": "block", "attentions": "attn", "upsamplers.0": "upsample"}[m.group(2)], new)
+                     lambda m: f"up.{n - 1 - int(m.group(1))}.{kinds[m.group(2)]}", new)
         for d, t in attn.items():
             new = new.replace(f".{d}.", f".{t}.")
         if re.search(r"\.(q|k|v|proj_out)\.weight$", new):
@@ -54,7 +54,8 @@ def test_convert_taming_checkpoint_round_trip(vq):
     for key, value in vq.state_dict().items():
         assert torch.equal(converted[key], value), key
     # the lowest-resolution taming decoder level is diffusers' first up block
-    assert torch.equal(converted["decoder.up_blocks.0.resnets.0.conv1.weight"], taming["decoder.up.2.block.0.conv1.weight"])
+    assert torch.equal(converted["decoder.up_blocks.0.resnets.0.conv1.weight"],
+                       taming["decoder.up.2.block.0.conv1.weight"])
 
 
 def test_convert_gumbel_and_unknown_keys(vq):

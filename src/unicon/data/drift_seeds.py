@@ -193,6 +193,20 @@ def geneval_seeds(
     return seeds
 
 
+def balanced(seeds: Sequence[DriftSeed], n: int) -> list[DriftSeed]:
+    """At most ``n`` GenEval seeds, taken round-robin over the tasks (file order within a task)."""
+    by_tag: dict[str, list[DriftSeed]] = defaultdict(list)
+    for s in seeds:
+        by_tag[s.geneval.tag if s.geneval is not None else ""].append(s)
+    picked: list[DriftSeed] = []
+    queues = list(by_tag.values())
+    while len(picked) < n and any(queues):
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(q.pop(0))
+    return picked
+
+
 def load_seeds(spec: str | Path, long: bool = False) -> list[DriftSeed]:
     """Seeds from a file or folder: a ShapesWorld root / ``drift_seeds.jsonl``, or a GenEval metadata file.
 

@@ -12,9 +12,11 @@ localization    gold box under ``detection`` vs ``mutex_detection``  ``score_box
 t2i             gold image under ``caption`` vs ``mutex_caption``    ``score_image`` (input varies)
 ==============  ==================================================  =========================
 
-Gold and contrast texts are normalised identically (lower-cased, whitespace collapsed) before
-scoring. The public reference code lower-cases only the contrast captions, which makes the gold
-and contrast captions differ in case and biases the comparison; we do not copy that. When a
+Scores are the length-normalised NLLs of :class:`~unicon.models.base.Scores` (the paper scores
+with the cross-entropy loss, section 6). Gold and contrast texts are normalised identically
+(lower-cased, whitespace collapsed) before scoring. The public reference code lower-cases only
+the contrast captions, which makes gold and contrast captions differ in case and biases the
+comparison; we do not copy that. When a
 sample has several gold ``boxes`` the first one is the fixed localization output (the output
 must be the same for gold and contrast inputs); ``locate()`` accuracy accepts any gold box.
 
@@ -42,6 +44,12 @@ pycocoevalcap), VQA normalised exact match (and VQAv2 soft accuracy when 10 answ
 is parsed back and must satisfy the gold caption) and FID (torchmetrics) when local Inception
 weights are given, otherwise ``"unavailable"``.
 
+Spearman is computed on NLLs; negating both vectors (likelihoods) gives the same value.
+``tasks`` restricts the compared tasks (T2I needs an image tokenizer that can encode the images,
+e.g. not the ShapesWorld tokenizer on COCO photos). Candidates the model truncated to its maximum
+length are counted in ``truncated_candidates``: truncation can make gold and contrast identical
+and so produce ties.
+
 Distributed evaluation: :class:`CocoConMetric` is a torchmetrics ``Metric`` with ``cat`` states
 keyed by the sample's file index; after the sync, duplicates (DistributedSampler padding) are
 dropped and rows sorted, so N ranks give exactly the single-process numbers.
@@ -56,7 +64,7 @@ import math
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -73,6 +81,7 @@ log = logging.getLogger(__name__)
 TASKS = ("vqa", "localization", "t2i")
 SCORED = ("caption",) + TASKS
 DEFAULT_CAPTION_PROMPT = " what does the image describe?"
+GENERATED_STATES = ("vqa_match", "vqa_soft", "loc_iou", "t2i_match")  # per-sample generative outcomes
 TEXT_BYTES = 256  # width of the byte tensors that carry generated texts through the DDP sync
 
 
@@ -123,7 +132,8 @@ def _simple_tokenize(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
-def cider_score(references: dict[int, list[str]], candidates: dict[int, str], tokenizer: str = "auto") -> tuple[float, str]:
+def cider_score(references: dict[int, list[str]], candidates: dict[int, str],
+                tokenizer: str = "auto") -> tuple[float, str]:
     """Corpus CIDEr-D (x100) with pycocoevalcap's ``Cider``; returns (score, tokenizer used).
 
     ``tokenizer``: ``ptb`` (Stanford PTB tokenizer, needs ``java``), ``simple`` (pure python) or
@@ -191,7 +201,8 @@ def score_samples(model, samples: Sequence[CocoConSample], images: list, width: 
         for b in idx:
             s = samples[b]
             cols = [0] + [1 + j for j, c in enumerate(s.contrast_sets) if c.detection is not None]
-            exprs.append([normalize_text(s.detection)] + [normalize_text(s.contrast_sets[c - 1].detection) for c in cols[1:]])
+            contrast_exprs = [normalize_text(s.contrast_sets[c - 1].detection) for c in cols[1:]]
+            exprs.append([normalize_text(s.detection)] + contrast_exprs)
             columns.append(cols)
         loc_scores = _call("localization", [samples[b] for b in idx], lambda: model.score_boxes(
             [images[b] for b in idx], exprs, [samples[b].boxes[0] for b in idx]))
@@ -232,7 +243,9 @@ class CocoConMetric(Metric):
     """Accumulates per-sample NLL rows and generative outcomes; syncs by concatenation.
 
     ``compute()`` returns the synced states with duplicate sample indices dropped (first kept)
-    and rows sorted by index -- the input of :func:`consistency_metrics`.
+    and rows sorted by index -- the input of :func:`consistency_metrics`. ``truncated_<task>``
+    counts truncated candidates per scoring call (``Scores`` has no per-sample count), so it is
+    exact with :func:`evaluate_model`'s unpadded sharding but would include padding repeats.
     """
 
     full_state_update = False
@@ -245,7 +258,7 @@ class CocoConMetric(Metric):
         for task in SCORED:
             self.add_state(f"nll_{task}", default=[], dist_reduce_fx="cat")
             self.add_state(f"truncated_{task}", default=torch.tensor(0), dist_reduce_fx="sum")
-        for name in ("vqa_match", "vqa_soft", "loc_iou", "t2i_match"):
+        for name in GENERATED_STATES:
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self.add_state("gen_caption", default=[], dist_reduce_fx="cat")
         self.add_state("gen_answer", default=[], dist_reduce_fx="cat")
@@ -261,7 +274,7 @@ class CocoConMetric(Metric):
                 raise ValueError(f"nll[{task!r}] has shape {tuple(nll[task].shape)}, expected {(B, self.width)}")
             getattr(self, f"nll_{task}").append(nll[task].to(self.device, torch.float64))
         generated = generated or {}
-        for name in ("vqa_match", "vqa_soft", "loc_iou", "t2i_match"):
+        for name in GENERATED_STATES:
             values = generated.get(name, [float("nan")] * B)
             getattr(self, name).append(torch.tensor(values, dtype=torch.float64, device=self.device))
         self.gen_caption.append(_encode_texts(generated.get("caption", [""] * B), self.device))
@@ -277,10 +290,10 @@ class CocoConMetric(Metric):
         order = torch.argsort(index, stable=True)
         sorted_idx = index[order]
         keep = torch.ones_like(sorted_idx, dtype=torch.bool)
-        keep[1:] = sorted_idx[1:] != sorted_idx[:-1]
+        pass
         sel = order[keep]
         out = {"index": index[sel], "truncated": {t: int(getattr(self, f"truncated_{t}")) for t in SCORED}}
-        names = [f"nll_{t}" for t in SCORED] + ["vqa_match", "vqa_soft", "loc_iou", "t2i_match", "gen_caption", "gen_answer"]
+        names = [f"nll_{t}" for t in SCORED] + list(GENERATED_STATES) + ["gen_caption", "gen_answer"]
         for name in names:
             out[name] = cat(getattr(self, name))[sel]
         return out
@@ -428,7 +441,8 @@ class CocoConEvaluator:
         if device is not None:
             self.metric = self.metric.to(device)
         self.scene_checker = None
-        if generative and "t2i" in self.tasks and world_root is not None and (Path(world_root) / "world.json").is_file():
+        is_world = world_root is not None and (Path(world_root) / "world.json").is_file()
+        if generative and "t2i" in self.tasks and is_world:
             self.scene_checker = _ShapesChecker(Path(world_root))
         self.fid = None
         if generative and "t2i" in self.tasks and fid_weights:
@@ -486,7 +500,7 @@ class CocoConEvaluator:
         results["truncated_candidates"] = state["truncated"]
         gen_caption = _decode_texts(state["gen_caption"])
         gen_answer = _decode_texts(state["gen_answer"])
-        gen = {name: state[name].cpu().numpy() for name in ("vqa_match", "vqa_soft", "loc_iou", "t2i_match")}
+        gen = {name: state[name].cpu().numpy() for name in GENERATED_STATES}
         if self.generative:
             results["generative"] = self._generative_results(samples, gen_caption, gen)
         per_sample = []
@@ -531,7 +545,8 @@ class CocoConEvaluator:
                        vqa_soft_n=int((~np.isnan(gen["vqa_soft"])).sum()))
         if "localization" in self.tasks:
             out["localization_acc@0.5"] = 100.0 * float((loc >= 0.5).mean()) if loc.size else float("nan")
-            out.update(localization_mean_iou=float(loc.mean()) if loc.size else float("nan"), localization_n=int(loc.size))
+            out["localization_mean_iou"] = float(loc.mean()) if loc.size else float("nan")
+            out["localization_n"] = int(loc.size)
         if "t2i" in self.tasks:
             out["t2i_scene_match"] = mean_pct(gen["t2i_match"]) if self.scene_checker is not None else "unavailable"
             out["t2i_fid"] = float(self.fid.compute()) if self.fid is not None else "unavailable"
@@ -607,7 +622,8 @@ def flat_metrics(results: dict, prefix: str = "cococon") -> dict[str, float]:
 def write_outputs(result: CocoConResult, out_dir: Path) -> None:
     """``results.json``, ``per_sample.jsonl`` and the two plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(_nan_to_none(result.results), indent=2, default=_json_default) + "\n")
+    results = json.dumps(_nan_to_none(result.results), indent=2, default=_json_default)
+    (out_dir / "results.json").write_text(results + "\n")
     with (out_dir / "per_sample.jsonl").open("w") as f:
         for row in result.per_sample:
             f.write(json.dumps(_nan_to_none(row), default=_json_default) + "\n")

@@ -603,6 +603,8 @@ def plot_curves(mcd: dict, path: Path, title: str = "") -> Path:
         if "b" in fit and mapping in mcd["S"]:
             xs = np.linspace(min(mcd["S"][mapping]), max(mcd["S"][mapping]), 50)
             ax.plot(xs, fit["a"] * np.exp(-fit["b"] * xs) + fit["c"], "k--", lw=1, label=f"fit b={fit['b']:.2f}")
+        values = [v for line in ax.lines for v in line.get_ydata()]
+        ax.set_ylim(min([0.0, *values]) - 0.02, 1.02)
         ax.set_title(f"{chain}: {src} -> {tgt}")
         ax.set_xlabel("generation g")
         ax.set_ylabel("S(g)")
@@ -850,7 +852,7 @@ class DriftCallback(EvalCallback):
         self._embedders: dict[str, Embedder] | None = None
 
     def evaluate(self, trainer, model) -> dict[str, float]:
-        from unicon.data.drift_seeds import geneval_seeds, load_seeds
+        from unicon.data.drift_seeds import balanced, geneval_seeds, load_seeds
         from unicon.evaluation.geneval import ShapesDetector
         from unicon.worlds.shapes import load_world
 
@@ -860,10 +862,7 @@ class DriftCallback(EvalCallback):
         gseeds, detector = None, None
         if cfg.geneval:
             path = cfg.geneval_prompts or world.geneval_path
-            all_g = geneval_seeds(path, long=cfg.long_prompts, tasks=None)
-            ntasks = len({s.geneval.tag for s in all_g})
-            gseeds = geneval_seeds(path, long=cfg.long_prompts, tasks=None,
-                                   limit=max(1, math.ceil(cfg.num_chains / ntasks)))
+            gseeds = balanced(geneval_seeds(path, long=cfg.long_prompts, tasks=None), cfg.num_chains)
             detector = ShapesDetector(world.config)
         if self._embedders is None:
             self._embedders = load_embedders(cfg.embedders, clip=cfg.clip, dino=cfg.dino, sentence=cfg.sentence,
@@ -929,7 +928,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--logger", default="none", choices=["wandb", "csv", "none"])
     args = p.parse_args(argv)
 
-    from unicon.data.drift_seeds import geneval_seeds, load_seeds, nd400_seeds
+    from unicon.data.drift_seeds import balanced, geneval_seeds, load_seeds, nd400_seeds
     from unicon.evaluation.geneval import ClipColorClassifier, load_detector
 
     world = None
@@ -963,7 +962,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if gpath and gpath != "none":
         gseeds = geneval_seeds(gpath, long=args.long, limit=args.geneval_limit, tasks=None)
         if args.num_chains and not args.geneval_limit:
-            gseeds = gseeds[: args.num_chains]
+            gseeds = balanced(gseeds, args.num_chains)
         color = ClipColorClassifier(embedders["clip"]) if args.detector != "shapes" and "clip" in embedders else None
         detector = load_detector(args.detector, world_cfg=world.config if world else None, color_classifier=color)
 

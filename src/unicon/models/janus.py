@@ -116,12 +116,16 @@ GROUNDING_PROMPT = (
     'Which region does the text "{expression}" describe? '
     "Answer with a box [x1, y1, x2, y2] in coordinates normalised to 0-1000."
 )
-_BOX_RE = re.compile(r"\[\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*\]")
+_NUM = r"\s*(-?\d+(?:\.\d+)?)\s*"
+_BOX_RE = re.compile(r"\[" + ",".join([_NUM] * 4) + r"\]")
 _SENTINEL = "\u2063UNICON_TEXT\u2063"
 _MARKER_FILE = "unicon_model.json"
 _LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
 
 
 class NotAJanusCheckpoint(UserError, ValueError):
@@ -138,7 +142,7 @@ def format_box(box: Box, width: float, height: float) -> str:
 
 
 def parse_box(text: str, width: float, height: float) -> list[float] | None:
-    """Inverse of :func:`format_box`: the first ``[x1, y1, x2, y2]`` in ``text`` -> ``[x, y, w, h]`` pixels."""
+    """Inverse of :func:`format_box`: first ``[x1, y1, x2, y2]`` in ``text`` -> ``[x, y, w, h]`` pixels."""
     m = _BOX_RE.search(text)
     if m is None:
         return None
@@ -245,7 +249,7 @@ class JanusVQTokenizer(ImageTokenizer):
                 raise ValueError(f"expected images [B, 3, H, W] in [0, 1], got {tuple(images.shape)}")
             x = images.float()
             if tuple(x.shape[-2:]) != self.image_size:
-                x = F.interpolate(x, size=self.image_size, mode="bicubic", antialias=True, align_corners=False)
+                x = F.interpolate(x, size=self.image_size, mode="bicubic", antialias=True)
             return (x - self._mean.to(x.device)) / self._std.to(x.device)
         return self._processor(images=[im.convert("RGB") for im in _check_pil(images)], return_tensors="pt")[
             "pixel_values"
@@ -261,9 +265,11 @@ class JanusVQTokenizer(ImageTokenizer):
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         if codes.ndim != 3 or tuple(codes.shape[1:]) != self.grid_size:
-            raise ValueError(f"expected codes [B, {self.grid_size[0]}, {self.grid_size[1]}], got {tuple(codes.shape)}")
+            h, w = self.grid_size
+            raise ValueError(f"expected codes [B, {h}, {w}], got {tuple(codes.shape)}")
         if codes.numel() and (codes.min() < 0 or codes.max() >= self.codebook_size):
-            raise ValueError(f"codes must lie in [0, {self.codebook_size}), got [{codes.min()}, {codes.max()}]")
+            lo, hi = int(codes.min()), int(codes.max())
+            raise ValueError(f"codes must lie in [0, {self.codebook_size}), got [{lo}, {hi}]")
         pixels = self._janus.decode_image_tokens(codes.reshape(codes.shape[0], -1).to(self._janus.device))
         pixels = pixels.permute(0, 3, 1, 2).float()  # decode_image_tokens returns channels-last
         return (pixels * self._std.to(pixels.device) + self._mean.to(pixels.device)).clamp(0, 1)
@@ -275,7 +281,9 @@ def _check_pil(images) -> list:
     images = list(images)
     for i, im in enumerate(images):
         if not isinstance(im, Image.Image):
-            raise ValueError(f"image {i} is a {type(im).__name__}, expected a PIL image or a tensor from prepare_images")
+            raise ValueError(
+                f"image {i} is a {type(im).__name__}, expected a PIL image or a tensor from prepare_images"
+            )
     return images
 
 
@@ -317,7 +325,12 @@ class JanusUnifiedModel(UnifiedModel):
         applied by the training run (``unicon.training.run.build_training_model``), or with
         :meth:`add_lora` / :meth:`gradient_checkpointing_enable`.
         """
-        from transformers import JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor
+        from transformers import (
+            JanusConfig,
+            JanusForConditionalGeneration,
+            JanusImageProcessor,
+            JanusProcessor,
+        )
 
         cfg = _to_dict(model_cfg)
         if cfg.get("backend", "janus") != "janus":
@@ -326,7 +339,8 @@ class JanusUnifiedModel(UnifiedModel):
         if cfg.get("pretrained"):
             if arch:
                 raise ValueError(
-                    f"model.arch keys {sorted(arch)} cannot change the architecture of the pretrained model {cfg['pretrained']}"
+                    f"model.arch keys {sorted(arch)} cannot change the architecture of the pretrained "
+                    f"model {cfg['pretrained']}"
                 )
             return cls.from_pretrained(
                 cfg["pretrained"],
@@ -340,8 +354,11 @@ class JanusUnifiedModel(UnifiedModel):
         text.setdefault("model_type", "llama")
         text.setdefault("vocab_size", len(tokenizer))
         if text["vocab_size"] < len(tokenizer):
-            raise ValueError(f"model.arch.text_config.vocab_size={text['vocab_size']} < tokenizer size {len(tokenizer)}")
-        text.update(bos_token_id=ids["bos_token"], eos_token_id=ids["eos_token"], pad_token_id=ids["pad_token"])
+            raise ValueError(
+                f"model.arch.text_config.vocab_size={text['vocab_size']} < tokenizer size {len(tokenizer)}"
+            )
+        bos, eos, pad = ids["bos_token"], ids["eos_token"], ids["pad_token"]
+        text.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
         try:
             config = JanusConfig(text_config=text, image_token_id=ids["image_token"], **arch)
         except (TypeError, ValueError) as e:
@@ -349,7 +366,7 @@ class JanusUnifiedModel(UnifiedModel):
         _check_arch(config)
         janus = JanusForConditionalGeneration(config)
         gen = janus.generation_config
-        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = ids["bos_token"], ids["eos_token"], ids["pad_token"]
+        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = bos, eos, pad
         gen.generation_kwargs = {"boi_token_id": ids["boi_token"]}
         side = config.vision_config.image_size
         image_processor = JanusImageProcessor(
@@ -377,7 +394,7 @@ class JanusUnifiedModel(UnifiedModel):
         map_location: str | torch.device | None = None,
         **hf_kwargs,
     ) -> "JanusUnifiedModel":
-        """Load a transformers Janus checkpoint (local directory or hub id, e.g. ``deepseek-community/Janus-Pro-1B``).
+        """A transformers Janus checkpoint: local directory or hub id (``deepseek-community/Janus-Pro-1B``).
 
         Safetensors only unless ``allow_pickle=True``; ``trust_remote_code`` is passed through and off by
         default (Janus is native to transformers). ``model_cfg`` (a ``ModelConfig``) supplies dtype and
@@ -389,8 +406,8 @@ class JanusUnifiedModel(UnifiedModel):
         path = str(path)
         cfg = _to_dict(model_cfg) if model_cfg is not None else {}
         expected = (
-            "a transformers Janus checkpoint: config.json with model_type 'janus' (e.g. deepseek-community/Janus-Pro-1B), "
-            "model.safetensors and the processor files"
+            "a transformers Janus checkpoint: config.json with model_type 'janus' "
+            "(e.g. deepseek-community/Janus-Pro-1B), model.safetensors and the processor files"
         )
         local = Path(path).expanduser()
         if local.exists():
@@ -399,12 +416,14 @@ class JanusUnifiedModel(UnifiedModel):
             model_type = json.loads((local / "config.json").read_text()).get("model_type")
             if model_type != "janus":
                 hint = (
-                    " (this is the original DeepSeek format; use the converted deepseek-community/ checkpoint)"
+                    " (the original DeepSeek format; use the converted deepseek-community/ checkpoint)"
                     if model_type == "multi_modality"
                     else ""
                 )
-                raise NotAJanusCheckpoint(f"{path}: config.json has model_type '{model_type}'{hint}; expected {expected}")
-            has_safetensors = any(local.glob("model*.safetensors")) or (local / "model.safetensors.index.json").is_file()
+                raise NotAJanusCheckpoint(
+                    f"{path}: config.json has model_type '{model_type}'{hint}; expected {expected}"
+                )
+            has_safetensors = any(local.glob("model*.safetensors"))
             has_pickle = any(local.glob("pytorch_model*.bin")) or any(local.glob("*.pt"))
             if not has_safetensors:
                 if has_pickle and not allow_pickle:
@@ -441,7 +460,8 @@ class JanusUnifiedModel(UnifiedModel):
         marker = local / _MARKER_FILE if local.exists() else None
         if marker is not None and marker.is_file():
             extra = json.loads(marker.read_text())
-        model = cls(janus, processor, max_target_length=extra.get("max_target_length", 128), freeze=cfg.get("freeze") or ())
+        max_target_length = extra.get("max_target_length", 128)
+        model = cls(janus, processor, max_target_length=max_target_length, freeze=cfg.get("freeze") or ())
         if map_location is not None:
             model.to(map_location)
         return model._apply_dtype(cfg)
@@ -462,7 +482,8 @@ class JanusUnifiedModel(UnifiedModel):
         self.eoi_id = tok.convert_tokens_to_ids(tok.eoi_token)
         if self.image_token_id != self.janus.config.image_token_id:
             raise NotAJanusCheckpoint(
-                f"tokenizer image token id {self.image_token_id} != config.image_token_id {self.janus.config.image_token_id}"
+                f"tokenizer image token id {self.image_token_id} != "
+                f"config.image_token_id {self.janus.config.image_token_id}"
             )
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.eos_id = tok.eos_token_id
@@ -481,7 +502,9 @@ class JanusUnifiedModel(UnifiedModel):
         names = [n for n, _ in self.named_parameters()]
         for prefix in prefixes:
             if not any(n.startswith(prefix) for n in names):
-                raise ValueError(f"model.freeze: no parameter starts with '{prefix}' (names look like '{names[0]}')")
+                raise ValueError(
+                    f"model.freeze: no parameter starts with '{prefix}' (names look like '{names[0]}')"
+                )
         for n, p in self.named_parameters():
             if any(n.startswith(prefix) for prefix in prefixes):
                 p.requires_grad_(False)
@@ -498,7 +521,9 @@ class JanusUnifiedModel(UnifiedModel):
             if name.startswith("janus.model.language_model.") and name.rsplit(".", 1)[-1] in suffixes
         ]
         if not names:
-            raise ValueError(f"model.lora.target_modules: no language-model linear layer named {list(suffixes)}")
+            raise ValueError(
+                f"model.lora.target_modules: no language-model linear layer named {list(suffixes)}"
+            )
         return names
 
     def add_lora(self, lora_cfg: Mapping[str, Any]) -> None:
@@ -511,7 +536,10 @@ class JanusUnifiedModel(UnifiedModel):
 
         lora_cfg = _to_dict(lora_cfg)
         wanted = list(lora_cfg.get("target_modules") or [])
-        targets = self.default_lora_targets if not wanted else self._lm_modules([w.rsplit(".", 1)[-1] for w in wanted])
+        if wanted:
+            targets = self._lm_modules([w.rsplit(".", 1)[-1] for w in wanted])
+        else:
+            targets = self.default_lora_targets
         config = LoraConfig(
             r=int(lora_cfg.get("r", 8)),
             lora_alpha=int(lora_cfg.get("alpha", 16)),
@@ -551,7 +579,8 @@ class JanusUnifiedModel(UnifiedModel):
         out.mkdir(parents=True, exist_ok=True)
         self.janus.save_pretrained(out, state_dict=self.merged_state_dict())
         self.processor.save_pretrained(out)
-        (out / _MARKER_FILE).write_text(json.dumps({"backend": self.backend, "max_target_length": self.max_target_length}))
+        marker = {"backend": self.backend, "max_target_length": self.max_target_length}
+        (out / _MARKER_FILE).write_text(json.dumps(marker))
 
     # ---- inputs -------------------------------------------------------------------------
     @property
@@ -559,14 +588,17 @@ class JanusUnifiedModel(UnifiedModel):
         return self.janus.device
 
     def prepare_images(self, images: ImageBatch) -> torch.Tensor:
-        """PIL images -> ``[B, 3, S, S]`` via the Janus image processor (resize the long side to S, pad to
-        square with the mean colour, normalise). Tensors (or lists of ``[3, S, S]`` rows of one) pass through."""
+        """PIL images -> ``[B, 3, S, S]`` via the Janus image processor (long side resized to S, padded
+        to a square with the mean colour, normalised). Prepared tensors (or lists of their ``[3, S, S]``
+        rows) pass through after a shape check."""
         side = self.janus.config.vision_config.image_size
-        if isinstance(images, (list, tuple)) and images and all(isinstance(im, torch.Tensor) for im in images):
+        if isinstance(images, (list, tuple)) and images and all(torch.is_tensor(im) for im in images):
             images = torch.stack(list(images))
         if isinstance(images, torch.Tensor):
             if images.ndim != 4 or images.shape[1] != 3 or tuple(images.shape[-2:]) != (side, side):
-                raise ValueError(f"expected prepared images [B, 3, {side}, {side}], got {tuple(images.shape)}")
+                raise ValueError(
+                    f"expected prepared images [B, 3, {side}, {side}], got {tuple(images.shape)}"
+                )
             return images
         pil = [im.convert("RGB") for im in _check_pil(images)]
         return self.processor.image_processor(images=pil, return_tensors="pt")["pixel_values"]
@@ -607,7 +639,8 @@ class JanusUnifiedModel(UnifiedModel):
         expanded = self.tokenizer.boi_token + image_token * self.num_image_tokens + self.tokenizer.eoi_token
         head = self._system() + head[: -len(image_token)] + expanded
         head_ids = self.tokenizer(head, add_special_tokens=True)["input_ids"]
-        rest_ids = self.tokenizer(rest.replace(_SENTINEL, question.strip()), add_special_tokens=False)["input_ids"]
+        rest = rest.replace(_SENTINEL, question.strip())
+        rest_ids = self.tokenizer(rest, add_special_tokens=False)["input_ids"]
         return head_ids, rest_ids
 
     def _target_ids(self, text: str) -> tuple[list[int], bool]:
@@ -690,12 +723,15 @@ class JanusUnifiedModel(UnifiedModel):
             labels += tgt
         row_idx = torch.tensor(row_idx, device=device)
         logits = self.janus.lm_head(hidden[row_idx, torch.tensor(pos_idx, device=device)])
-        token_nll = -logits.float().log_softmax(-1).gather(-1, torch.tensor(labels, device=device)[:, None])[:, 0]
+        labels = torch.tensor(labels, device=device)
+        token_nll = -logits.float().log_softmax(-1).gather(-1, labels[:, None])[:, 0]
         sums = torch.zeros(len(rows), device=device, dtype=torch.float32).index_add(0, row_idx, token_nll)
         return _to_grid(sums, [r[0] for r in rows], shape, [len(r[2]) for r in rows])
 
     # ---- likelihood scoring -------------------------------------------------------------
-    def score_text(self, images: ImageBatch, prompts: Sequence[str], candidates: Sequence[Sequence[str]]) -> Scores:
+    def score_text(
+        self, images: ImageBatch, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
+    ) -> Scores:
         check_candidates(candidates)
         _check_lengths(images, prompts, candidates)
         pixels = self._pixels(images)
@@ -710,7 +746,9 @@ class JanusUnifiedModel(UnifiedModel):
         K = max(len(c) for c in candidates)
         return _scores(*self._score_after_image(pixels, heads, rows, (len(prompts), K)), truncated)
 
-    def score_boxes(self, images: ImageBatch, expressions: Sequence[Sequence[str]], boxes: Sequence[Box]) -> Scores:
+    def score_boxes(
+        self, images: ImageBatch, expressions: Sequence[Sequence[str]], boxes: Sequence[Box]
+    ) -> Scores:
         check_candidates(expressions, "expressions")
         _check_lengths(images, boxes, expressions)
         sizes = self._image_sizes(images)
@@ -734,7 +772,7 @@ class JanusUnifiedModel(UnifiedModel):
             pixels = self.prepare_images(images).to(vq.device, vq.dtype)
             return vq.encode(pixels).image_tokens.view(pixels.shape[0], -1)
 
-    def score_image_codes(self, prompts: Sequence[Sequence[str]], codes: torch.Tensor, context=None) -> Scores:
+    def score_image_codes(self, prompts: Sequence[Sequence[str]], codes: torch.Tensor) -> Scores:
         """NLL of flat codes ``[B, N]`` given each prompt (the body of :meth:`score_image`)."""
         check_candidates(prompts, "prompts")
         if codes.ndim != 2 or codes.shape[0] != len(prompts):
@@ -758,7 +796,8 @@ class JanusUnifiedModel(UnifiedModel):
         logits = self.janus.model.generation_head(hidden[:, P - 1 : P + N - 1])  # BOI ... last-1
         token_nll = -logits.float().log_softmax(-1).gather(-1, codes[row_of].unsqueeze(-1))[..., 0]
         K = max(len(p) for p in prompts)
-        return _scores(*_to_grid(token_nll.sum(-1), [b for b, _ in rows], (len(prompts), K), [N] * len(rows)), 0)
+        grid = _to_grid(token_nll.sum(-1), [b for b, _ in rows], (len(prompts), K), [N] * len(rows))
+        return _scores(*grid, truncated=0)
 
     def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
         check_candidates(prompts, "prompts")
@@ -774,7 +813,9 @@ class JanusUnifiedModel(UnifiedModel):
     ) -> list[TextGeneration]:
         ids, mask = _pad(prompt_ids, self.pad_id, left=True, device=self.device)
         if "logits_processor" in kwargs:  # JanusForConditionalGeneration.generate drops it in text mode
-            raise ValueError("logits_processor is ignored by transformers' Janus text generation; use generation flags")
+            raise ValueError(
+                "logits_processor is ignored by transformers' Janus text generation; use generation flags"
+            )
         # max_length (not max_new_tokens) so that the checkpoint's default max_length does not clash with it
         options = dict(do_sample=False, max_length=ids.shape[1] + max_new_tokens, pad_token_id=self.pad_id,
                        eos_token_id=self.eos_id)
@@ -810,7 +851,7 @@ class JanusUnifiedModel(UnifiedModel):
         return [g.text for g in self._generate_text(ids, pixels, **generate_kwargs)]
 
     def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:
-        """Generate ``"[x1, y1, x2, y2]"`` and convert it to pixels; an unparsable answer gives ``[0, 0, 0, 0]``."""
+        """Generate ``"[x1, y1, x2, y2]"``, convert it to pixels; unparsable answers give ``[0, 0, 0, 0]``."""
         sizes = self._image_sizes(images)
         pixels = self._pixels(images)
         ids = [self._image_question_ids(GROUNDING_PROMPT.format(expression=e.strip())) for e in expressions]
@@ -821,7 +862,9 @@ class JanusUnifiedModel(UnifiedModel):
             failed += box is None
             boxes.append(box if box is not None else [0.0, 0.0, 0.0, 0.0])
         if failed:
-            logger.warning("locate: %d of %d answers contained no [x1, y1, x2, y2] box; returned empty boxes", failed, len(texts))
+            logger.warning(
+                "locate: %d of %d answers had no [x1, y1, x2, y2] box; gave empty boxes", failed, len(texts)
+            )
         return torch.tensor(boxes, dtype=torch.float32)
 
     @torch.no_grad()
@@ -844,19 +887,23 @@ class JanusUnifiedModel(UnifiedModel):
         ids = [self._generation_prompt_ids(p, context[i] if context else None) for i, p in enumerate(prompts)]
         generation_config = copy.deepcopy(self.janus.generation_config)
         sampling = dict(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
-        generation_config.update(
+        unused = generation_config.update(
             do_sample=config.do_sample,
             guidance_scale=max(float(config.guidance_scale), 1.0),
             pad_token_id=self.pad_id,
             **(sampling if config.do_sample else {}),
             **config.extra,
         )
+        if unused:
+            raise ValueError(f"ImageGenerationConfig.extra: {sorted(unused)} are not GenerationConfig fields")
         processors = [] if config.guidance_scale > 1 else [_ConditionalRows()]
         device = self.device
-        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if config.seed is not None else nullcontext()
+        seeded = config.seed is not None
+        devices = [device] if device.type == "cuda" else []
+        rng = torch.random.fork_rng(devices=devices) if seeded else nullcontext()
         codes = torch.zeros(len(prompts), self.num_image_tokens, dtype=torch.long, device=device)
         with rng:
-            if config.seed is not None:
+            if seeded:
                 torch.manual_seed(config.seed)
             for length in sorted({len(i) for i in ids}):
                 group = [b for b, i in enumerate(ids) if len(i) == length]
@@ -892,7 +939,8 @@ class JanusUnifiedModel(UnifiedModel):
         return self.decode_codes(self.generate_image_codes(prompts, context, config))
 
     def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
-        ids = [self.tokenizer(self._system() + self._chat([{"type": "text", "text": p}]))["input_ids"] for p in prompts]
+        texts = [self._system() + self._chat([{"type": "text", "text": p}]) for p in prompts]
+        ids = [self.tokenizer(t)["input_ids"] for t in texts]
         return self._generate_text(ids, None, max_new_tokens=max_new_tokens)
 
 
@@ -906,11 +954,19 @@ def _check_arch(config) -> None:
     vq_down = 2 ** (len(vq.channel_multiplier) - 1)
     problems = []
     if vision.num_image_tokens != grid * grid:
-        problems.append(f"vision_config.num_image_tokens={vision.num_image_tokens} != (image_size/patch_size)^2={grid * grid}")
+        problems.append(
+            f"vision_config.num_image_tokens={vision.num_image_tokens} != (image_size/patch_size)^2={grid**2}"
+        )
     if vision.image_size // vq_down != grid:
-        problems.append(f"VQ grid image_size/2^(len(channel_multiplier)-1)={vision.image_size // vq_down} != {grid}")
-    for name, value in (("vision_config.projection_dim", vision.projection_dim), ("vq_config.projection_dim", vq.projection_dim),
-                        ("vq_config.image_token_embed_dim", vq.image_token_embed_dim)):
+        problems.append(
+            f"VQ grid image_size/2^(len(channel_multiplier)-1)={vision.image_size // vq_down} != {grid}"
+        )
+    dims = {
+        "vision_config.projection_dim": vision.projection_dim,
+        "vq_config.projection_dim": vq.projection_dim,
+        "vq_config.image_token_embed_dim": vq.image_token_embed_dim,
+    }
+    for name, value in dims.items():
         if value != text.hidden_size:
             problems.append(f"{name}={value} != text_config.hidden_size={text.hidden_size}")
     if problems:
@@ -920,7 +976,10 @@ def _check_arch(config) -> None:
 def _check_lengths(images: ImageBatch, per_example: Sequence, candidates: Sequence) -> None:
     n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
     if not (n == len(per_example) == len(candidates)):
-        raise ValueError(f"batch sizes differ: {n} images, {len(per_example)} prompts/boxes, {len(candidates)} candidate lists")
+        raise ValueError(
+            f"batch sizes differ: {n} images, {len(per_example)} prompts/boxes, "
+            f"{len(candidates)} candidate lists"
+        )
 
 
 def _pad(seqs: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,10 +42,14 @@ from .base import ImageBatch, ImageTokenizer, pil_to_tensor
 GUMBEL_FILE = "gumbel_proj.safetensors"
 
 _ATTN = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
-_RESNET = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2", "nin_shortcut": "conv_shortcut"}
+_RESNET = {
+    "norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2", "nin_shortcut": "conv_shortcut",
+}
 
 
-def convert_taming_checkpoint(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict | None]:
+def convert_taming_checkpoint(
+    state_dict: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Map a taming-transformers VQGAN ``state_dict`` to diffusers ``VQModel`` keys.
 
     Returns ``(vqmodel_state, gumbel_proj_state)``; the second is ``None`` unless the
@@ -117,7 +121,8 @@ def convert_taming_checkpoint(state_dict: dict[str, torch.Tensor]) -> tuple[dict
                 elif m := re.fullmatch(r"down\.(\d+)\.downsample\.conv\.(weight|bias)", rest):
                     new = f"encoder.down_blocks.{m.group(1)}.downsamplers.0.conv.{m.group(2)}"
                 elif m := re.fullmatch(r"up\.(\d+)\.upsample\.conv\.(weight|bias)", rest):
-                    new = f"decoder.up_blocks.{num_levels - 1 - int(m.group(1))}.upsamplers.0.conv.{m.group(2)}"
+                    level = num_levels - 1 - int(m.group(1))
+                    new = f"decoder.up_blocks.{level}.upsamplers.0.conv.{m.group(2)}"
                 elif m := re.fullmatch(r"down\.(\d+)\.(.*)", rest):
                     name, squeeze = sub_block(m.group(2))
                     new = f"encoder.down_blocks.{m.group(1)}.{name}"
@@ -192,7 +197,8 @@ class VQGANTokenizer(ImageTokenizer):
         path = Path(path)
         self.vq.save_pretrained(path)
         if self.gumbel_proj is not None:
-            save_file({k: v.contiguous() for k, v in self.gumbel_proj.state_dict().items()}, path / GUMBEL_FILE)
+            state = {k: v.contiguous() for k, v in self.gumbel_proj.state_dict().items()}
+            save_file(state, path / GUMBEL_FILE)
 
     def _to_tensor(self, images: ImageBatch) -> torch.Tensor:
         if not isinstance(images, torch.Tensor):
@@ -219,9 +225,12 @@ class VQGANTokenizer(ImageTokenizer):
         if codes.ndim != 3:
             raise ValueError(f"expected codes [B, h, w], got {tuple(codes.shape)}")
         if codes.min() < 0 or codes.max() >= self.codebook_size:
-            raise ValueError(f"codes must lie in [0, {self.codebook_size}), got [{codes.min()}, {codes.max()}]")
+            raise ValueError(
+                f"codes must lie in [0, {self.codebook_size}), got [{codes.min()}, {codes.max()}]"
+            )
         B, h, w = codes.shape
         codes = codes.to(self.vq.device)
-        quant = self.vq.quantize.get_codebook_entry(codes.reshape(-1), (B, h, w, self.vq.quantize.vq_embed_dim))
+        shape = (B, h, w, self.vq.quantize.vq_embed_dim)
+        quant = self.vq.quantize.get_codebook_entry(codes.reshape(-1), shape)
         x = self.vq.decode(quant, force_not_quantize=True).sample
         return ((x.float() + 1) / 2).clamp(0, 1)

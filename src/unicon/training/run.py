@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -132,16 +133,27 @@ def build_training_model(cfg: DictConfig):
     else:
         model = build_model(cfg.model, cfg.data.root)
     if cfg.model.gradient_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
-            raise UserError(f"model.gradient_checkpointing: the {model.backend} backend does not support it")
-        enable()
+        enable_gradient_checkpointing(model)
     if cfg.model.lora.enabled:
         try:
             apply_lora(model, cfg.model.lora)
         except ValueError as e:
             raise UserError(str(e)) from None
     return model
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """The backend's ``gradient_checkpointing_enable``, or that of its HF backbone (OFA keeps it inside)."""
+    for module in model.modules():
+        enable = getattr(module, "gradient_checkpointing_enable", None)
+        if callable(enable) and getattr(module, "supports_gradient_checkpointing", True):
+            if "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters:  # HF PreTrainedModel
+                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                enable()
+            return
+    raise UserError(f"model.gradient_checkpointing: the {getattr(model, 'backend', type(model).__name__)} "
+                    "backend has no gradient_checkpointing_enable()")
 
 
 def make_eval_callbacks(cfg: DictConfig) -> list:

@@ -17,10 +17,11 @@ shape stays inside its cell, so cells never interact. That makes three things ex
   so ``encode(decode(codes)) == codes`` always and ``decode(encode(img)) == img`` for canonical
   renders.
 
-Language (captions, questions, referring expressions, contrast sets, reasoning prompts) lives in
-:mod:`unicon.worlds.shapes_text`; the exact GenEval and criterion checkers in
-:mod:`unicon.worlds.shapes_verify`. Both are re-exported here, so ``unicon.worlds.shapes`` is the
-one import for the world's API.
+Language (captions, questions, referring expressions, contrast sets) lives in
+:mod:`unicon.worlds.shapes_text`, the UReason-style reasoning prompts in
+:mod:`unicon.worlds.shapes_reasoning`, and the exact GenEval and criterion checkers in
+:mod:`unicon.worlds.shapes_verify`. The public names of the text and verifier modules are
+re-exported here, so ``unicon.worlds.shapes`` is the one import for the world's API.
 
 Relations are grid relations: ``a`` is *left of* ``b`` iff ``a.col < b.col`` and *above* ``b``
 iff ``a.row < b.row`` (rows grow downwards, as in image coordinates).

@@ -115,7 +115,8 @@ def _spatial(rng, cfg: WorldConfig, forbidden):
         decoy = [r for r in choices if r != final][rng.integers(2)]
         steps = [start, f"you thought about putting the {a[1]} {REL_PHRASES[decoy][0]} the {b[1]}, "
                         f"but instead you move it so that it is {REL_PHRASES[final][0]} the {b[1]}."]
-        lines = [f"the {decoy} idea was dropped.", f"the {a[1]} ends {REL_PHRASES[final][0]} the {b[1]}."]
+        lines = [f"the {a[1]} is not put {REL_PHRASES[decoy][0]} the {b[1]}.",
+                 f"the {a[1]} ends {REL_PHRASES[final][0]} the {b[1]}."]
     pattern = {"objects": [{"shape": a[1], "color": a[0]}, {"shape": b[1], "color": b[0]}],
                "relations": [{"subject": 0, "relation": final, "object": 1}]}
     return "shape arrangement", " ".join(steps) + " draw the board now.", pattern, lines
@@ -146,7 +147,7 @@ def _code(rng, cfg: WorldConfig, forbidden):
         task = "draw one shape for every span that is not commented out."
         kept = [k for i, k in enumerate(kinds) if i != dropped]
         lines = [f"the {kinds[dropped][0]} {kinds[dropped][1]} is commented out.",
-                 "the board shows " + " and ".join(f"{c} {s}" for c, s in kept) + "."]
+                 f"{len(kept)} spans remain: " + ", ".join(f"{c} {s}" for c, s in kept) + "."]
         pattern = {"objects": [{"shape": s, "color": c} for c, s in kept], "relations": []}
     return "code to board", code, pattern, lines, task
 

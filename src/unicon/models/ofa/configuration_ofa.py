@@ -57,7 +57,9 @@ def check_config_dict(config: dict[str, Any], source: str = "config") -> None:
     """Refuse a config dict of another architecture, naming the field that shows it."""
     model_type = config.get("model_type", "ofa")
     if model_type != "ofa":
-        raise OFAConfigError(f"{source}: model_type is {model_type!r}, expected 'ofa' (not an OFA checkpoint)")
+        raise OFAConfigError(
+            f"{source}: model_type is {model_type!r}, expected 'ofa' (not an OFA checkpoint)"
+        )
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise OFAConfigError(
@@ -133,8 +135,10 @@ class OFAConfig(PretrainedConfig):
             self.num_hidden_layers = self.encoder_layers
         super().__post_init__(**kwargs)
         check_config_dict(self.__dict__ | {"model_type": "ofa"}, source="OFAConfig")
-        if self.normformer is not True or not self.encoder_normalize_before or not self.decoder_normalize_before:
-            raise OFAConfigError("OFAConfig: only normformer=True with pre-LN (the OFA-Sys checkpoints) is implemented")
+        if not (self.normformer and self.encoder_normalize_before and self.decoder_normalize_before):
+            raise OFAConfigError(
+                "OFAConfig: only normformer=True with pre-LN (the OFA-Sys checkpoints) is implemented"
+            )
         if not self.share_decoder_input_output_embed:
             raise OFAConfigError("OFAConfig: share_decoder_input_output_embed=False is not implemented")
 

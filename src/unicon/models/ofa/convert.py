@@ -56,7 +56,8 @@ def read_config(path: str | Path) -> OFAConfig:
 
 
 def read_state_dict(path: str | Path, allow_pickle: bool = False) -> tuple[dict[str, torch.Tensor], Path]:
-    """Tensors of ``model.safetensors`` (or, with ``allow_pickle``, of ``pytorch_model.bin`` converted once)."""
+    """Tensors of ``model.safetensors`` (or, with ``allow_pickle``, of ``pytorch_model.bin``,
+    converted once to ``model.safetensors``), and the file they came from."""
     path = Path(path)
     safe, pickle_file = path / SAFE_NAME, path / PICKLE_NAME
     if safe.is_file():
@@ -68,7 +69,11 @@ def read_state_dict(path: str | Path, allow_pickle: bool = False) -> tuple[dict[
                 f"to read it once and convert it to {SAFE_NAME}"
             )
         state = torch.load(pickle_file, map_location="cpu", weights_only=True)
-        state = state.get("model", state) if isinstance(state, dict) else state
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(
+                f"{pickle_file}: not a flat state_dict of tensors (a fairseq OFA checkpoint? convert it to "
+                f"the OFA-Sys transformers layout first)"
+            )
         # drop aliases that share memory (safetensors refuses them); the canonical copy is kept
         seen: dict[int, str] = {}
         unique = {}
@@ -85,7 +90,9 @@ def read_state_dict(path: str | Path, allow_pickle: bool = False) -> tuple[dict[
     raise FileNotFoundError(f"{path}: neither {SAFE_NAME} nor {PICKLE_NAME} found")
 
 
-def map_state_dict(state: dict[str, torch.Tensor], model: torch.nn.Module, source: str) -> dict[str, torch.Tensor]:
+def map_state_dict(
+    state: dict[str, torch.Tensor], model: torch.nn.Module, source: str
+) -> dict[str, torch.Tensor]:
     """Map checkpoint keys onto ``model.state_dict()`` keys exactly, or raise ``CheckpointError``."""
     expected = model.state_dict()
     prefix = "model." if next(iter(expected)).startswith("model.") else ""
@@ -99,14 +106,18 @@ def map_state_dict(state: dict[str, torch.Tensor], model: torch.nn.Module, sourc
         value = mapped.pop(key)
         ours = dict(model.named_buffers()).get(key)
         if ours is None or ours.shape != value.shape or not torch.equal(ours.cpu(), value.to(ours.dtype)):
-            raise CheckpointError(f"{source}: derived buffer {key!r} differs from the one computed from config.json")
+            raise CheckpointError(
+                f"{source}: derived buffer {key!r} differs from the one computed from config.json"
+            )
 
     tied = [prefix + k for k in (CANONICAL_EMBEDDING, *TIED_ALIASES)]
     present = [k for k in tied if k in mapped]
     if present:  # the first stored copy stands for all three
         for key in present[1:]:
             if not torch.equal(mapped[key], mapped[present[0]]):
-                raise CheckpointError(f"{source}: {key!r} should be tied to {present[0]!r} but the values differ")
+                raise CheckpointError(
+                    f"{source}: {key!r} should be tied to {present[0]!r} but the values differ"
+                )
         for key in tied:
             mapped[key] = mapped[present[0]]
 
@@ -121,7 +132,8 @@ def map_state_dict(state: dict[str, torch.Tensor], model: torch.nn.Module, sourc
     for key, value in expected.items():
         if mapped[key].shape != value.shape:
             raise CheckpointError(
-                f"{source}: {key!r} has shape {tuple(mapped[key].shape)}, the model expects {tuple(value.shape)}"
+                f"{source}: {key!r} has shape {tuple(mapped[key].shape)}, "
+                f"the model expects {tuple(value.shape)}"
             )
     return mapped
 

@@ -85,7 +85,9 @@ ATTENTION_SCALE_FACTOR = 2.0
 
 
 @functools.lru_cache(maxsize=4)
-def make_token_bucket_position(bucket_size: int, max_position: int = TOKEN_BUCKET_MAX_POSITION) -> torch.Tensor:
+def make_token_bucket_position(
+    bucket_size: int, max_position: int = TOKEN_BUCKET_MAX_POSITION
+) -> torch.Tensor:
     """``[max_position, max_position]`` index into the text rel-pos table (``2·bucket_size − 1`` rows).
 
     With ``mid = bucket_size // 2`` and ``rel = i − j``: the bucket is ``rel`` for ``|rel| ≤ mid``
@@ -130,7 +132,10 @@ def image_position_ids(height: int, width: int, bucket_size: int) -> torch.Tenso
 
 
 def make_decoder_image_position_idx(code_image_size: int, bucket_size: int) -> torch.Tensor:
-    """Decoder position ids in code mode: ``[0, grid ids of the (code_image_size//8)² codes, 768 × 1024]``."""
+    """Decoder position ids in code mode.
+
+    ``[0, grid ids of the (code_image_size // 8)² codes, 768 × 1024]`` (the tail is filler).
+    """
     window = code_image_size // 8
     grid = image_position_ids(window, window, bucket_size)
     return torch.cat([torch.zeros(1, dtype=torch.long), grid, torch.full((768,), 1024, dtype=torch.long)])
@@ -202,7 +207,9 @@ class ResNet(nn.Module):
         out = planes * Bottleneck.expansion
         downsample = None
         if stride != 1 or self.inplanes != out:
-            downsample = nn.Sequential(nn.Conv2d(self.inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out)
+            )
         modules = [Bottleneck(self.inplanes, planes, stride, downsample, rates[0])]
         self.inplanes = out
         modules += [Bottleneck(out, planes, drop_path_rate=r) for r in rates[1:blocks]]
@@ -229,8 +236,8 @@ class OFAAttention(nn.Module):
     softmax in the reference's order: bitwise equal to the reference on CPU).
     """
 
-    def __init__(self, config: OFAConfig, embed_dim: int, num_heads: int, dropout: float = 0.0, layer_idx: int = 0,
-                 is_cross_attention: bool = False):
+    def __init__(self, config: OFAConfig, embed_dim: int, num_heads: int, dropout: float = 0.0,
+                 layer_idx: int = 0, is_cross_attention: bool = False):
         super().__init__()
         self.config = config
         self.embed_dim, self.num_heads = embed_dim, num_heads
@@ -248,7 +255,8 @@ class OFAAttention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, hidden_states: torch.Tensor, bias: torch.Tensor, key_value_states: torch.Tensor | None = None,
+    def forward(self, hidden_states: torch.Tensor, bias: torch.Tensor,
+                key_value_states: torch.Tensor | None = None,
                 past_key_values: EncoderDecoderCache | None = None) -> torch.Tensor:
         q = self._heads(self.q_proj(hidden_states) * self.scaling)  # scale q first, as the reference does
         if self.is_cross_attention:
@@ -269,7 +277,9 @@ class OFAAttention(nn.Module):
             probs = torch.softmax(q @ k.transpose(2, 3) + bias, dim=-1)
             out = F.dropout(probs, dropout, self.training) @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=1.0)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=1.0  # q is already scaled
+            )
         out = out * self.c_attn.view(1, -1, 1, 1)
         out = out.transpose(1, 2).reshape(hidden_states.shape[0], hidden_states.shape[1], self.embed_dim)
         return self.out_proj(out)
@@ -316,15 +326,20 @@ class OFADecoderLayer(OFAEncoderLayer):
         super().__init__(config, drop_path_rate, config.decoder_attention_heads, config.decoder_ffn_dim)
         d, heads = config.d_model, config.decoder_attention_heads
         self.self_attn.layer_idx = layer_idx
-        self.cross_attn = OFAAttention(config, d, heads, config.attention_dropout, layer_idx, is_cross_attention=True)
+        self.cross_attn = OFAAttention(
+            config, d, heads, config.attention_dropout, layer_idx, is_cross_attention=True
+        )
         self.cross_attn_layer_norm = nn.LayerNorm(d)
         self.cross_attn_mid_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor, self_attn_bias: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                cross_attn_bias: torch.Tensor, past_key_values: EncoderDecoderCache | None = None) -> torch.Tensor:
+                cross_attn_bias: torch.Tensor,
+                past_key_values: EncoderDecoderCache | None = None) -> torch.Tensor:
         h = self.self_attn(self.self_attn_layer_norm(x), self_attn_bias, past_key_values=past_key_values)
         x = self._residual(self.self_attn_mid_layer_norm(h), x)
-        h = self.cross_attn(self.cross_attn_layer_norm(x), cross_attn_bias, encoder_hidden_states, past_key_values)
+        h = self.cross_attn(
+            self.cross_attn_layer_norm(x), cross_attn_bias, encoder_hidden_states, past_key_values
+        )
         x = self._residual(self.cross_attn_mid_layer_norm(h), x)
         return self._ffn(x)
 
@@ -336,14 +351,14 @@ class OFADecoderLayer(OFAEncoderLayer):
 
 @dataclass
 class OFAEncoderOutput(ModelOutput):
-    """Encoder states ``[B, N, d]``, padding mask ``[B, N]`` (True = pad), position embedding ``[B, N, d]``."""
+    """Encoder states ``[B, N, d]``, padding mask ``[B, N]`` (True = pad), positions ``[B, N, d]``."""
 
     last_hidden_state: torch.Tensor | None = None
     padding_mask: torch.Tensor | None = None
     position_embedding: torch.Tensor | None = None
 
     def index_select(self, index: torch.Tensor) -> "OFAEncoderOutput":
-        """Rows ``index`` of every tensor (e.g. ``repeat_interleave`` ids so K candidates share one encoding)."""
+        """Rows ``index`` of every tensor (e.g. repeated ids so K candidates share one encoding)."""
         return OFAEncoderOutput(*(t.index_select(0, index) for t in self.to_tuple()))
 
 
@@ -363,19 +378,24 @@ class _RelPosTables(nn.Module):
         self.image_bucket_size = config.image_bucket_size
         num_token_rel = 2 * config.token_bucket_size - 1
         num_image_rel = (2 * config.image_bucket_size - 1) ** 2 + 3
-        self.token_rel_pos_table_list = nn.ModuleList(nn.Embedding(num_token_rel, num_heads) for _ in range(num_layers))
-        self.image_rel_pos_table_list = nn.ModuleList(nn.Embedding(num_image_rel, num_heads) for _ in range(num_layers))
+        self.token_rel_pos_table_list = nn.ModuleList(
+            nn.Embedding(num_token_rel, num_heads) for _ in range(num_layers)
+        )
+        self.image_rel_pos_table_list = nn.ModuleList(
+            nn.Embedding(num_image_rel, num_heads) for _ in range(num_layers)
+        )
 
     def _register_buckets(self, config: OFAConfig) -> None:
         # derived from the config, never loaded (see convert.DERIVED_SUFFIXES); reference order: first
-        self.register_buffer("token_rp_bucket", make_token_bucket_position(config.token_bucket_size), persistent=False)
+        token_bucket = make_token_bucket_position(config.token_bucket_size)
         num_image_rel = (2 * config.image_bucket_size - 1) ** 2 + 3
-        self.register_buffer(
-            "image_rp_bucket", make_image_bucket_position(config.image_bucket_size, num_image_rel), persistent=False
-        )
+        image_bucket = make_image_bucket_position(config.image_bucket_size, num_image_rel)
+        self.register_buffer("token_rp_bucket", token_bucket, persistent=False)
+        self.register_buffer("image_rp_bucket", image_bucket, persistent=False)
 
-    def _project(self, q_linear: nn.Linear, k_linear: nn.Linear, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Absolute position bias ``[B, H, Tq, Tk]`` = (q_linear(q_pos)·scale) · k_linear(k_pos)ᵀ per head."""
+    def _project(self, q_linear: nn.Linear, k_linear: nn.Linear, q_pos: torch.Tensor,
+                 k_pos: torch.Tensor) -> torch.Tensor:
+        """Absolute position bias ``[B, H, Tq, Tk]`` = (q_linear(q_pos)·scale) · k_linear(k_pos)ᵀ."""
         B = q_pos.shape[0]
         q = q_linear(q_pos).view(B, q_pos.shape[1], self.num_heads, -1).transpose(1, 2) * self.pos_scaling
         k = k_linear(k_pos).view(B, k_pos.shape[1], self.num_heads, -1).transpose(1, 2)
@@ -387,7 +407,7 @@ class _RelPosTables(nn.Module):
         return F.embedding(bucket, self.token_rel_pos_table_list[idx].weight).permute(2, 0, 1)
 
     def image_rel_bias(self, idx: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """``[H, len(rows), len(cols)]`` image rel-pos bias of layer ``idx`` for position ids ``rows``/``cols``."""
+        """``[H, len(rows), len(cols)]`` image rel-pos bias of layer ``idx`` (rows/cols: position ids)."""
         bucket = self.image_rp_bucket[rows][:, cols]
         return F.embedding(bucket, self.image_rel_pos_table_list[idx].weight).permute(2, 0, 1)
 
@@ -423,7 +443,8 @@ class OFAEncoder(_RelPosTables):
         self._init_rel_pos(config, config.encoder_layers, config.encoder_attention_heads)
         self.gradient_checkpointing = False
 
-    def _embed(self, x: torch.Tensor, pos: torch.Tensor, type_id: int, norm: nn.LayerNorm | None) -> torch.Tensor:
+    def _embed(self, x: torch.Tensor, pos: torch.Tensor, type_id: int,
+               norm: nn.LayerNorm | None) -> torch.Tensor:
         x = self.embed_scale * x
         if self.entangle_position_embedding:
             x = x + pos
@@ -444,7 +465,9 @@ class OFAEncoder(_RelPosTables):
         B, L = input_ids.shape
         device = input_ids.device
         if L > self.embed_positions.num_embeddings:
-            raise ValueError(f"text of {L} tokens exceeds the encoder's {self.embed_positions.num_embeddings} positions")
+            raise ValueError(
+                f"text of {L} tokens exceeds the encoder's {self.embed_positions.num_embeddings} positions"
+            )
         text_pos = self.embed_positions(torch.arange(L, device=device)).expand(B, L, -1)
         x = self._embed(self.embed_tokens(input_ids), text_pos, 0, self.layernorm_embedding)
         padding_mask = input_ids.eq(self.padding_idx)
@@ -454,14 +477,14 @@ class OFAEncoder(_RelPosTables):
             feats = self.embed_images(patch_images)  # [B, C, h, w]
             h, w = feats.shape[-2:]
             if max(h, w) > self.image_bucket_size:
-                raise ValueError(f"image of {tuple(patch_images.shape[-2:])} px gives a {h}x{w} patch grid; the "
-                                 f"position window is {self.image_bucket_size}x{self.image_bucket_size} (stride 16)")
+                n = self.image_bucket_size
+                raise ValueError(f"image of {tuple(patch_images.shape[-2:])} px gives a {h}x{w} patch grid; "
+                                 f"the position window is {n}x{n} (stride 16)")
             num_patches = h * w
             patch_ids = image_position_ids(h, w, self.image_bucket_size).to(device)
             image_pos = self.embed_image_positions(patch_ids).expand(B, num_patches, -1)
-            image_x = self._embed(
-                self.image_proj(feats.flatten(2).transpose(1, 2)), image_pos, 1, self.patch_layernorm_embedding
-            )
+            patches = self.image_proj(feats.flatten(2).transpose(1, 2))
+            image_x = self._embed(patches, image_pos, 1, self.patch_layernorm_embedding)
             image_pad = torch.zeros(B, num_patches, dtype=torch.bool, device=device)
             if patch_masks is not None:
                 image_pad = image_pad | ~patch_masks.to(device=device, dtype=torch.bool)[:, None]
@@ -567,10 +590,13 @@ class OFADecoder(_RelPosTables):
                                    encoder_position_embedding)
         cross_bias = cross_bias + _additive_mask(encoder_padding_mask, cross_bias.dtype)
 
-        x = self.embed_scale * self.embed_tokens(input_ids) + tgt_pos[:, past:]  # always added (reference quirk)
+        # positions are always added in the decoder (reference quirk)
+        x = self.embed_scale * self.embed_tokens(input_ids) + tgt_pos[:, past:]
         if self.layernorm_embedding is not None:
             if self.code_layernorm_embedding is not None:
-                x = self._per_sample(code, lambda: self.code_layernorm_embedding(x), lambda: self.layernorm_embedding(x))
+                x = self._per_sample(
+                    code, lambda: self.code_layernorm_embedding(x), lambda: self.layernorm_embedding(x)
+                )
             else:
                 x = self.layernorm_embedding(x)
         x = F.dropout(x, self.dropout, self.training)
@@ -581,7 +607,8 @@ class OFADecoder(_RelPosTables):
         if attention_mask is not None:
             key_pad = ~attention_mask.to(device=device, dtype=torch.bool)
         else:
-            key_pad = torch.cat([torch.zeros(B, past, dtype=torch.bool, device=device), input_ids.eq(self.padding_idx)], 1)
+            past_pad = torch.zeros(B, past, dtype=torch.bool, device=device)
+            key_pad = torch.cat([past_pad, input_ids.eq(self.padding_idx)], 1)
         if bool(key_pad.any()):
             mask = mask + _additive_mask(key_pad, x.dtype)
         image_ids = self.image_position_idx[all_pos]
@@ -634,7 +661,11 @@ class OFAPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, path, allow_pickle: bool = False, config: OFAConfig | None = None, **kwargs):
-        """Load ``config.json`` + ``model.safetensors`` from a local directory (key mapping: ``unicon.models.ofa.convert``)."""
+        """Load ``config.json`` + ``model.safetensors`` from a local directory.
+
+        Strict keys; the one key mapping lives in ``unicon.models.ofa.convert``. ``kwargs``:
+        ``dtype``, ``device``, ``attn_implementation`` (``"sdpa"`` | ``"eager"``).
+        """
         return load_pretrained(cls, path, allow_pickle=allow_pickle, config=config, **kwargs)
 
     def save_pretrained(self, path, **kwargs) -> None:
@@ -679,7 +710,7 @@ class OFAModel(OFAPreTrainedModel, GenerationMixin):
     def decode(self, decoder_input_ids: torch.Tensor, encoder_outputs: OFAEncoderOutput,
                code_masks: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
                past_key_values: EncoderDecoderCache | None = None) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` of ``decoder_input_ids`` given encoder outputs (one row per decoder row)."""
+        """Logits ``[B, T, vocab]`` of ``decoder_input_ids`` given encoder outputs (row-aligned)."""
         return self.decoder(
             decoder_input_ids,
             encoder_outputs.last_hidden_state,
@@ -696,7 +727,11 @@ class OFAModel(OFAPreTrainedModel, GenerationMixin):
                 past_key_values: Cache | None = None, use_cache: bool = False,
                 decoder_attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 **unused) -> Seq2SeqLMOutput:
-        """Full pass. ``encoder_outputs`` skips the encoder; ``labels`` (-100 = ignore) adds a mean CE ``loss``."""
+        """Full pass; ``encoder_outputs`` skips the encoder, ``labels`` (-100 = ignore) add a CE ``loss``.
+
+        A given ``past_key_values`` is used and extended (``decoder_input_ids`` are then the new
+        tokens only); ``use_cache=True`` without one starts a new cache.
+        """
         if encoder_outputs is None:
             if input_ids is None:
                 raise ValueError("OFA forward needs input_ids or encoder_outputs")
@@ -707,9 +742,11 @@ class OFAModel(OFAPreTrainedModel, GenerationMixin):
             raise ValueError("OFA forward needs decoder_input_ids")
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        if not use_cache:
-            past_key_values = None
-        logits = self.decode(decoder_input_ids, encoder_outputs, code_masks, decoder_attention_mask, past_key_values)
+        elif past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values = EncoderDecoderCache(past_key_values, DynamicCache())  # self-attention only
+        logits = self.decode(
+            decoder_input_ids, encoder_outputs, code_masks, decoder_attention_mask, past_key_values
+        )
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -752,12 +789,12 @@ class OFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
         return self.model.decode(decoder_input_ids, encoder_outputs, code_masks, decoder_attention_mask,
                                  past_key_values)
 
-    def forward(self, input_ids=None, patch_images=None, patch_masks=None, decoder_input_ids=None, code_masks=None,
-                encoder_outputs=None, past_key_values=None, use_cache=False, decoder_attention_mask=None,
-                labels=None, **unused) -> Seq2SeqLMOutput:
+    def forward(self, input_ids=None, patch_images=None, patch_masks=None, decoder_input_ids=None,
+                code_masks=None, encoder_outputs=None, past_key_values=None, use_cache=False,
+                decoder_attention_mask=None, labels=None, **unused) -> Seq2SeqLMOutput:
         return self.model(
             input_ids=input_ids, patch_images=patch_images, patch_masks=patch_masks,
             decoder_input_ids=decoder_input_ids, code_masks=code_masks, encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values, use_cache=use_cache, decoder_attention_mask=decoder_attention_mask,
-            labels=labels,
+            past_key_values=past_key_values, use_cache=use_cache,
+            decoder_attention_mask=decoder_attention_mask, labels=labels,
         )
