@@ -290,7 +290,7 @@ class CocoConMetric(Metric):
         order = torch.argsort(index, stable=True)
         sorted_idx = index[order]
         keep = torch.ones_like(sorted_idx, dtype=torch.bool)
-        pass
+        keep[1:] = sorted_idx[1:] != sorted_idx[:-1]
         sel = order[keep]
         out = {"index": index[sel], "truncated": {t: int(getattr(self, f"truncated_{t}")) for t in SCORED}}
         names = [f"nll_{t}" for t in SCORED] + list(GENERATED_STATES) + ["gen_caption", "gen_answer"]
@@ -324,7 +324,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 def contrast_order(caption_nll: Sequence[float], valid: Sequence[int]) -> list[int]:
     """Contrast positions (1-based columns) in ``valid`` sorted most-likely caption first (stable)."""
-    return sorted(valid, key=lambda j: (caption_nll[j], j))
+    return sorted(valid, key=lambda j: (-caption_nll[j], j))
 
 
 def sample_consistency(caption_nll: Sequence[float], task_nll: Sequence[float], max_k: int) -> dict:
