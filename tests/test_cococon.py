@@ -527,3 +527,23 @@ def test_metric_drops_duplicate_indices_and_checks_shapes():
     assert state["nll_vqa"][:, 0].tolist() == [0.5, 1.0]
     with pytest.raises(ValueError, match=r"nll\['caption'\] has shape \(1, 2\), expected \(1, 3\)"):
         m.update(torch.tensor([0]), {t: torch.zeros(1, 2) for t in cc.SCORED})
+
+
+def test_t2i_scene_match_counts_exact_renders(tiny_world_model):
+    """A double whose T2I renders the gold scene for half of the prompts: scene match = 50 %."""
+    from unicon.worlds.shapes import Scene, load_world, render
+
+    world_root = tiny_world_model[0]
+    cfg = load_world(world_root).config
+    data = load_cococon(world_root / "cococon_test.json").subset(8)
+    scenes = {cc.normalize_text(s.caption): s.scene for s in data}
+
+    class RenderingModel(HashModel):
+        def generate_image(self, prompts, context=None, config=None):
+            return [render(Scene.from_dict(scenes[p]), cfg) if i % 2 == 0 else Image.new("RGB", (64, 64))
+                    for i, p in enumerate(prompts)]
+
+    result = cc.evaluate_model(RenderingModel(), data.samples, batch_size=8, world_root=world_root,
+                               tasks=["t2i"], cider_tokenizer="simple")
+    assert result.results["generative"]["t2i_scene_match"] == pytest.approx(50.0)
+    assert "vqa" not in result.results and result.per_sample[0]["nll"]["vqa"] is None

@@ -7,6 +7,7 @@ world written to ``tmp_path``, so the tests run in seconds on CPU.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -451,8 +452,8 @@ def test_cli_help_lists_groups_and_examples(capsys):
 class _Record(L.Callback):
     """Rank-averaged loss per step, and each rank's γ draws, written by rank 0."""
 
-    def __init__(self, path: str):
-        self.path, self.losses, self.kinds = path, [], []
+    def __init__(self, path: str, with_params: bool = True):
+        self.path, self.losses, self.kinds, self.with_params = path, [], [], with_params
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
@@ -462,45 +463,29 @@ class _Record(L.Callback):
         kinds = trainer.strategy.all_gather(torch.tensor(self.kinds))
         rng = trainer.strategy.all_gather(pl_module.gamma_rng.get_state().to(torch.float32))
         if trainer.is_global_zero:
-            params = {k: v.tolist() for k, v in pl_module.model.state_dict().items()}
+            params = {k: v.tolist() for k, v in pl_module.model.state_dict().items()} if self.with_params else {}
             Path(self.path).write_text(json.dumps({
                 "losses": self.losses, "kinds": kinds.tolist(), "rng": rng.tolist(), "params": params}))
 
 
-def _fit(world: Path, out: Path, devices: int, strategy: str, make_model=TinyUnified) -> dict:
+def _fit(world: Path, out: Path, devices: int, strategy, make_model=TinyUnified, with_params: bool = True) -> dict:
     bs = 8 // devices  # one step = the whole (8-example) datasets in both settings
     cfg = run_cfg(world, out, f"data.batch_size={bs}", f"data.contrast_batch_size={bs}", "seed=1")
     module = ConsistencyModule(make_model(), cfg)
     record = out / f"record{devices}.json"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[_Record(str(record))])
+                        callbacks=[_Record(str(record), with_params)])
     trainer.fit(module, datamodule=ConsistencyDataModule(cfg.data, seed=1))
     return json.loads(record.read_text())
 
 
 @pytest.mark.slow
-def test_ddp_two_gloo_processes_match_one_process(tmp_path, tiny_shapes_world):
-    """With the real tiny OFA on an 8-sample ShapesWorld subset: one step sees all of it either way."""
-    world = tmp_path / "world"
-    world.mkdir()
-    (world / "images").symlink_to(tiny_shapes_world / "images")
-    (world / "tokenizer.json").symlink_to(tiny_shapes_world / "tokenizer.json")
-    (world / "world.json").symlink_to(tiny_shapes_world / "world.json")
-    contrast = json.loads((tiny_shapes_world / "cococon_train.json").read_text())
-    contrast["annotations"] = [a for a in contrast["annotations"] if a["contrast_sets"]][:8]
-    (world / "cococon_train.json").write_text(json.dumps(contrast))
-    rows = (tiny_shapes_world / "mixture_train.jsonl").read_text().splitlines()
-    picked = [r for r in rows if json.loads(r)["task"] in ("caption", "vqa", "grounding", "t2i")][::7][:8]
-    (world / "mixture_train.jsonl").write_text("\n".join(picked) + "\n")
-    assert len(contrast["annotations"]) == 8 and len(picked) == 8
-
-    def make_model():
-        torch.manual_seed(0)
-        return build_model(compose(["model=ofa_shapes_tiny"]).model, world)
-
-    one = _fit(world, tmp_path, 1, "auto", make_model)
-    two = _fit(world, tmp_path, 2, "ddp_fork", make_model)
+def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+    """Exact equality needs a model without batch statistics, hence the test double (see below for OFA)."""
+    world = make_world(tmp_path / "world", n_contrast=8, n_mixture=8)
+    one = _fit(world, tmp_path, 1, "auto")
+    two = _fit(world, tmp_path, 2, "ddp_fork")
     assert len(one["losses"]) == len(two["losses"]) == 4
     assert 0 < one["kinds"][-1] < 4  # both update kinds happened
     assert two["kinds"][0] == two["kinds"][1] == one["kinds"]  # same γ draws on both ranks
@@ -511,22 +496,21 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path, tiny_shapes_world):
         torch.testing.assert_close(torch.tensor(two["params"][k]), torch.tensor(one["params"][k]), rtol=1e-4, atol=1e-5)
 
 
-def test_ddp_with_the_test_double(tmp_path):
-    world = make_world(tmp_path / "world", n_contrast=8, n_mixture=8)
-    one = _fit(world, tmp_path, 1, "auto")
-    two = _fit(world, tmp_path, 2, "ddp_fork")
-    assert two["kinds"][0] == two["kinds"][1] == one["kinds"]
-    for a, b in zip(one["losses"], two["losses"]):
-        assert b == pytest.approx(a, rel=1e-5)
+@pytest.mark.slow
+def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world):
+    """The real tiny OFA under DDP: ranks use different parameter subsets per step (tasks differ), which
+    needs find_unused_parameters; γ draws agree. (Its ResNet BatchNorm uses per-rank batch statistics,
+    so losses match a single process only approximately -- not asserted.)"""
+    from lightning.pytorch.strategies import DDPStrategy
 
+    def make_model():
+        torch.manual_seed(0)
+        return build_model(compose(["model=ofa_shapes_tiny"]).model, tiny_shapes_world)
 
-def test_bench_train_prints_json_ratio(world, double, capsys):
-    from unicon.training.bench import cli as bench_cli
-
-    assert bench_cli([f"data.root={world}", "--steps", "2", "--warmup", "1", "--sequences", "8", "--device", "cpu"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["ratio"] == pytest.approx(out["consistency_seq_per_s"] / out["standard_seq_per_s"], rel=1e-2)
-    assert out["sequences_per_step"] == 8 and out["consistency_sequences_per_step_mean"] >= 8
+    two = _fit(tiny_shapes_world, tmp_path, 2, DDPStrategy(find_unused_parameters=True, start_method="fork"),
+               make_model, with_params=False)
+    assert len(two["losses"]) == 4 and all(math.isfinite(x) for x in two["losses"])
+    assert two["kinds"][0] == two["kinds"][1] and two["rng"][0] == two["rng"][1]
 
 
 @pytest.mark.slow

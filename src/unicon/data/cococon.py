@@ -266,7 +266,8 @@ def load_cococon(
             if not skip_missing:
                 raise CocoConFormatError(
                     f"{path}: annotations[{i}] (id {s.id}): image file not found: {s.image_path} "
-                    f"(images root {root}; pass skip_missing / --skip-missing to skip such samples)"
+                    f"(images root {root}: set it with images_root / --images, or skip such samples "
+                    f"with skip_missing / --skip-missing)"
                 )
             report.missing_images.append(str(s.image_path))
             continue

@@ -324,7 +324,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 def contrast_order(caption_nll: Sequence[float], valid: Sequence[int]) -> list[int]:
     """Contrast positions (1-based columns) in ``valid`` sorted most-likely caption first (stable)."""
-    return sorted(valid, key=lambda j: (-caption_nll[j], j))
+    return sorted(valid, key=lambda j: (caption_nll[j], j))
 
 
 def sample_consistency(caption_nll: Sequence[float], task_nll: Sequence[float], max_k: int) -> dict:
@@ -417,7 +417,7 @@ class _ShapesChecker:
             scene = self.shapes.parse(image, self.cfg)
         except self.shapes.NotAShapesWorldImage:
             return 0.0
-        return float(bool(self.shapes.caption_matches(caption, scene)))
+        return float(bool(self.shapes.caption_matches(caption, scene, self.cfg)))
 
 
 class CocoConEvaluator:

@@ -113,6 +113,12 @@ def make_strategy(name: str, num_devices: Any = 1):
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         return DeepSpeedStrategy(config=json.loads(path.read_text()))
+    if name in ("ddp", "ddp_spawn"):
+        from lightning.pytorch.strategies import DDPStrategy
+
+        # A step uses a task-dependent subset of the parameters (e.g. OFA's image-code decoder
+        # embeddings only in T2I, its ResNet only with image inputs), and ranks mix tasks differently.
+        return DDPStrategy(find_unused_parameters=True, start_method="spawn" if name == "ddp_spawn" else "popen")
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 

@@ -201,18 +201,8 @@ class OFAUnifiedModel(UnifiedModel):
 
     @staticmethod
     def select(encoder_out, index: torch.Tensor):
-        """Rows ``index`` of every batch-first tensor in an encoder output (any nesting)."""
-        if isinstance(encoder_out, torch.Tensor):
-            return encoder_out.index_select(0, index.to(encoder_out.device))
-        if isinstance(encoder_out, dict):  # ModelOutput is a dict too
-            out = encoder_out.__class__(**{k: OFAUnifiedModel.select(v, index) for k, v in encoder_out.items()})
-            return out
-        if isinstance(encoder_out, (list, tuple)):
-            return type(encoder_out)(OFAUnifiedModel.select(v, index) for v in encoder_out)
-        if hasattr(encoder_out, "__dataclass_fields__"):
-            return type(encoder_out)(**{k: OFAUnifiedModel.select(getattr(encoder_out, k), index)
-                                        for k in encoder_out.__dataclass_fields__})
-        return encoder_out
+        """Rows ``index`` of an ``OFAEncoderOutput``: K candidates share one encoding without recomputing it."""
+        return encoder_out.index_select(index.to(encoder_out.last_hidden_state.device))
 
     def _target_nll(self, encoder_out, targets: list[list[int]], code_mode: bool = False):
         """Summed NLL and length of each target row (decoder input = bos + target[:-1])."""
