@@ -357,6 +357,12 @@ def test_cli_writes_results(tmp_path, monkeypatch):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("cococon/vqa/C_1" in m for m in metrics)
     assert (out / "tables" / "cococon_samples.jsonl").is_file()
+    from unicon.errors import UserError
+
+    with pytest.raises(UserError, match="--max-samples must be >= 1, got 0"):
+        cc.cli(["--ckpt", "dummy", "--data", str(path), "--max-samples", "0"])
+    with pytest.raises(UserError, match=r"image file not found: .*images/0\.png.*--images"):
+        cc.cli(["--ckpt", "dummy", "--data", str(path), "--images", str(tmp_path / "cli")])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -780,3 +780,64 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     bench = json.loads(capsys.readouterr().out)
     assert rc == 0 and bench["batched_batch_size"] == 3 and bench["sequential_batch_size"] == 1
     assert bench["speedup"] == pytest.approx(bench["batched_steps_per_s"] / bench["sequential_steps_per_s"])
+
+
+def test_clip_color_classifier_crops_boxes_and_averages_templates():
+    from unicon.evaluation.geneval import COLORS, ClipColorClassifier, Detection
+
+    rgb = {"red": (255, 0, 0), "blue": (0, 0, 255), "green": (0, 255, 0)}
+    seen_texts = []
+
+    class FakeClip:
+        def embed_text(self, texts):
+            seen_texts.extend(texts)
+            rows = [torch.eye(len(COLORS))[next(i for i, c in enumerate(COLORS) if f" {c} " in f" {t.replace('-', ' ')} ")]
+                    for t in texts]
+            return torch.stack(rows)
+
+        def embed_image(self, crops):
+            rows = []
+            for im in crops:
+                mean = np.asarray(im, dtype=float).reshape(-1, 3).mean(0)
+                name = min(rgb, key=lambda c: np.abs(np.array(rgb[c]) - mean).sum())
+                rows.append(torch.eye(len(COLORS))[COLORS.index(name)])
+            return torch.stack(rows)
+
+    image = Image.new("RGB", (40, 20), rgb["red"])
+    image.paste(Image.new("RGB", (20, 20), rgb["blue"]), (20, 0))
+    clf = ClipColorClassifier(FakeClip())
+    boxes = [Detection((22, 2, 16, 16), "car", 0.9), Detection((0, 0, 18, 20), "car", 0.8)]
+    assert clf(image, boxes, "car") == ["blue", "red"]
+    assert "a photo of a blue car" in seen_texts and "a photo of a blue-colored car" in seen_texts
+    assert "a photo of a blue object" in seen_texts and len(seen_texts) == 3 * len(COLORS)
+    clf(image, boxes, "car")
+    assert len(seen_texts) == 3 * len(COLORS)  # the per-class head is cached
+
+
+def test_owlv2_detector_wiring_on_a_tiny_random_model(tmp_path):
+    from transformers import CLIPTokenizer, Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
+    from unicon.evaluation.geneval import Owlv2Detector
+
+    vocab = {"!": 0, "<|startoftext|>": 1, "<|endoftext|>": 2}  # OWL masks queries whose first id is 0
+    for ch in "abcdefghijklmnopqrstuvwxyz":
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    processor = Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 32, "width": 32}),
+                               tokenizer=CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")))
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = Owlv2Config(text_config=dict(vocab_size=len(vocab), max_position_embeddings=16, **small),
+                      vision_config=dict(image_size=32, patch_size=8, **small), projection_dim=16)
+    torch.manual_seed(0)
+    Owlv2ForObjectDetection(cfg).save_pretrained(tmp_path / "owl")
+    processor.save_pretrained(tmp_path / "owl")
+    det_ = Owlv2Detector(str(tmp_path / "owl"))
+    out = det_.detect([Image.new("RGB", (40, 30), (200, 10, 10)), Image.new("RGB", (30, 30))], ["cat", "dog"])
+    assert [len(o) for o in out] == [16, 16]  # one box per 8x8 patch of the 32x32 input
+    for d in out[0]:
+        assert d.label in ("cat", "dog") and 0.0 < d.score < 1.0 and d.box[2] >= 0 and d.box[3] >= 0
+        assert d.box[0] + d.box[2] <= 40 + 1e-3  # [x, y, w, h] in pixels of the padded 40x40 square
+    with pytest.raises(Exception, match="cannot load OWLv2"):
+        Owlv2Detector(str(tmp_path / "missing"))

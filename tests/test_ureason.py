@@ -748,3 +748,21 @@ def test_shapes_run_with_a_tiny_ofa(shapes_world, tmp_path):
             assert f"acc_s{k}/{cat}" in metrics
     assert metrics["fallback_rate"] == pytest.approx(100 * sum(r["extraction_rule"] == "last_paragraph"
                                                                for r in rows) / 4)
+
+
+def test_sharded_counts_sum_to_the_full_metrics():
+    """The callback's DDP path: per-rank count matrices summed == metrics over all samples."""
+    samples = [
+        _sample(1, "code", ("no", "yes", "yes"), chain="yes"),
+        _sample(2, "code", ("no", "no", "yes"), chain="no", rule="last_paragraph"),
+        _sample(3, "text", ("yes", "unparseable", "no_input"), images=(True, True, False), chain="yes"),
+        _sample(4, "text", ("no_input", "no", "yes"), images=(False, True, True), chain="yes"),
+        _sample(5, "code", ("yes", "yes", "yes"), chain="yes"),
+    ]
+    cats = ["code", "text"]
+    summed = ur.count_matrix(samples[0::2], cats) + ur.count_matrix(samples[1::2], cats)
+    full = ur.compute_metrics(samples, cats)
+    sharded = ur.metrics_from_counts(summed, cats)
+    assert sharded.keys() == full.keys()
+    for k in full:
+        assert sharded[k] == pytest.approx(full[k], nan_ok=True), k

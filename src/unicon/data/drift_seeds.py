@@ -66,7 +66,7 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SeedFormatError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise SeedFormatError(f"{path}:{lineno}: not valid JSON ({e.msg}, col {e.colno})") from None
             if not isinstance(row, dict):
                 raise SeedFormatError(f"{path}:{lineno}: expected a JSON object")
             rows.append((lineno, row))
@@ -92,7 +92,8 @@ def load_shapes_seeds(path: str | Path, check_images: bool = True) -> list[Drift
         scene = row.get("scene")
         if scene is not None and not isinstance(scene, dict):
             raise SeedFormatError(f"{where}: 'scene' must be an object")
-        seeds.append(DriftSeed(id=str(row["id"]), caption=row["caption"], image=image, scene=scene, source="shapes"))
+        seeds.append(DriftSeed(id=str(row["id"]), caption=row["caption"], image=image, scene=scene,
+                               source="shapes"))
     if not seeds:
         raise SeedFormatError(f"{path}: no seeds")
     check_ids(seeds, str(path))
@@ -126,8 +127,10 @@ def load_nocaps(path: str | Path, images_root: str | Path) -> dict[Any, tuple[Pa
     return {k: (files[k], captions[k]) for k in files if captions[k]}
 
 
-def load_docci(path: str | Path, images_root: str | Path, split: str | None = None) -> list[tuple[str, Path, str]]:
-    """DOCCI ``docci_descriptions.jsonlines`` -> ``[(example_id, image path, description)]`` (optionally one split)."""
+def load_docci(
+    path: str | Path, images_root: str | Path, split: str | None = None
+) -> list[tuple[str, Path, str]]:
+    """DOCCI ``docci_descriptions.jsonlines`` -> ``[(example_id, image, description)]`` (one split or all)."""
     path = Path(path)
     out = []
     for lineno, row in _read_jsonl(path):
@@ -156,11 +159,13 @@ def nd400_seeds(
     nc = load_nocaps(nocaps, nocaps_images)
     dc = load_docci(docci, docci_images, docci_split)
     if n > len(nc) or n > len(dc):
-        raise SeedFormatError(f"asked for {n} pairs from each source, but NoCaps has {len(nc)} images and DOCCI {len(dc)} rows")
+        raise SeedFormatError(f"asked for {n} pairs from each source, but NoCaps has {len(nc)} images "
+                              f"and DOCCI {len(dc)} rows")
     seeds = []
     for image_id in rng.sample(sorted(nc, key=str), n):
         image, caps = nc[image_id]
-        seeds.append(DriftSeed(id=f"nocaps-{image_id}", caption=rng.choice(caps), image=image, source="nocaps"))
+        seeds.append(DriftSeed(id=f"nocaps-{image_id}", caption=rng.choice(caps), image=image,
+                               source="nocaps"))
     for example_id, image, description in rng.sample(dc, n):
         seeds.append(DriftSeed(id=f"docci-{example_id}", caption=description, image=image, source="docci"))
     if check_images:

@@ -86,7 +86,8 @@ def _requirement(obj: Any, where: str, kind: str, n_before: int) -> Requirement:
     if not isinstance(cls, str) or not cls:
         raise GenEvalFormatError(f"{where}: '{kind}' clause {obj} has no non-empty 'class'")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise GenEvalFormatError(f"{where}: '{kind}' clause for {cls!r} needs an integer 'count' >= 1, got {count!r}")
+        raise GenEvalFormatError(f"{where}: '{kind}' clause for {cls!r} needs an integer 'count' >= 1, "
+                                 f"got {count!r}")
     color = obj.get("color")
     if color is not None and (not isinstance(color, str) or not color):
         raise GenEvalFormatError(f"{where}: 'color' of {cls!r} must be a non-empty string, got {color!r}")
@@ -139,7 +140,7 @@ def parse_row(row: Any, where: str, row_number: int) -> GenEvalPrompt:
         try:
             index = int(row["index"])
         except (TypeError, ValueError):
-            raise GenEvalFormatError(f"{where}: 'index' must be an integer (string), got {row['index']!r}") from None
+            raise GenEvalFormatError(f"{where}: 'index' must be an integer, got {row['index']!r}") from None
     return GenEvalPrompt(
         index=index, tag=tag, prompt=prompt, include=tuple(include), exclude=exclude,
         detailed_caption=detailed, raw=row,
@@ -169,9 +170,10 @@ def load_geneval(path: str | Path, tasks: tuple[str, ...] | None = TASKS) -> lis
                 raise GenEvalFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             prompt = parse_row(row, where, len(prompts))
             if tasks is not None and prompt.tag not in tasks:
-                raise GenEvalFormatError(f"{where}: unknown tag {prompt.tag!r} (expected one of {list(tasks)})")
+                raise GenEvalFormatError(f"{where}: unknown tag {prompt.tag!r} (expected {list(tasks)})")
             if prompt.index in seen:
-                raise GenEvalFormatError(f"{where}: index {prompt.index} already used on line {seen[prompt.index]}")
+                raise GenEvalFormatError(f"{where}: index {prompt.index} already used on line "
+                                         f"{seen[prompt.index]}")
             seen[prompt.index] = lineno
             prompts.append(prompt)
     if not prompts:

@@ -10,7 +10,6 @@ vector).
 from __future__ import annotations
 
 import abc
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -58,10 +57,3 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
-
-def require_local(path: str | Path, what: str, how: str) -> Path:
-    """``path`` as a Path if it exists, else :class:`EmbedderNotFound` naming it and how to provide it."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise EmbedderNotFound(f"{what} not found at {p.resolve()}: {how}")
-    return p

@@ -67,7 +67,8 @@ def _resolve(source: str) -> tuple[str, str | None]:
     arch, sep, weights = source.partition(":")
     if sep and arch in open_clip.list_models():
         if not Path(weights).expanduser().is_file():
-            raise EmbedderNotFound(f"open_clip weights for {arch} not found at {Path(weights).resolve()}: {TRAIN_HINT}")
+            raise EmbedderNotFound(f"open_clip weights for {arch} not found at {Path(weights).resolve()}: "
+                                   f"{TRAIN_HINT}")
         return arch, str(Path(weights).expanduser())
     raise EmbedderNotFound(f"CLIP model not found at {path.resolve()}: {TRAIN_HINT}")
 
@@ -116,7 +117,8 @@ def _caption_pairs(world_root: Path, split: str) -> list[tuple[Path, str]]:
     """(image path, caption) pairs from ``mixture_<split>.jsonl`` caption rows (one per scene)."""
     path = world_root / f"mixture_{split}.jsonl"
     if not path.is_file():
-        raise EmbedderNotFound(f"ShapesWorld split file not found at {path.resolve()}: run `unicon build-data shapes --out {world_root}`")
+        raise EmbedderNotFound(f"ShapesWorld split file not found at {path.resolve()}: "
+                               f"run `unicon build-data shapes --out {world_root}`")
     pairs, seen = [], set()
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -153,8 +155,9 @@ def _load_pairs(pairs, preprocess, tokenizer) -> tuple[torch.Tensor, torch.Tenso
 @torch.no_grad()
 def retrieval_accuracy(model, images: torch.Tensor, tokens: torch.Tensor, batch: int = 256) -> float:
     """Image->text top-1 accuracy within ``images``' own captions (chance = 1/N)."""
-    img = torch.cat([model.encode_image(images[s : s + batch], normalize=True) for s in range(0, len(images), batch)])
-    txt = torch.cat([model.encode_text(tokens[s : s + batch], normalize=True) for s in range(0, len(tokens), batch)])
+    starts = range(0, len(images), batch)
+    img = torch.cat([model.encode_image(images[s : s + batch], normalize=True) for s in starts])
+    txt = torch.cat([model.encode_text(tokens[s : s + batch], normalize=True) for s in starts])
     return float(((img @ txt.T).argmax(-1) == torch.arange(len(img))).float().mean())
 
 
@@ -221,7 +224,8 @@ def train_shapes_clip(
     out.mkdir(parents=True, exist_ok=True)
     config = {"model_cfg": cfg, "preprocess_cfg": SHAPES_PREPROCESS}
     (out / "open_clip_config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "open_clip_model.safetensors"))
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(out / "open_clip_model.safetensors"))
     report = {
         "world": str(world_root), "pairs": n, "steps": steps, "batch_size": bs, "lr": lr, "seed": seed,
         "first_loss": losses[0] if losses else None,
@@ -239,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m unicon.embedders.clip",
         description="Train a small open_clip model on a ShapesWorld (for text<->image MCD).",
     )
-    parser.add_argument("--train-shapes", metavar="WORLD_DIR", required=True, help="ShapesWorld root (data/shapes)")
+    parser.add_argument("--train-shapes", metavar="WORLD_DIR", required=True,
+                        help="ShapesWorld root (data/shapes)")
     parser.add_argument("--out", required=True, help="output directory (e.g. checkpoints/shapes_clip)")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=128)

@@ -17,7 +17,8 @@ from PIL import Image
 from unicon.embedders.base import Embedder, EmbedderNotFound, normalize
 
 HINT = (
-    "download a DINO backbone once, e.g. `AutoModel.from_pretrained('facebook/dinov2-base').save_pretrained(DIR)` "
+    "download a DINO backbone once, e.g. "
+    "`AutoModel.from_pretrained('facebook/dinov2-base').save_pretrained(DIR)` "
     "and `AutoImageProcessor.from_pretrained('facebook/dinov2-base').save_pretrained(DIR)`, and pass DIR"
 )
 
@@ -36,7 +37,8 @@ class DinoEmbedder(Embedder):
             self.processor = AutoImageProcessor.from_pretrained(str(path))
             self.model = AutoModel.from_pretrained(str(path)).to(device).eval()
         except OSError as e:
-            raise EmbedderNotFound(f"cannot load DINO model from {path!r} ({str(e).splitlines()[0]}): {HINT}") from None
+            reason = str(e).splitlines()[0]
+            raise EmbedderNotFound(f"cannot load DINO model from {path!r} ({reason}): {HINT}") from None
         self.device = device
         self.batch_size = batch_size
         self.source = str(path)

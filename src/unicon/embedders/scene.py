@@ -59,7 +59,9 @@ class SceneEmbedder(Embedder):
         return v
 
     def embed_text(self, texts: Sequence[str]) -> torch.Tensor:
-        return normalize(torch.stack([self.caption_vector(t) for t in texts])) if texts else torch.zeros(0, self.dim)
+        if not texts:
+            return torch.zeros(0, self.dim)
+        return normalize(torch.stack([self.caption_vector(t) for t in texts]))
 
     def embed_image(self, images: Sequence[Image.Image]) -> torch.Tensor:
         from unicon.worlds.shapes import NotAShapesWorldImage, parse

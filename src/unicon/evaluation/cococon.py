@@ -74,7 +74,7 @@ from torchmetrics import Metric
 
 from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
 from unicon.errors import UserError
-from unicon.evaluation.callbacks import EvalCallback, log_table
+from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
 
 log = logging.getLogger(__name__)
 
@@ -675,7 +675,7 @@ def plot_results(results: dict, out_dir: Path) -> None:
         ks = [k for k, n in results[t]["n_k"].items() if n > 0]
         xs = [results[t]["acc@k"][k] for k in ks]
         ys = [results[t]["C_k"][k] for k in ks]
-        ax.scatter(xs, ys, color=colors[t], label=t)
+        ax.plot(xs, ys, "o-", color=colors[t], lw=0.8, label=t)
         for k, x, y in zip(ks, xs, ys):
             ax.annotate(f"k={k}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("% ranking accuracy@k (task alone)")
@@ -788,8 +788,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--logger", choices=["wandb", "csv", "none"], default="wandb")
     parser.add_argument("--name", default=None, help="run name for the logger")
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for name in ("batch_size", "max_samples", "max_k"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
     from unicon.config import LoggerConfig
     from unicon.models import load_model
@@ -814,10 +816,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     loggers = make_loggers(LoggerConfig(type=args.logger), out, name=args.name or f"cococon-{Path(args.ckpt).name}")
     metrics = result.flat()
     metrics["cococon/seconds"] = seconds
-    from unicon.evaluation.callbacks import log_metrics
-
-    log_metrics(loggers, metrics)
-    log_table(loggers, "cococon/samples", TABLE_COLUMNS, table_rows(result, {s.index: s for s in data.samples}, 16))
+    log_metrics(loggers, metrics, step=0)
+    rows = table_rows(result, {s.index: s for s in data.samples}, 16)
+    log_table(loggers, "cococon/samples", TABLE_COLUMNS, rows, step=0)
     for lg in loggers:
         lg.finalize("success")
     r = result.results

@@ -215,9 +215,11 @@ class ChainRunner:
 
     # -- run.json --------------------------------------------------------------------------------------
     def _check_run_file(self) -> None:
-        """``run.json`` pins what the stored generations depend on; resuming with other settings is refused."""
-        info = {"ids": self.ids, "i2t_prompt": self.i2t_prompt, "batch_size": self.batch_size, "seed": self.seed,
-                "image_config": asdict(self.image_config) if self.image_config else None}
+        """``run.json`` pins what stored generations depend on; resuming with other settings is refused."""
+        info = {
+            "ids": self.ids, "i2t_prompt": self.i2t_prompt, "batch_size": self.batch_size, "seed": self.seed,
+            "image_config": asdict(self.image_config) if self.image_config else None,
+        }
         path = self.out / "run.json"
         if path.is_file():
             try:
@@ -229,7 +231,8 @@ class ChainRunner:
                 if key in info and value != info[key]:
                     raise UserError(
                         f"{path}: this directory holds chains with a different {key} "
-                        f"({str(value)[:80]} != {str(info[key])[:80]}); use another --out or the same settings"
+                        f"({str(value)[:80]} != {str(info[key])[:80]}); use another --out or the same "
+                        "settings"
                     )
         atomic_write(path, json.dumps(info, indent=1).encode())
 
@@ -265,15 +268,16 @@ class ChainRunner:
                 return set(self.ids)
             names = [r[0] for r in rows]
             if names != [f"{i}.png" for i in self.ids]:
-                self._repair(f"{path}: rows do not match the chain ids ({len(rows)} rows for {len(self.ids)} chains)"
-                             "; regenerating the mismatched rows")
+                self._repair(f"{path}: rows do not match the chain ids ({len(rows)} rows for "
+                             f"{len(self.ids)} chains); regenerating the mismatched rows")
             got = dict(rows)
             for i in self.ids:
                 caption = got.get(f"{i}.png")
                 if caption is None or sha256(caption.encode()) != marker["items"][i]:
                     bad.add(i)
             if bad and names == [f"{i}.png" for i in self.ids]:
-                self._repair(f"{path}: caption of {sorted(bad)[:5]} does not match its recorded hash; regenerating")
+                self._repair(f"{path}: caption of {sorted(bad)[:5]} does not match its recorded hash; "
+                             "regenerating")
             return bad
         for i in self.ids:
             path = self.item_path(chain, g, i)
@@ -306,7 +310,7 @@ class ChainRunner:
         return int.from_bytes(h[:4], "little")
 
     def _produce(self, chain: str, g: int, b: int, ids: list[str], prev_texts: dict[str, str] | None) -> dict:
-        """Run the model on one batch; returns ``{id: caption}`` (text) or writes images and returns ``{id: hash}``."""
+        """One batch through the model: ``{id: caption}``, or write the images and return ``{id: sha256}``."""
         out_mod = modality(chain, g)
         t0 = time.perf_counter()
         if g == 0:
@@ -333,12 +337,12 @@ class ChainRunner:
             result = {i: str(c) for i, c in zip(ids, captions)}
         else:
             prompts = [prev_texts[i] for i in ids]
-            cfg = ImageGenerationConfig(**asdict(self.image_config)) if self.image_config else ImageGenerationConfig()
-            if cfg.seed is not None or cfg.do_sample:
-                cfg.seed = self._batch_seed(chain, g, b) if cfg.seed is None else cfg.seed + self._batch_seed(chain, g, b)
+            cfg = ImageGenerationConfig(**asdict(self.image_config or ImageGenerationConfig()))
+            if cfg.seed is not None or cfg.do_sample:  # one fixed seed per (chain, generation, batch)
+                cfg.seed = (cfg.seed or 0) + self._batch_seed(chain, g, b)
             images = self.model.generate_image(prompts, config=cfg)
             if len(images) != len(ids):
-                raise RuntimeError(f"model.generate_image returned {len(images)} images for {len(ids)} prompts")
+                raise RuntimeError(f"model.generate_image gave {len(images)} images for {len(ids)} prompts")
             result = {}
             for i, im in zip(ids, images):
                 data = png_bytes(im)
@@ -364,7 +368,7 @@ class ChainRunner:
             except (json.JSONDecodeError, KeyError, ValueError, IndexError, TypeError):
                 valid = False
             if not valid:
-                self._repair(f"{path}:{lineno}: incomplete journal line (interrupted write); that batch is redone")
+                self._repair(f"{path}:{lineno}: incomplete journal line (interrupted write); batch redone")
                 continue
             if is_image:
                 ok = True
@@ -378,7 +382,9 @@ class ChainRunner:
             done[b] = entry["items"] if is_image else entry["captions"]
         return done
 
-    def _run_generation(self, chain: str, g: int, redo_ids: set[str] | None = None, marker: dict | None = None) -> bool:
+    def _run_generation(
+        self, chain: str, g: int, redo_ids: set[str] | None = None, marker: dict | None = None
+    ) -> bool:
         """Compute generation ``g`` (all batches, or the batches holding ``redo_ids``).
 
         Returns True when the stored content changed relative to ``marker`` (later generations stale).
@@ -390,7 +396,7 @@ class ChainRunner:
             done = self._read_journal(chain, g)
             todo = [b for b in range(len(self.batches)) if b not in done]
             if done:
-                log.info("%s gen %d: resuming, %d/%d batches already done", chain, g, len(done), len(self.batches))
+                log.info("%s gen %d: resuming, %d/%d batches done", chain, g, len(done), len(self.batches))
         else:  # repair of a complete generation: keep everything else from the marker / CSV
             todo = sorted({b for b, ids in enumerate(self.batches) if redo_ids & set(ids)})
             done = {}
@@ -521,7 +527,7 @@ def compute_mcd(out: str | Path, ids: Sequence[str], embedders: dict[str, Embedd
     """S_delta(g), MCD_delta per embedder and the headline MCD (see module docstring).
 
     Returns ``{"S": {mapping: {g: value}}, "MCD": {mapping: value}, "MCD_avg", "embedder": {mapping: name},
-    "by_embedder": {name: {mapping: {"S": {g: v}, "MCD": v, "per_chain": [[...]]}}}, "decay": {mapping: fit}}``.
+    "by_embedder": {name: {mapping: {"S", "MCD", "per_chain"}}}, "decay": {mapping: fit}}``.
     """
     out = Path(out)
     by_emb: dict[str, dict] = {}
@@ -598,11 +604,13 @@ def plot_curves(mcd: dict, path: Path, title: str = "") -> Path:
         for name, per in mcd["by_embedder"].items():
             if mapping in per:
                 S = per[mapping]["S"]
-                ax.plot(list(S), list(S.values()), marker="o", label=f"{name} (MCD {per[mapping]['MCD']:.3f})")
+                label = f"{name} (MCD {per[mapping]['MCD']:.3f})"
+                ax.plot(list(S), list(S.values()), marker="o", label=label)
         fit = mcd["decay"].get(mapping, {})
         if "b" in fit and mapping in mcd["S"]:
             xs = np.linspace(min(mcd["S"][mapping]), max(mcd["S"][mapping]), 50)
-            ax.plot(xs, fit["a"] * np.exp(-fit["b"] * xs) + fit["c"], "k--", lw=1, label=f"fit b={fit['b']:.2f}")
+            ys = fit["a"] * np.exp(-fit["b"] * xs) + fit["c"]
+            ax.plot(xs, ys, "k--", lw=1, label=f"fit b={fit['b']:.2f}")
         values = [v for line in ax.lines for v in line.get_ydata()]
         ax.set_ylim(min([0.0, *values]) - 0.02, 1.02)
         ax.set_title(f"{chain}: {src} -> {tgt}")
@@ -645,7 +653,9 @@ def plot_mgg_heatmap(mgg: dict, path: Path) -> Path:
     return path
 
 
-def chain_strip(out: Path, chain: str, id_: str, generations: int, thumb: int = 128) -> tuple[Image.Image, list[str]]:
+def chain_strip(
+    out: Path, chain: str, id_: str, generations: int, thumb: int = 128
+) -> tuple[Image.Image, list[str]]:
     """One chain as a horizontal strip of its images (thumbnails) and its captions by generation."""
     images, captions = [], []
     for g in range(generations + 1):
@@ -767,7 +777,8 @@ def evaluate_drift(
             report["mcd"] = mcd
             report["MCD_avg"], report["MCD"] = mcd["MCD_avg"], mcd["MCD"]
             plot_curves(mcd, out / "drift_curves.png")
-        plot_strips(out / "mcd", run.ids[:strips], generations, out / "strips.png", chains=chains)
+        if strips:
+            plot_strips(out / "mcd", run.ids[:strips], generations, out / "strips.png", chains=chains)
         report["strip_ids"] = run.ids[:strips]
     if geneval_seeds:
         if detector is None:
@@ -805,9 +816,11 @@ def drift_metrics(report: dict[str, Any], prefix: str = "drift") -> dict[str, fl
     return m
 
 
-def log_report(loggers, report: dict[str, Any], out: Path, step: int | None = None, prefix: str = "drift") -> None:
-    """Scalars, W&B line plots of S(g) / MGG(g), and the chain-strip table."""
-    log_metrics(loggers, drift_metrics(report, prefix), step=step)
+def log_plots(
+    loggers, report: dict[str, Any], out: Path, step: int | None = None, prefix: str = "drift"
+) -> None:
+    """W&B line plots of S_delta(g) and GenEval overall by generation, and the chain-strip table
+    (``log_table``: a ``wandb.Table`` on W&B, ``tables/<key>.jsonl`` + PNGs for other loggers)."""
     try:
         import wandb
         from lightning.pytorch.loggers import WandbLogger
@@ -819,7 +832,8 @@ def log_report(loggers, report: dict[str, Any], out: Path, step: int | None = No
         plots = {}
         for mapping, S in report.get("mcd", {}).get("S", {}).items():
             table = wandb.Table(data=[[g, v] for g, v in S.items()], columns=["generation", "S"])
-            plots[f"{prefix}/S_{mapping}"] = wandb.plot.line(table, "generation", "S", title=f"S_{mapping}(g)")
+            plots[f"{prefix}/S_{mapping}"] = wandb.plot.line(table, "generation", "S",
+                                                             title=f"S_{mapping}(g)")
         if "mgg" in report:
             data = [[g, v["overall"]] for g, v in report["mgg"]["per_generation"].items()]
             table = wandb.Table(data=data, columns=["generation", "GenEval overall"])
@@ -837,7 +851,8 @@ def log_report(loggers, report: dict[str, Any], out: Path, step: int | None = No
 # Epoch-end callback
 # ---------------------------------------------------------------------------------------------------------
 class DriftCallback(EvalCallback):
-    """A small drift run at the end of training epochs: ``drift/MCD_avg``, ``drift/MCD_<mapping>``, ``drift/MGG``.
+    """A small drift run at the end of training epochs: ``drift/MCD_avg``, ``drift/MCD_<mapping>``,
+    ``drift/MGG``.
 
     ``cfg`` is ``eval.drift`` (``DriftEvalConfig``); ``world_root`` the ShapesWorld directory. Seeds
     default to the world's ``drift_seeds.jsonl`` (first ``num_chains``) and ``geneval_metadata.jsonl``
@@ -846,12 +861,18 @@ class DriftCallback(EvalCallback):
 
     name = "drift"
 
-    def __init__(self, cfg, world_root: str | Path, every_n_epochs: int | None = None, fail_on_error: bool = False):
+    def __init__(
+        self, cfg, world_root: str | Path, every_n_epochs: int | None = None, fail_on_error: bool = False
+    ):
         super().__init__(every_n_epochs or cfg.every_n_epochs, fail_on_error)
         self.cfg, self.world_root = cfg, Path(world_root)
         self._embedders: dict[str, Embedder] | None = None
 
     def evaluate(self, trainer, model) -> dict[str, float]:
+        if getattr(trainer, "global_rank", 0) != 0:
+            # Chains write one directory; under DDP rank 0 runs them all (models must not need collectives
+            # in forward, i.e. no FSDP / ZeRO-3 sharding) and the loggers are rank-zero anyway.
+            return {}
         from unicon.data.drift_seeds import balanced, geneval_seeds, load_seeds
         from unicon.evaluation.geneval import ShapesDetector
         from unicon.worlds.shapes import load_world
@@ -865,18 +886,15 @@ class DriftCallback(EvalCallback):
             gseeds = balanced(geneval_seeds(path, long=cfg.long_prompts, tasks=None), cfg.num_chains)
             detector = ShapesDetector(world.config)
         if self._embedders is None:
-            self._embedders = load_embedders(cfg.embedders, clip=cfg.clip, dino=cfg.dino, sentence=cfg.sentence,
-                                             world=world, strict=False)
+            self._embedders = load_embedders(cfg.embedders, clip=cfg.clip, dino=cfg.dino,
+                                             sentence=cfg.sentence, world=world, strict=False)
         out = self.output_dir(trainer)
         report = evaluate_drift(
-            model, out, seeds=seeds, geneval_seeds=gseeds, generations=cfg.generations, batch_size=cfg.batch_size,
-            i2t_prompt=cfg.i2t_prompt, embedders=self._embedders, detector=detector, strips=cfg.strips,
+            model, out, seeds=seeds, geneval_seeds=gseeds, generations=cfg.generations,
+            batch_size=cfg.batch_size, i2t_prompt=cfg.i2t_prompt, embedders=self._embedders,
+            detector=detector, strips=cfg.strips,
         )
-        if cfg.strips:
-            chains = [c for c in CHAINS if (out / "mcd" / c).is_dir()]
-            rows = strip_rows(out / "mcd", report["strip_ids"], cfg.generations, chains)
-            log_table(trainer.loggers, "drift/strips", ["chain", "id", "images", "captions"], rows,
-                      step=trainer.global_step)
+        log_plots(trainer.loggers, report, out, step=trainer.global_step)
         return drift_metrics(report)
 
 
@@ -885,13 +903,15 @@ class DriftCallback(EvalCallback):
 # ---------------------------------------------------------------------------------------------------------
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", help="model: save_pretrained directory or Lightning .ckpt")
-    p.add_argument("--world", default="data/shapes", help="ShapesWorld root (scene embedder, shapes detector, default seeds)")
-    p.add_argument("--seeds", help="seed file: ShapesWorld drift_seeds.jsonl / world dir, or a GenEval metadata file "
+    p.add_argument("--world", default="data/shapes",
+                   help="ShapesWorld root (scene embedder, shapes detector, default seeds)")
+    p.add_argument("--seeds", help="ShapesWorld drift_seeds.jsonl / world dir, or a GenEval metadata file "
                                    "(default: the world's drift seeds)")
     p.add_argument("--num-chains", type=int, default=None, help="use only the first N seeds")
     p.add_argument("--generations", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--i2t-prompt", default=None, help='captioning prompt, e.g. "Describe the image in detail."')
+    p.add_argument("--i2t-prompt", default=None,
+                   help='captioning prompt, e.g. "Describe the image in detail." (default: the backend\'s)')
 
 
 def _load_model(ckpt: str | None) -> UnifiedModel:
@@ -906,8 +926,10 @@ def _load_model(ckpt: str | None) -> UnifiedModel:
 
 def cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate drift --ckpt ... --seeds ... --generations 20 --out DIR``."""
-    p = argparse.ArgumentParser(prog="unicon evaluate drift",
-                                description="Semantic drift chains: run/resume I2T<->T2I chains, compute MCD and MGG.")
+    p = argparse.ArgumentParser(
+        prog="unicon evaluate drift",
+        description="Semantic drift chains: run/resume I2T<->T2I chains, compute MCD and MGG.",
+    )
     _add_common(p)
     p.add_argument("--out", required=True, help="output directory (resumable)")
     p.add_argument("--chains", default="both", choices=["both", "text-first", "image-first"])
@@ -916,11 +938,15 @@ def cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--docci", help="ND400: docci_descriptions.jsonlines")
     p.add_argument("--docci-images", help="ND400: folder of DOCCI images")
     p.add_argument("--nd-n", type=int, default=200, help="ND400: pairs drawn from each source (200 -> 400)")
-    p.add_argument("--embedders", default="scene,clip,text", help="comma list of scene, clip, text, dino ('' = none)")
-    p.add_argument("--clip", default="checkpoints/shapes_clip", help="open_clip dir, '<arch>:<weights>' or hf-hub:")
+    p.add_argument("--embedders", default="scene,clip,text",
+                   help="comma list of scene, clip, text, dino ('' = none)")
+    p.add_argument("--clip", default="checkpoints/shapes_clip",
+                   help="open_clip dir, '<arch>:<weights file>' or hf-hub:<repo>")
     p.add_argument("--dino", default=None, help="DINO model directory (transformers)")
-    p.add_argument("--sentence", default=None, help="sentence-transformers dir (default: bundled all-MiniLM-L6-v2)")
-    p.add_argument("--geneval", default=None, help="GenEval metadata file for MGG (default: the world's, if any; 'none' skips)")
+    p.add_argument("--sentence", default=None,
+                   help="sentence-transformers dir (default: the bundled all-MiniLM-L6-v2)")
+    p.add_argument("--geneval", default=None,
+                   help="GenEval metadata file for MGG (default: the world's, if any; 'none' skips MGG)")
     p.add_argument("--long", action="store_true", help="use the long 'detailed_caption' GenEval prompts")
     p.add_argument("--geneval-limit", type=int, default=None, help="first N prompts of every task")
     p.add_argument("--detector", default="shapes", help="'shapes' or 'owlv2:<dir>'")
@@ -939,13 +965,14 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if args.nocaps or args.docci:
         if not all([args.nocaps, args.nocaps_images, args.docci, args.docci_images]):
             raise UserError("ND400 needs --nocaps, --nocaps-images, --docci and --docci-images")
-        seeds = nd400_seeds(args.nocaps, args.nocaps_images, args.docci, args.docci_images, n=args.nd_n, seed=args.seed)
+        seeds = nd400_seeds(args.nocaps, args.nocaps_images, args.docci, args.docci_images,
+                            n=args.nd_n, seed=args.seed)
     elif args.seeds:
         seeds = load_seeds(args.seeds, long=args.long)
     elif world is not None:
         seeds = load_seeds(world.drift_seeds_path)
     else:
-        raise UserError(f"no seeds: give --seeds FILE or a built world with --world (no {args.world}/world.json)")
+        raise UserError(f"no seeds: give --seeds FILE or a built world (no {args.world}/world.json)")
     if args.num_chains:
         seeds = seeds[: args.num_chains]
     chains = CHAINS if args.chains == "both" else (args.chains,)
@@ -958,13 +985,18 @@ def cli(argv: Sequence[str] | None = None) -> int:
     embedders = load_embedders(names, clip=args.clip, dino=args.dino, sentence=args.sentence, world=world)
 
     gseeds, detector = None, None
-    gpath = args.geneval or (str(world.geneval_path) if world is not None and world.geneval_path.is_file() else None)
+    gpath = args.geneval
+    if gpath is None and world is not None and world.geneval_path.is_file():
+        gpath = str(world.geneval_path)
     if gpath and gpath != "none":
         gseeds = geneval_seeds(gpath, long=args.long, limit=args.geneval_limit, tasks=None)
         if args.num_chains and not args.geneval_limit:
             gseeds = balanced(gseeds, args.num_chains)
-        color = ClipColorClassifier(embedders["clip"]) if args.detector != "shapes" and "clip" in embedders else None
-        detector = load_detector(args.detector, world_cfg=world.config if world else None, color_classifier=color)
+        color = None
+        if args.detector != "shapes" and "clip" in embedders:
+            color = ClipColorClassifier(embedders["clip"])
+        detector = load_detector(args.detector, world_cfg=world.config if world else None,
+                                 color_classifier=color)
 
     model = _load_model(args.ckpt)
     out = Path(args.out)
@@ -976,8 +1008,13 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
         from unicon.training.loggers import make_loggers
 
-        lcfg = OmegaConf.create({"type": args.logger, "project": None, "entity": None, "mode": None, "tags": ["drift"]})
-        log_report(make_loggers(lcfg, out, name=f"drift-{out.name}"), report, out)
+        lcfg = OmegaConf.create({"type": args.logger, "project": None, "entity": None, "mode": None,
+                                 "tags": ["drift"]})
+        loggers = make_loggers(lcfg, out, name=f"drift-{out.name}")
+        log_metrics(loggers, drift_metrics(report))
+        log_plots(loggers, report, out)
+        for lg in loggers:
+            lg.finalize("success")
     summary = {k: report[k] for k in ("MCD_avg", "MCD", "MGG", "MGG_micro") if k in report}
     summary["out"] = str(out)
     summary["repairs"] = len(report["repairs"])
@@ -987,8 +1024,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
 def bench_cli(argv: Sequence[str] | None = None) -> int:
     """``unicon bench chains``: generation steps/s with batched chains vs one chain at a time."""
-    p = argparse.ArgumentParser(prog="unicon bench chains",
-                                description="Throughput of drift chains: batched across samples vs one chain at a time.")
+    p = argparse.ArgumentParser(
+        prog="unicon bench chains",
+        description="Throughput of drift chains: batched across samples vs one chain at a time.",
+    )
     _add_common(p)
     p.add_argument("--model", default="ofa_shapes_tiny",
                    help="without --ckpt: a config name under configs/model/ built with random weights")
@@ -1008,8 +1047,9 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
         cfg = compose([f"model={args.model}", f"data.root={args.world}"])
         model = build_model(cfg.model, world_root=args.world)
     model.eval()
+    device = next(model.parameters(), torch.empty(0)).device
     result = {"num_chains": len(seeds), "generations": args.generations, "chains": list(CHAINS),
-              "device": str(next(model.parameters(), torch.empty(0)).device), "torch_threads": torch.get_num_threads()}
+              "device": str(device), "torch_threads": torch.get_num_threads()}
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
         for label, bs in (("batched", min(args.batch_size, len(seeds))), ("sequential", 1)):
             best = math.inf

@@ -47,7 +47,9 @@ from unicon.errors import UserError
 log = logging.getLogger(__name__)
 
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
-COLOR_TEMPLATES = ("a photo of a {c} {object}", "a photo of a {c}-colored {object}", "a photo of a {c} object")
+COLOR_TEMPLATES = (
+    "a photo of a {c} {object}", "a photo of a {c}-colored {object}", "a photo of a {c} object",
+)
 THRESHOLD = 0.3
 COUNTING_THRESHOLD = 0.9
 MAX_OBJECTS = 16
@@ -77,7 +79,7 @@ class Detection:
         if box is None or len(box) != 4:
             raise ValueError(f"{where}: 'box' must be [x, y, w, h], got {box!r}")
         if not isinstance(label, str) or score is None:
-            raise ValueError(f"{where}: needs a string 'label' and a numeric 'score', got {label!r}, {score!r}")
+            raise ValueError(f"{where}: needs a string 'label' and numeric 'score', got {label!r}, {score!r}")
         return cls(tuple(float(v) for v in box), label, float(score), get("color"))
 
 
@@ -86,7 +88,7 @@ def keep_detections(
     detections: Sequence[Any], tag: str, threshold: float = THRESHOLD,
     counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
 ) -> dict[str, list[Detection]]:
-    """Per class, detections with score > threshold (0.9 for counting), best first, at most ``max_objects``."""
+    """Per class: detections scoring > threshold (0.9 for counting), best first, at most ``max_objects``."""
     thr = counting_threshold if tag == "counting" else threshold
     by_class: dict[str, list[Detection]] = defaultdict(list)
     for i, d in enumerate(detections):
@@ -96,7 +98,9 @@ def keep_detections(
     return {k: sorted(v, key=lambda d: -d.score)[:max_objects] for k, v in by_class.items()}
 
 
-def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:
+def relative_position(
+    box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN
+) -> set[str]:
     """Relations of A to B (``"left of"``, ``"right of"``, ``"above"``, ``"below"``); see module docstring."""
     (xa, ya, wa, ha), (xb, yb, wb, hb) = box_a, box_b
     offset = np.array([xa + wa / 2 - (xb + wb / 2), ya + ha / 2 - (yb + hb / 2)], dtype=np.float64)
@@ -161,7 +165,8 @@ def evaluate_detections(
                     if bad is not None:
                         ok = False
                         got = relative_position(obj.box, bad.box)
-                        reasons.append(f"expected {req.cls} {rel} target, found {' and '.join(sorted(got)) or 'none'}")
+                        found_rel = " and ".join(sorted(got)) or "none"
+                        reasons.append(f"expected {req.cls} {rel} target, found {found_rel}")
                         break
         correct &= ok
         matched.append(found if ok else None)
@@ -251,14 +256,16 @@ class Owlv2Detector(Detector):
                  query_template: str = "a photo of a {}"):
         from transformers import Owlv2ForObjectDetection, Owlv2Processor
 
+        hint = ("give a local directory holding the model and processor (e.g. "
+                "google/owlv2-base-patch16-ensemble saved once with save_pretrained)")
+        local = Path(path).expanduser()
+        if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") != 1):
+            raise UserError(f"cannot load OWLv2: {local.resolve()} does not exist; {hint}")
         try:
-            self.processor = Owlv2Processor.from_pretrained(path)
-            self.model = Owlv2ForObjectDetection.from_pretrained(path).to(device).eval()
+            self.processor = Owlv2Processor.from_pretrained(str(path))
+            self.model = Owlv2ForObjectDetection.from_pretrained(str(path)).to(device).eval()
         except OSError as e:
-            raise UserError(
-                f"cannot load OWLv2 from {path!r}: {str(e).splitlines()[0]}. Give a local directory holding "
-                "the model and processor (e.g. google/owlv2-base-patch16-ensemble saved with save_pretrained)"
-            ) from None
+            raise UserError(f"cannot load OWLv2 from {path!r}: {str(e).splitlines()[0]}; {hint}") from None
         self.device = device
         self.color_classifier = color_classifier
         self.query_template = query_template
@@ -267,7 +274,8 @@ class Owlv2Detector(Detector):
     def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
         images = [im.convert("RGB") for im in images]
         queries = [self.query_template.format(c) for c in class_names]
-        inputs = self.processor(text=[queries] * len(images), images=images, return_tensors="pt").to(self.device)
+        inputs = self.processor(text=[queries] * len(images), images=images, return_tensors="pt")
+        inputs = inputs.to(self.device)
         outputs = self.model(**inputs)
         # OWLv2 pads images to a square: boxes are relative to the padded square of side max(W, H)
         sizes = torch.tensor([[max(im.size)] * 2 for im in images])
@@ -277,7 +285,8 @@ class Owlv2Detector(Detector):
         out = []
         for res in results:
             dets = []
-            for box, score, label in zip(res["boxes"].tolist(), res["scores"].tolist(), res["labels"].tolist()):
+            rows = zip(res["boxes"].tolist(), res["scores"].tolist(), res["labels"].tolist())
+            for box, score, label in rows:
                 x0, y0, x1, y1 = box
                 dets.append(Detection((x0, y0, x1 - x0, y1 - y0), class_names[int(label)], float(score)))
             out.append(dets)

@@ -347,6 +347,12 @@ def markdown_table(metrics: dict[str, float], categories: Sequence[str]) -> str:
         f"missing images s1/s2/s3: {metrics['missing_s1']:.0f}/{metrics['missing_s2']:.0f}/{metrics['missing_s3']:.0f} "
         f"(counted as failures); N = {metrics['n']:.0f}."
     )
+    per_setting = "/".join(f"{metrics[f'unparseable_s{k}']:.0f}" for k in SETTINGS)
+    cut = "/".join(f"{metrics[f'judge_truncated_s{k}']:.0f}" for k in SETTINGS)
+    lines.append(
+        f"Unparseable judge replies s1/s2/s3: {per_setting} (failures); truncated judge replies: {cut}; "
+        f"truncated reasoning traces: {metrics['trace_truncated']:.0f}."
+    )
     return "\n".join(lines) + "\n"
 
 

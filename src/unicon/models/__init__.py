@@ -185,8 +185,10 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
     if backend == "ofa":
         from unicon.models.ofa.unified import OFAUnifiedModel
 
-        kwargs.pop("world_root", None)
-        return OFAUnifiedModel.from_pretrained(str(p), **kwargs)
+        kwargs.pop("world_root", None)  # the directory holds its own vocabulary and world config
+        map_location = kwargs.pop("map_location", None)
+        model = OFAUnifiedModel.from_pretrained(str(p), **kwargs)
+        return model.to(map_location) if map_location else model
     if backend == "janus" or (backend or "").startswith("multi_modality"):
         from unicon.models.janus import JanusUnifiedModel
 

@@ -175,8 +175,11 @@ class OFAUnifiedModel(UnifiedModel):
         return out.to(self.device)
 
     def _source_ids(self, texts: Sequence[str]) -> torch.Tensor:
+        """Encoder text rows. Every prompt starts with one space, as OFA formats them (``" {question}"``),
+        so that a caller's question and the model's own VQA prompt give the same BPE tokens."""
         rows = []
         for i, t in enumerate(texts):
+            t = " " + t.lstrip()
             ids, truncated = self.tokenizer.encode_text(t, self.settings.max_source_length)
             if truncated:
                 logger.warning("prompt %d truncated to %d tokens: %.60r", i, self.settings.max_source_length, t)
