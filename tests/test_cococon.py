@@ -387,6 +387,7 @@ def _ddp_worker(rank, world, init_file, data_path, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(180)
 def test_ddp_two_ranks_match_single_process(tmp_path):
     import torch.multiprocessing as mp
 

@@ -526,3 +526,24 @@ def test_pretrained_model_prefers_gold_over_contrast_captions(pretrained):
     nll = s.nll.masked_fill(~s.mask, float("inf"))
     gold_best = (nll[:, 0] < nll[:, 1:].min(dim=1).values).float().mean().item()
     assert gold_best > 0.5, f"gold caption ranked first on only {gold_best:.0%} of {len(anns)} contrast sets"
+
+
+@pytest.mark.shared
+def test_reference_fixture_loads_with_a_byte_level_vocabulary_and_scores(ofa_fixture_dir):
+    """The OFA-Sys fixture ships no BPE files: text is spelled in bytes, the rest of its 1000 ids are bins."""
+    from unicon.models import load_model
+
+    model = load_model(ofa_fixture_dir)
+    tok = model.tokenizer
+    assert (tok.num_text, tok.num_codes, tok.num_bins, len(tok)) == (260, 0, 740, 1000)
+    assert model.settings.image_size == 128 and model.image_tokenizer is None
+    images = [Image.new("RGB", (100, 80), (200, 30, 30)), Image.new("L", (64, 64), 100)]
+    cands = [["a red image", "a cat"], ["gray"]]
+    with torch.no_grad():
+        s = model.score_text(images, [model.caption_prompt] * 2, cands)
+        naive = naive_score_text(model, images, [model.caption_prompt] * 2, cands)
+    assert torch.allclose(s.nll, naive, atol=1e-5, rtol=0)
+    assert s.num_tokens[0, 0] == len("a red image".encode()) + 1  # one token per byte + eos
+    assert model.locate(images, ["x", "y"]).shape == (2, 4)
+    with pytest.raises(ValueError, match="no image tokenizer"):
+        model.generate_image(["a cat"])

@@ -26,7 +26,8 @@ On restart: complete generations are verified (every item's hash; CSV rows must 
 the chain ids in order) and never recomputed; an incomplete generation keeps its journaled
 batches (image hashes re-checked) and redoes the rest; stray temporary files are removed. A
 corrupt or missing item, or a CSV row mismatch, in a complete generation is reported (warning
-with the path, and listed under ``"repairs"`` in ``drift.json``) and its batch regenerated; if
+with the path, and listed under ``"repairs"`` in ``drift.json``) and its batch regenerated (rows
+whose content still matches the recorded hashes are only rewritten in order); if
 the regenerated content differs from the recorded hashes (a sampling model), all later
 generations are invalidated and recomputed. Batches have fixed membership and per-batch seeds,
 so an interrupted run produces the same bytes as an uninterrupted one for any deterministic model.
@@ -42,13 +43,19 @@ Eq. 2 writes ``1/G sum_{g=1..G}``; each mapping only exists at every other gener
 mean runs over those (``ceil(G/2)`` odd or ``floor(G/2)`` even generations). Each embedder that
 supports a mapping gets its own S/MCD (``by_embedder``); the headline value of a mapping uses the
 first available of :data:`PREFERRED` (sentence embedder for t2t, DINO for i2i, CLIP across modalities).
-The semantic drift rate is the fit ``S_delta(g) ~ a * exp(-b g) + c`` (scipy ``curve_fit``, ``b >= 0``;
-``None`` with a reason when fewer than 3 points or the fit fails).
+The semantic drift rate is ``b`` of the fit ``S_delta(g) ~ a * exp(-b g) + c`` (scipy ``curve_fit``,
+``b >= 0``; ``{"error": reason}`` instead when there are fewer than 3 points or the fit fails).
 
 **MGG**: GenEval on the images of every image-bearing generation (1, 3, 5, ...) of text-first
 chains started from GenEval prompts; per generation the overall score is the mean of the task
 accuracies (GenEval's summary; the paper's public script micro-averages over images, also
 reported as ``MGG_micro``); ``MGG`` is the mean over those generations.
+
+:func:`evaluate_drift` writes ``OUT/mcd/`` (chains from the MCD seeds), ``OUT/mgg/`` (text-first
+chains from GenEval prompts), ``OUT/drift.json`` (S, MCD, fits, per-task per-generation GenEval,
+repairs) and the plots ``drift_curves.png`` (Fig. 6), ``mgg_heatmap.png`` (Fig. 11) and
+``strips.png`` (images and captions along a few chains). Entry points: :class:`DriftCallback`,
+:func:`cli` (``unicon evaluate drift``) and :func:`bench_cli` (``unicon bench chains``).
 """
 
 from __future__ import annotations
@@ -278,6 +285,8 @@ class ChainRunner:
             if bad and names == [f"{i}.png" for i in self.ids]:
                 self._repair(f"{path}: caption of {sorted(bad)[:5]} does not match its recorded hash; "
                              "regenerating")
+            if not bad and names != [f"{i}.png" for i in self.ids]:  # right content, wrong rows/order
+                atomic_write(path, csv_bytes([(f"{i}.png", got[f"{i}.png"]) for i in self.ids]))
             return bad
         for i in self.ids:
             path = self.item_path(chain, g, i)

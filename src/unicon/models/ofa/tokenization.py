@@ -90,6 +90,28 @@ class OFATokenizer:
         return cls(bpe._tokenizer, num_codes, num_bins, max_length)
 
     @classmethod
+    def byte_level(cls, vocab_size: int, num_codes: int = 0, max_length: int = 128) -> "OFATokenizer":
+        """A merge-free byte-level vocabulary (4 specials + 256 bytes) filling ``vocab_size`` with bins.
+
+        For checkpoints that ship no BPE files, such as the random-weight OFA reference fixture
+        (``vocab_size`` 1000): text is spelled byte by byte and the rest of the table is
+        ``num_codes`` codes then ``vocab_size - 260 - num_codes`` location bins.
+        """
+        from tokenizers import decoders, models, pre_tokenizers
+
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        vocab = {**SPECIAL_TOKENS, **{ch: 4 + i for i, ch in enumerate(sorted(alphabet))}}
+        bpe = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.add_special_tokens(list(SPECIAL_TOKENS))
+        num_bins = vocab_size - len(vocab) - num_codes
+        if num_bins < 2:
+            raise ValueError(f"vocab_size {vocab_size} leaves no room for location bins after "
+                             f"{len(vocab)} byte tokens and {num_codes} codes")
+        return cls(bpe, num_codes, num_bins, max_length)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path) -> "OFATokenizer":
         """Load what :meth:`save_pretrained` wrote, or BART's ``vocab.json`` + ``merges.txt``."""
         path = Path(path)

@@ -534,5 +534,10 @@ class OFAUnifiedModel(UnifiedModel):
             settings = {"image_size": getattr(ofa.config, "patch_image_size", None) or 480,
                         "max_source_length": 128, "max_target_length": 64, "max_new_tokens": 16}
         settings = OFAWrapperConfig.from_dict({**settings, **overrides})
-        tokenizer = OFATokenizer.from_pretrained(src)
+        try:
+            tokenizer = OFATokenizer.from_pretrained(src)
+        except FileNotFoundError:
+            logger.warning("%s has no tokenizer files; using a byte-level vocabulary of %d entries "
+                           "(text bytes, then location bins)", src, ofa.config.vocab_size)
+            tokenizer = OFATokenizer.byte_level(ofa.config.vocab_size)
         return cls(ofa, tokenizer, settings, build_image_tokenizer(settings.image_tokenizer))
