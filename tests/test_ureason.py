@@ -148,7 +148,8 @@ def test_shapes_prompts_need_a_target_scene(tmp_path):
          "Note that the original prompt mentioned Stop and Caution.",
          "The letter 'G' on a label.\nNote that the original prompt mentioned Stop and Caution.", "refined prompt"),
         # bold / heading markers and think tags
-        ("<think>The user prompt wants a shelf. Draft prompt: a shelf.</think>\n**Refined Prompt:** A shelf with a cola.",
+        ("<think>The user prompt wants a shelf. Draft prompt: a shelf.</think>\n"
+         "**Refined Prompt:** A shelf with a cola.",
          "A shelf with a cola.", "refined prompt"),
         ("<think>reasoning</think>\n### Final Scene Prompt:\n{Three cats on a sofa.}", "Three cats on a sofa.",
          "final scene prompt"),

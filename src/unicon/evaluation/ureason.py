@@ -638,8 +638,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens, "chain_judge": args.chain_judge}
     metrics, samples = evaluate_ureason(model, instances, judge, out, args.max_new_tokens, args.batch_size,
                                         config, info)
-    logger_cfg = SimpleNamespace(name=f"ureason-{out.name}",
-                                 logger=SimpleNamespace(type=args.logger, mode=None, project=None, entity=None, tags=[]))
+    logger_section = SimpleNamespace(type=args.logger, mode=None, project=None, entity=None, tags=[])
+    logger_cfg = SimpleNamespace(name=f"ureason-{out.name}", logger=logger_section)
     loggers = make_loggers(logger_cfg, out)
     log_metrics(loggers, {f"ureason/{k}": v for k, v in metrics.items()}, step=0)
     log_table(loggers, "ureason/samples", TABLE_COLUMNS, table_rows(samples, args.table_rows), step=0)
