@@ -37,7 +37,7 @@ generations; ``i2i``, ``i2t``: image-first, even / odd generations)::
 
     S_delta(g) = 1/|D| sum_d cos(e(inp_d), e(M_d^(g)))        (inp_d = gen-0 item of chain d)
     MCD_delta  = mean of S_delta(g) over the generations g in 1..G where delta is defined
-    MCD_avg    = mean over the four mappings
+    MCD_avg    = mean over the four mappings (over those computed, e.g. two for text-only seeds)
 
 Eq. 2 writes ``1/G sum_{g=1..G}``; each mapping only exists at every other generation, so the
 mean runs over those (``ceil(G/2)`` odd or ``floor(G/2)`` even generations). Each embedder that

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from unicon.config import GROUPS, ConfigError, compose, config_dir, to_yaml
 from unicon.errors import UserError
@@ -99,7 +99,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 # ---- pieces of train() ------------------------------------------------------------------------
-def make_strategy(name: str, num_devices: Any = 1):
+def make_strategy(name: str):
     """Lightning strategy object/name for ``trainer.strategy``; checks CUDA for DeepSpeed up front."""
     if name not in STRATEGIES:
         raise UserError(f"trainer.strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
@@ -201,7 +201,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
     from unicon.training.module import ConsistencyModule
 
     tcfg = cfg.trainer
-    strategy = make_strategy(tcfg.strategy, tcfg.devices)  # fail early (DeepSpeed without CUDA)
+    strategy = make_strategy(tcfg.strategy)  # fail early (DeepSpeed without CUDA)
     if cfg.resume and not Path(cfg.resume).exists():
         raise UserError(f"resume: checkpoint {cfg.resume} does not exist")
     run_dir = _run_dir(cfg)
