@@ -26,6 +26,13 @@ Scoring (CocoCon section 4.3). ``nll[b, k] = -(1/T_bk) * sum_t log p(y_t | y_<t,
   in OFA's image-generation criterion (its ``constraint_range``); no eos, because the
   length is fixed. T2I inputs are text only: OFA feeds a dummy image whose patches are all
   masked, which gives the same encoder output for the text and adds only masked keys.
+
+Generation (caption/answer/reason: beam search, OFA defaults beam 5 + 3-gram blocking for real
+checkpoints; locate: 4 tokens constrained to the bins; generate_image: h*w tokens constrained
+to the codes, greedy/sampling/CFG) is a small search loop over ``OFAModel.decode``: the encoder
+output is expanded to the beams once and each step re-runs the decoder on the prefix. It is not
+transformers' ``generate`` because the constrained code/bin modes and the shared-encoder scoring
+need ``OFAModel.encode``/``decode`` directly.
 """
 
 from __future__ import annotations
