@@ -559,3 +559,14 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
         torch.testing.assert_close(exported.score_text(images, ["q"], [["a red square", "x"]]).sum_nll,
                                    model.eval().score_text(images, ["q"], [["a red square", "x"]]).sum_nll,
                                    atol=1e-5, rtol=1e-6)
+
+
+def test_training_lora_hook_keeps_vision_encoder_frozen():
+    """The training code's apply_lora defers to the backend: adapters only in the language model."""
+    from unicon.training.module import apply_lora
+
+    fresh = JanusUnifiedModel.from_config(_tiny_cfg())
+    wrapped = apply_lora(fresh, OmegaConf.create({"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": []}))
+    assert wrapped and all(n.startswith("janus.model.language_model.") for n in wrapped)
+    trainable = [n for n, p in fresh.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)

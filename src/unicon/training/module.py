@@ -94,12 +94,17 @@ def task_candidates(sample: Any, contrasts: Sequence[Any], task: str) -> tuple[l
 def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     """Inject PEFT LoRA adapters into the attention/MLP projections; only adapters stay trainable.
 
-    Returns the names of the wrapped modules. ``lora_cfg.target_modules`` (name suffixes)
-    defaults to :data:`DEFAULT_LORA_TARGETS` present in the model.
+    Returns the names of the wrapped modules. A backend with an ``add_lora(lora_cfg)`` method
+    (Janus: only the language model, never the vision encoder) places the adapters itself;
+    otherwise ``lora_cfg.target_modules`` (name suffixes) defaults to :data:`DEFAULT_LORA_TARGETS`
+    present in the model.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
+    if hasattr(model, "add_lora"):  # the backend knows which projections are its language model's
+        model.add_lora(lora_cfg)
+        return [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
     linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     targets = list(lora_cfg.target_modules) or [
         t for t in DEFAULT_LORA_TARGETS if any(n.split(".")[-1] == t for n in linear_names)
