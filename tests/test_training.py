@@ -305,7 +305,7 @@ def test_consistency_loss_matches_an_independent_computation(world):
         s0 = model.score_text([image], [model.caption_prompt], [caps]).nll[0]
         if task == "vqa":
             si = model.score_text([image], [sample.query], [cands]).nll[0]
-        elif task == "grounding":
+        elif task == "localization":
             si = model.score_boxes([image], [cands], [sample.boxes[0]]).nll[0]
         else:
             si = model.score_image([cands], [image]).nll[0]

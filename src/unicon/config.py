@@ -110,7 +110,7 @@ class LossConfig:
     regularization_strength: float = 1.0
     hinge_margin: float = 0.1
     label_smoothing: float = 0.0
-    tasks: list[str] = field(default_factory=lambda: ["vqa", "grounding", "t2i"])
+    tasks: list[str] = field(default_factory=lambda: ["vqa", "localization", "t2i"])  # evaluation tasks t_i
     on_nonfinite: str = "stop"  # stop | skip
 
 

@@ -23,7 +23,7 @@ from unicon.training.loggers import read_metrics
 HEADLINE = (
     "train/loss",
     "cococon/vqa/C_1",
-    "cococon/grounding/C_1",
+    "cococon/localization/C_1",
     "cococon/t2i/C_1",
     "cococon/vqa/rho",
     "drift/MCD_avg",

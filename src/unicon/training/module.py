@@ -5,13 +5,13 @@ Each training step receives a contrast batch and a pretraining-mixture batch
 ``torch.Generator`` that is identical on every rank and saved in checkpoints:
 
 * ``r < γ`` (``loss.gamma``) -- **consistency update** on the contrast batch. For each sample an
-  evaluation task ``i`` is drawn among those it supports (``loss.tasks`` ∩ {vqa, grounding,
-  t2i}; grounding needs a gold box and contrast expressions). Its candidate list is
+  evaluation task ``i`` is drawn among those it supports (``loss.tasks`` ∩ {vqa, localization,
+  t2i}; localization needs a gold box and contrast expressions). Its candidate list is
   ``[gold] + contrasts``; the anchor (captioning) scores the *same* contrast sets' captions:
 
   - anchor ``s0[b, k] = score_text(image, caption_prompt, caption_k)``
   - VQA ``si[b, k] = score_text(image, question, answer_k)``
-  - grounding ``si[b, k] = score_boxes(image, expression_k, gold_box)``  (input varies)
+  - localization ``si[b, k] = score_boxes(image, expression_k, gold_box)``  (input varies)
   - T2I ``si[b, k] = score_image(caption_k, gold_image)``                 (input varies)
 
   all length-normalised NLL (``Scores.nll``, CocoCon section 4.3). Then
@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from unicon.losses.consistency import LOSS_TYPES, consistency_loss
 from unicon.models.base import Scores, UnifiedModel
 
-EVAL_TASKS = ("vqa", "grounding", "t2i")
+EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
 DEFAULT_CAPTION_PROMPT = " what does the image describe?"  # OFA's captioning instruction
 # suffixes of the attention and MLP projections of common backbones (OFA/BART, LLaMA-style, ViT)
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2",
@@ -68,7 +68,7 @@ def supported_tasks(sample: Any, contrasts: Sequence[Any], tasks: Sequence[str])
     """Evaluation tasks a CocoCon sample can be trained on (each needs ≥ 1 contrast candidate)."""
     out = []
     for task in tasks:
-        if task == "grounding":
+        if task == "localization":
             if not (sample.detection and sample.boxes and any(c.detection for c in contrasts)):
                 continue
         elif task == "vqa":
@@ -80,11 +80,11 @@ def supported_tasks(sample: Any, contrasts: Sequence[Any], tasks: Sequence[str])
 
 def task_candidates(sample: Any, contrasts: Sequence[Any], task: str) -> tuple[list[str], list[str]]:
     """Aligned ``(anchor captions, task candidates)``, gold first, over the usable contrast sets."""
-    used = [c for c in contrasts if c.detection] if task == "grounding" else list(contrasts)
+    used = [c for c in contrasts if c.detection] if task == "localization" else list(contrasts)
     captions = [sample.caption] + [c.caption for c in used]
     if task == "vqa":
         return captions, [sample.answer] + [c.answer for c in used]
-    if task == "grounding":
+    if task == "localization":
         return captions, [sample.detection] + [c.detection for c in used]
     if task == "t2i":
         return captions, list(captions)
@@ -184,7 +184,7 @@ class ConsistencyModule(L.LightningModule):
             imgs = [images[b] for b in rows]
             if task == "vqa":
                 sc = self.model.score_text(imgs, [batch["samples"][b].query for b in rows], [cands[b] for b in rows])
-            elif task == "grounding":
+            elif task == "localization":
                 sc = self.model.score_boxes(imgs, [cands[b] for b in rows], [batch["samples"][b].boxes[0] for b in rows])
             else:
                 sc = self.model.score_image([cands[b] for b in rows], imgs)
