@@ -399,7 +399,7 @@ def test_real_geneval_files_parse(shared_data):
 def test_geneval_errors_name_file_and_line(tmp_path):
     f = tmp_path / "m.jsonl"
     f.write_text('{"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a cat"}\n\n{"tag": "x"\n')
-    with pytest.raises(GenEvalFormatError, match=rf"{f}:3: not valid JSON"):
+    with pytest.raises(GenEvalFormatError, match=rf"{f}:3: malformed JSON"):
         load_geneval(f)
     f.write_text('{"tag": "position", "include": [{"class": "cat", "count": 1, "position": ["left of", 0]}], "prompt": "p"}\n')
     with pytest.raises(GenEvalFormatError, match=rf"{f}:1: 'position'.*earlier include clause"):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from unicon.data.jsonl import read_jsonl
 from unicon.data.geneval import TASKS, GenEvalPrompt, load_geneval
 from unicon.errors import UserError
 
@@ -56,21 +57,7 @@ def check_ids(seeds: Sequence[DriftSeed], where: str) -> None:
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    if not path.is_file():
-        raise SeedFormatError(f"seed file not found: {path}")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SeedFormatError(f"{path}:{lineno}: not valid JSON ({e.msg}, col {e.colno})") from None
-            if not isinstance(row, dict):
-                raise SeedFormatError(f"{path}:{lineno}: expected a JSON object")
-            rows.append((lineno, row))
-    return rows
+    return list(read_jsonl(path, SeedFormatError, "seed file"))
 
 
 def load_shapes_seeds(path: str | Path, check_images: bool = True) -> list[DriftSeed]:

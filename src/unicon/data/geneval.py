@@ -25,11 +25,11 @@ clause ``j``" (``j`` must refer to an earlier clause). Any problem raises
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 
 #: GenEval's six tasks, in the order of its summary table.
@@ -155,27 +155,17 @@ def load_geneval(path: str | Path, tasks: tuple[str, ...] | None = TASKS) -> lis
     Duplicate ``index`` values are an error (they are the join key of the chain files).
     """
     path = Path(path)
-    if not path.is_file():
-        raise GenEvalFormatError(f"GenEval metadata file not found: {path}")
     prompts: list[GenEvalPrompt] = []
     seen: dict[int, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise GenEvalFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            prompt = parse_row(row, where, len(prompts))
-            if tasks is not None and prompt.tag not in tasks:
-                raise GenEvalFormatError(f"{where}: unknown tag {prompt.tag!r} (expected {list(tasks)})")
-            if prompt.index in seen:
-                raise GenEvalFormatError(f"{where}: index {prompt.index} already used on line "
-                                         f"{seen[prompt.index]}")
-            seen[prompt.index] = lineno
-            prompts.append(prompt)
+    for lineno, row in read_jsonl(path, GenEvalFormatError, "GenEval metadata file"):
+        where = f"{path}:{lineno}"
+        prompt = parse_row(row, where, len(prompts))
+        if tasks is not None and prompt.tag not in tasks:
+            raise GenEvalFormatError(f"{where}: unknown tag {prompt.tag!r} (expected {list(tasks)})")
+        if prompt.index in seen:
+            raise GenEvalFormatError(f"{where}: index {prompt.index} already used on line {seen[prompt.index]}")
+        seen[prompt.index] = lineno
+        prompts.append(prompt)
     if not prompts:
         raise GenEvalFormatError(f"{path}: no prompts (the file is empty)")
     return prompts

@@ -14,7 +14,6 @@ multi-worker loading decodes PNGs in parallel. :func:`collate_mixture` keeps ima
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,33 +21,34 @@ from typing import Any, Sequence
 from PIL import Image
 from torch.utils.data import Dataset
 
+from unicon.data.jsonl import read_jsonl
+from unicon.errors import UserError
+
 log = logging.getLogger(__name__)
 
 TASKS = ("caption", "vqa", "grounding", "t2i")
 
 
-def _row_error(path: Path, line: int, msg: str) -> ValueError:
-    return ValueError(f"{path}:{line}: {msg}")
+class MixtureFormatError(UserError, ValueError):
+    """A pretraining-mixture file is missing or malformed; the message names ``file:line``."""
+
+
+def _row_error(path: Path, line: int, msg: str) -> MixtureFormatError:
+    return MixtureFormatError(f"{path}:{line}: {msg}")
 
 
 def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[str, Any]]:
     """Rows of a mixture file restricted to ``tasks`` (other tasks' rows are skipped), validated."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no pretraining-mixture file {path} (build it with `unicon build-data shapes`)")
+        raise MixtureFormatError(f"no pretraining-mixture file {path} (build it with `unicon build-data shapes`)")
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"data.tasks: unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
     rows: list[dict[str, Any]] = []
     skipped: dict[str, int] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise _row_error(path, n, f"not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or "task" not in row:
+    for n, row in read_jsonl(path, MixtureFormatError, "pretraining-mixture file"):
+        if "task" not in row:
             raise _row_error(path, n, "missing key 'task'")
         task = row["task"]
         if task not in tasks:  # e.g. ShapesWorld's optional "reason" rows

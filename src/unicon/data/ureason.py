@@ -26,11 +26,11 @@ difference is an error naming both files and lines.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 
 #: categories of the public release (paper sec. 2.1)
@@ -75,28 +75,17 @@ def read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     raises :class:`UReasonFormatError` naming ``file:line``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise UReasonFormatError(f"{path}: no such UReason file")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UReasonFormatError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise UReasonFormatError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in REQUIRED_KEYS if row.get(k) in (None, "")]
-            if missing:
-                raise UReasonFormatError(f"{path}:{lineno}: row is missing {', '.join(missing)}")
-            for k in ("prompt", "expect_en", "category"):
-                if not isinstance(row[k], str):
-                    raise UReasonFormatError(f"{path}:{lineno}: '{k}' must be a string, got {type(row[k]).__name__}")
-            if not isinstance(row["id"], (int, str)) or isinstance(row["id"], bool):
-                raise UReasonFormatError(f"{path}:{lineno}: 'id' must be an int or a string")
-            rows.append((lineno, row))
+    for lineno, row in read_jsonl(path, UReasonFormatError, "UReason file"):
+        missing = [k for k in REQUIRED_KEYS if row.get(k) in (None, "")]
+        if missing:
+            raise UReasonFormatError(f"{path}:{lineno}: row is missing {', '.join(missing)}")
+        for k in ("prompt", "expect_en", "category"):
+            if not isinstance(row[k], str):
+                raise UReasonFormatError(f"{path}:{lineno}: '{k}' must be a string, got {type(row[k]).__name__}")
+        if not isinstance(row["id"], (int, str)) or isinstance(row["id"], bool):
+            raise UReasonFormatError(f"{path}:{lineno}: 'id' must be an int or a string")
+        rows.append((lineno, row))
     return rows
 
 

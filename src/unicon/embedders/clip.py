@@ -119,23 +119,14 @@ def _caption_pairs(world_root: Path, split: str) -> list[tuple[Path, str]]:
     if not path.is_file():
         raise EmbedderNotFound(f"ShapesWorld split file not found at {path.resolve()}: "
                                f"run `unicon build-data shapes --out {world_root}`")
+    from unicon.data.mixture import read_mixture
+
     pairs, seen = [], set()
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if row.get("task") != "caption":
-                continue
-            if not isinstance(row.get("target"), str) or not row.get("image"):
-                raise ValueError(f"{path}:{lineno}: caption row needs 'image' and a string 'target'")
-            key = (row["image"], row["target"])
-            if key not in seen:
-                seen.add(key)
-                pairs.append((world_root / row["image"], row["target"]))
+    for row in read_mixture(path, tasks=("caption",)):
+        key = (row["image"], row["target"])
+        if key not in seen:
+            seen.add(key)
+            pairs.append((world_root / row["image"], row["target"]))
     if not pairs:
         raise ValueError(f"{path}: no caption rows to train CLIP on")
     return pairs

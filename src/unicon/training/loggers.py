@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 
 
@@ -73,14 +74,7 @@ class JsonlLogger(Logger):
 
 def read_metrics(path: str | Path) -> list[dict]:
     """Read ``metrics.jsonl`` back (one dict per logged call)."""
-    rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-    return rows
+    return [row for _, row in read_jsonl(path, UserError, "metrics file")]
 
 
 def wandb_mode(configured: str | None = None) -> str:
