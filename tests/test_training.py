@@ -298,7 +298,7 @@ def test_consistency_loss_matches_an_independent_computation(world):
     batch = _contrast_batch(world)
     out = module.consistency_loss(batch)
     # recompute per sample, one model call per candidate list, with the same task choices
-    l0s, lis, ce = [], [], []
+    l0s, ce = [], []
     for sample, contrasts, image in zip(batch["samples"], batch["contrasts"], batch["images"]):
         task = module._task_rng(sample.index).choice(supported_tasks(sample, contrasts, cfg.loss.tasks))
         caps, cands = task_candidates(sample, contrasts, task)
