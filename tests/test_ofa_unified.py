@@ -514,8 +514,6 @@ def pretrained():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="the 1800-step shapes_pretrain recipe is under-trained: it ranked the gold "
-                   "caption first on 48% of 64 test contrast sets (issue 4 target not met yet)")
 def test_pretrained_model_prefers_gold_over_contrast_captions(pretrained):
     model, world = pretrained
     data = json.loads((world / "cococon_test.json").read_text())
