@@ -563,7 +563,7 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
 
 def test_training_lora_hook_keeps_vision_encoder_frozen():
     """The training code's apply_lora defers to the backend: adapters only in the language model."""
-    from unicon.training.module import apply_lora
+    from unicon.models.lora import apply_lora
 
     fresh = JanusUnifiedModel.from_config(_tiny_cfg())
     wrapped = apply_lora(fresh, OmegaConf.create({"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": []}))

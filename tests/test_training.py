@@ -427,6 +427,10 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
     # merged weight = base + (alpha / r) * B @ A
     expected = before["fc1.base_layer.weight"] + (16 / 2) * lora_b @ lora_a
     torch.testing.assert_close(sd["fc1.weight"], expected)
+    # the .ckpt of a LoRA run loads through the one checkpoint loader, adapters re-applied
+    monkeypatch.setattr(unicon.models, "build_model", lambda c, world_root=None: WithProj())
+    reloaded, _ = unicon.models.load_lightning_checkpoint(out["ckpt_path"])
+    torch.testing.assert_close(reloaded.state_dict()["fc1.lora_B.default.weight"], lora_b)
 
 
 def test_deepspeed_without_cuda_fails_at_start(world, tmp_path):

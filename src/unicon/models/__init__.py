@@ -90,7 +90,6 @@ def _apply_common(model: UnifiedModel, cfg: dict) -> UnifiedModel:
 def _build_ofa(cfg: dict, world_root: str | Path | None) -> UnifiedModel:
     from unicon.models.ofa.configuration_ofa import OFA_PRESETS, preset_config
     from unicon.models.ofa.modeling_ofa import OFAModel
-    from unicon.models.ofa.tokenization import OFATokenizer
     from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
 
     arch = dict(cfg.get("arch") or {})
@@ -197,9 +196,17 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
                     f"model_type is {backend!r})")
 
 
-def _load_lightning(p: Path, world_root: str | Path | None = None, map_location: str = "cpu",
-                    **kwargs) -> UnifiedModel:
+def _load_lightning(p: Path, **kwargs) -> UnifiedModel:
+    return load_lightning_checkpoint(p, **kwargs)[0]
+
+
+def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
+                              **kwargs):
+    """A ``unicon train`` ``.ckpt`` -> ``(model, run config)``; LoRA adapters are re-applied, unmerged."""
     from unicon.config import ConfigError, from_container
+    from unicon.models.lora import apply_lora
+
+    p = Path(p)
 
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True)
@@ -217,9 +224,11 @@ def _load_lightning(p: Path, world_root: str | Path | None = None, map_location:
     # The architecture comes from the run's model section (a `pretrained` directory is read
     # for its config and tokenizer); the weights are then replaced by the trained ones.
     model = build_model(cfg.model, world_root=world_root or cfg.data.root)
+    if cfg.model.lora.enabled:
+        apply_lora(model, cfg.model.lora)
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"{p}: weights do not match the model; first missing: {missing[:1]}, "
                         f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")
-    return model
+    return model, cfg

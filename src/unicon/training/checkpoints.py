@@ -8,8 +8,8 @@ With LoRA on (``model.lora.enabled``), the wrapped projections appear as
 * :func:`merge_lora` folds the adapters into the base weights in place and removes the PEFT
   wrappers, so the model has its original parameter names again;
 * :func:`export_model` writes ``save_pretrained`` (merged when ``merge=True``);
-* :func:`model_from_checkpoint` rebuilds the UnifiedModel of a ``.ckpt`` (LoRA included);
-* :func:`export_checkpoint` = the two above: ``.ckpt`` -> ``save_pretrained`` directory.
+* :func:`export_checkpoint`: ``.ckpt`` -> ``save_pretrained`` directory, through
+  :func:`unicon.models.load_lightning_checkpoint` (which re-applies LoRA adapters).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from unicon.errors import UserError
 
 
 def merge_lora(model: torch.nn.Module, merge: bool = True) -> int:
@@ -66,31 +65,9 @@ def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True
     return out
 
 
-def model_from_checkpoint(ckpt_path: str | Path, world_root: str | None = None, map_location: str = "cpu"):
-    """Rebuild the UnifiedModel stored in a ``unicon train`` checkpoint (adapters still unmerged)."""
-    from unicon.config import from_container
-    from unicon.models import build_model
-    from unicon.training.module import apply_lora
-
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    if "unicon_config" not in ckpt:
-        raise UserError(f"{path}: not a unicon training checkpoint (no 'unicon_config')")
-    cfg = from_container(ckpt["unicon_config"])
-    model = build_model(cfg.model, world_root or cfg.data.root)
-    if cfg.model.lora.enabled:
-        apply_lora(model, cfg.model.lora)
-    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise UserError(f"{path}: weights do not match the model of its config "
-                        f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    return model, cfg
-
-
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True, **kw: Any) -> Path:
     """``.ckpt`` -> ``save_pretrained`` directory (merged LoRA)."""
-    model, _ = model_from_checkpoint(ckpt_path, **kw)
+    from unicon.models import load_lightning_checkpoint
+
+    model, _ = load_lightning_checkpoint(ckpt_path, **kw)
     return export_model(model, out_dir, merge=merge)

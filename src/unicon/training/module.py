@@ -47,9 +47,6 @@ from unicon.models.base import Scores, UnifiedModel
 
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
 DEFAULT_CAPTION_PROMPT = " what does the image describe?"  # OFA's captioning instruction
-# suffixes of the attention and MLP projections of common backbones (OFA/BART, LLaMA-style, ViT)
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2",
-                        "gate_proj", "up_proj", "down_proj")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -89,39 +86,6 @@ def task_candidates(sample: Any, contrasts: Sequence[Any], task: str) -> tuple[l
     if task == "t2i":
         return captions, list(captions)
     raise ValueError(f"unknown evaluation task {task!r}; choose from {', '.join(EVAL_TASKS)}")
-
-
-def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
-    """Inject PEFT LoRA adapters into the attention/MLP projections; only adapters stay trainable.
-
-    Returns the names of the wrapped modules. A backend with an ``add_lora(lora_cfg)`` method
-    (Janus: only the language model, never the vision encoder) places the adapters itself;
-    otherwise ``lora_cfg.target_modules`` (name suffixes) defaults to :data:`DEFAULT_LORA_TARGETS`
-    present in the model.
-    """
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import inject_adapter_in_model
-
-    if hasattr(model, "add_lora"):  # the backend knows which projections are its language model's
-        model.add_lora(lora_cfg)
-        return [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
-    linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    targets = list(lora_cfg.target_modules) or [
-        t for t in DEFAULT_LORA_TARGETS if any(n.split(".")[-1] == t for n in linear_names)
-    ]
-    wrapped = [n for n in linear_names if n.split(".")[-1] in targets]
-    if not wrapped:
-        raise ValueError(
-            f"model.lora.target_modules {targets} match no nn.Linear of the model "
-            f"(examples of its linear layers: {linear_names[:8]})"
-        )
-    peft_cfg = PeftLoraConfig(
-        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=targets
-    )
-    inject_adapter_in_model(peft_cfg, model)
-    for name, p in model.named_parameters():
-        p.requires_grad = "lora_" in name
-    return wrapped
 
 
 class ConsistencyModule(L.LightningModule):

@@ -129,7 +129,7 @@ def make_strategy(name: str):
 def build_training_model(cfg: DictConfig):
     """The UnifiedModel a run starts from, with gradient checkpointing and LoRA applied."""
     from unicon.models import build_model, load_model
-    from unicon.training.module import apply_lora
+    from unicon.models.lora import apply_lora
 
     if cfg.init_from:
         if not Path(cfg.init_from).exists():

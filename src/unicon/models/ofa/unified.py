@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from unicon.models.base import (
