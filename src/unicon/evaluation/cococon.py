@@ -80,7 +80,6 @@ log = logging.getLogger(__name__)
 
 TASKS = ("vqa", "localization", "t2i")
 SCORED = ("caption",) + TASKS
-DEFAULT_CAPTION_PROMPT = " what does the image describe?"
 GENERATED_STATES = ("vqa_match", "vqa_soft", "loc_iou", "t2i_match")  # per-sample generative outcomes
 TEXT_BYTES = 256  # width of the byte tensors that carry generated texts through the DDP sync
 
@@ -179,7 +178,7 @@ def score_samples(model, samples: Sequence[CocoConSample], images: list, width: 
     """NLLs ``[B, width]`` per task (column 0 = gold, column 1+j = contrast set j, NaN = absent or
     task not selected) and the number of candidates each task had to truncate (``Scores.num_truncated``)."""
     B = len(samples)
-    prompt = caption_prompt or getattr(model, "caption_prompt", None) or DEFAULT_CAPTION_PROMPT
+    prompt = caption_prompt or model.caption_prompt
     vqa_template = (getattr(model, "task_prompts", None) or {}).get("vqa", "{}")
     captions = [[normalize_text(s.caption)] + [normalize_text(c.caption) for c in s.contrast_sets] for s in samples]
     answers = [[normalize_text(s.answer)] + [normalize_text(c.answer) for c in s.contrast_sets] for s in samples]

@@ -127,6 +127,9 @@ class UnifiedModel(nn.Module, abc.ABC):
     backend: str = "abstract"
     #: the tokenizer whose codes ``score_image``/``generate_image`` use
     image_tokenizer: ImageTokenizer | None = None
+    #: the instruction captioning is scored and generated with (the CocoCon anchor task);
+    #: backends override it (OFA: " what does the image describe?")
+    caption_prompt: str = "Describe the image."
 
     # ---- inputs -----------------------------------------------------------------
     @abc.abstractmethod

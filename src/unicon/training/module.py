@@ -46,19 +46,10 @@ from unicon.losses.consistency import LOSS_TYPES, consistency_loss
 from unicon.models.base import Scores, UnifiedModel
 
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
-DEFAULT_CAPTION_PROMPT = " what does the image describe?"  # OFA's captioning instruction
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN/inf; the message names the global step and example ids."""
-
-
-def caption_prompt(model: UnifiedModel) -> str:
-    """The captioning prompt the anchor task is scored with (the backend's, else OFA's)."""
-    prompt = getattr(model, "caption_prompt", None)
-    if prompt is None:  # OFAUnifiedModel keeps its prompts in ``settings``
-        prompt = getattr(getattr(model, "settings", None), "caption_prompt", None)
-    return prompt if prompt is not None else DEFAULT_CAPTION_PROMPT
 
 
 def supported_tasks(sample: Any, contrasts: Sequence[Any], tasks: Sequence[str]) -> list[str]:
@@ -138,7 +129,7 @@ class ConsistencyModule(L.LightningModule):
             cands.append(c)
 
         images = batch["images"]
-        s0 = self._count(self.model.score_text(images, [caption_prompt(self.model)] * n, anchors))
+        s0 = self._count(self.model.score_text(images, [self.model.caption_prompt] * n, anchors))
         K = s0.nll.shape[1]
         si = s0.nll.new_zeros(n, K)
         for task in EVAL_TASKS:
@@ -179,7 +170,7 @@ class ConsistencyModule(L.LightningModule):
             texts = [batch["texts"][b] for b in rows]
             targets = [batch["targets"][b] for b in rows]
             if task == "caption":
-                sc = self.model.score_text(imgs, [caption_prompt(self.model)] * len(rows), [[t] for t in targets])
+                sc = self.model.score_text(imgs, [self.model.caption_prompt] * len(rows), [[t] for t in targets])
             elif task == "vqa":
                 sc = self.model.score_text(imgs, texts, [[t] for t in targets])
             elif task == "grounding":
