@@ -90,11 +90,13 @@ def cli(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from unicon.report import write_report
+
     result = train(cfg)
     print(f"checkpoint: {result['ckpt_path']}")
     print(f"export:     {result['export_dir']}")
     print(f"W&B run:    {result['wandb_dir'] or '(no W&B logger)'}")
-    print(f"report:     {result['run_dir']}/metrics.jsonl  (unicon report {result['run_dir']})")
+    print(f"report:     {write_report(result['run_dir'])}  (metrics: {result['run_dir']}/metrics.jsonl)")
     return 0
 
 
