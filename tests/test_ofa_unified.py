@@ -296,13 +296,13 @@ def test_greedy_image_generation_takes_the_argmax_code(model):
     assert CellColorTokenizer().encode([img])[0, 0, 0].item() == first
 
 
-def test_beam_search_finds_the_best_short_sequence(model):
-    """With 2 beams and 2 steps, the result is the best of all explored length-1/2 hypotheses."""
+def test_constrained_greedy_generation_is_the_step_by_step_argmax(model):
+    """transformers' generate with 1 beam = argmax over the allowed (text + eos) tokens at each step."""
     images = _images(1)
     with torch.no_grad():
+        text, raw = model._generate_text(images, [model.caption_prompt], num_beams=1, max_new_tokens=3,
+                                         no_repeat_ngram_size=0)
         enc = model.encode(model._source_ids([model.caption_prompt]), model.prepare_images(images))
-        ids, _ = model.beam_search(enc, 1, num_beams=1, max_new_tokens=3, allowed="text")
-        # greedy (1 beam) must equal step-by-step argmax
         seq = [BOS_ID]
         mask = model._token_mask("text")
         mask[EOS_ID] = True
@@ -310,12 +310,23 @@ def test_beam_search_finds_the_best_short_sequence(model):
             logits = model.decode(torch.tensor([seq]), enc)[0, -1]
             logits = logits.masked_fill(~mask, -math.inf)
             if step == 0:
-                logits[EOS_ID] = -math.inf
+                logits[EOS_ID] = -math.inf  # min_new_tokens=1
             nxt = logits.argmax().item()
             if nxt == EOS_ID:
                 break
             seq.append(nxt)
-    assert ids[0] == seq[1:]
+    ids, ran_out = raw[0]
+    assert ids == seq[1:]
+    assert ran_out == (len(seq) == 4)
+    assert text[0] == model.tokenizer.decode(seq[1:])
+
+
+def test_locate_emits_exactly_four_bins(model):
+    tok = model.tokenizer
+    with torch.no_grad():
+        ids, _ = model._generate(_images(2), [model.settings.grounding_prompt.format("x")] * 2, "bins",
+                                 min_new_tokens=4, max_new_tokens=4, no_repeat_ngram_size=0)
+    assert all(len(r) == 4 and all(tok.bin_offset <= t < tok.bin_offset + tok.num_bins for t in r) for r in ids)
 
 
 def test_scores_type_and_wrapper_config_errors():

@@ -331,101 +331,45 @@ class OFAUnifiedModel(UnifiedModel):
             raise ValueError(allowed)
         return mask
 
-    @torch.no_grad()
-    def beam_search(self, encoder_out, batch_size: int, *, num_beams: int, max_new_tokens: int,
-                    allowed: str = "text", fixed_length: bool = False, no_repeat_ngram_size: int = 0,
-                    length_penalty: float = 1.0) -> tuple[list[list[int]], list[bool]]:
-        """Beam search over the decoder; returns the best token list per example and whether it
-        ran out of ``max_new_tokens`` without an eos. The encoder output is expanded to beams
-        once; each step re-runs the decoder on the prefix (sequences here are short).
+    def _suppressed(self, allowed: str) -> list[int]:
+        """Token ids a constrained decode must not emit (for ``generate(suppress_tokens=...)``)."""
+        mask = self._token_mask(allowed)
+        if allowed == "text":
+            mask[EOS_ID] = True
+        return (~mask).nonzero().flatten().tolist()
 
-        Finished hypotheses are ranked by ``sum log p / len**length_penalty``. With
-        ``fixed_length`` exactly ``max_new_tokens`` tokens are produced and eos is never allowed.
-        """
-        nb = num_beams
-        enc = self.select(encoder_out, torch.arange(batch_size).repeat_interleave(nb))
-        allowed_mask = self._token_mask(allowed)
-        if not fixed_length:
-            allowed_mask[EOS_ID] = True
-        seqs = torch.full((batch_size * nb, 1), BOS_ID, dtype=torch.long, device=self.device)
-        scores = torch.full((batch_size, nb), float("-inf"), device=self.device)
-        scores[:, 0] = 0.0
-        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch_size)]
-        done = [False] * batch_size
-        for step in range(max_new_tokens):
-            logits = self.decode(seqs, enc, code_mode=allowed == "codes")[:, -1].float()
-            logp = logits.log_softmax(-1).masked_fill(~allowed_mask, float("-inf"))
-            if step == 0:  # at least one token before eos
-                logp[:, EOS_ID] = float("-inf")
-            if no_repeat_ngram_size > 0 and seqs.shape[1] >= no_repeat_ngram_size:
-                self._ban_repeated_ngrams(seqs, logp, no_repeat_ngram_size)
-            V = logp.shape[-1]
-            cand = (scores.view(-1, 1) + logp).view(batch_size, nb * V)
-            top, idx = cand.topk(2 * nb, dim=-1)
-            next_rows, next_tok, next_scores = [], [], []
-            for b in range(batch_size):
-                row_beams = []
-                for s, i in zip(top[b].tolist(), idx[b].tolist()):
-                    beam, token = divmod(i, V)
-                    if s == float("-inf"):
-                        break
-                    if token == EOS_ID:
-                        if not done[b]:
-                            hyp = seqs[b * nb + beam, 1:].tolist()
-                            finished[b].append((s / max(len(hyp) + 1, 1) ** length_penalty, hyp))
-                        continue
-                    row_beams.append((s, b * nb + beam, token))
-                    if len(row_beams) == nb:
-                        break
-                if len(finished[b]) >= nb or not row_beams:
-                    done[b] = True
-                while len(row_beams) < nb:  # keep the shape; padded beams can never win
-                    row_beams.append((float("-inf"), b * nb, PAD_ID))
-                for s, r, t in row_beams:
-                    next_scores.append(s)
-                    next_rows.append(r)
-                    next_tok.append(t)
-            if all(done):
-                break
-            rows = torch.tensor(next_rows, device=self.device)
-            seqs = torch.cat([seqs[rows], torch.tensor(next_tok, device=self.device).unsqueeze(1)], dim=1)
-            scores = torch.tensor(next_scores, device=self.device).view(batch_size, nb)
-        results, truncated = [], []
-        for b in range(batch_size):
-            hyps = list(finished[b])
-            ran_out = False
-            if not hyps or fixed_length:
-                for j in range(nb):
-                    s = scores[b, j].item()
-                    if s > float("-inf"):
-                        hyp = seqs[b * nb + j, 1:].tolist()
-                        hyps.append((s / max(len(hyp), 1) ** length_penalty, hyp))
-                ran_out = not fixed_length
-            best = max(hyps, key=lambda h: h[0])[1]
-            results.append(best)
-            truncated.append(ran_out)
-        return results, truncated
-
-    @staticmethod
-    def _ban_repeated_ngrams(seqs: torch.Tensor, logp: torch.Tensor, n: int) -> None:
-        """Forbid tokens that would repeat an n-gram already in the hypothesis (OFA's default 3)."""
-        for r, row in enumerate(seqs.tolist()):
-            prefix = tuple(row[len(row) - n + 1:]) if n > 1 else ()
-            banned = [row[i + n - 1] for i in range(len(row) - n + 1) if tuple(row[i: i + n - 1]) == prefix]
-            if banned:
-                logp[r, banned] = float("-inf")
-
-    def _generate_text(self, images: ImageBatch | None, prompts: Sequence[str], **kw) -> tuple[list[str], list]:
+    def _generate(self, images: ImageBatch | None, prompts: Sequence[str], allowed: str = "text",
+                  **kw) -> tuple[list[list[int]], list[bool]]:
+        """transformers' ``generate`` (beam search with the decoder's KV cache; the encoder runs
+        once) restricted to ``allowed`` tokens. Returns the token ids after the start token, up to
+        eos, and whether each row ran out of ``max_new_tokens`` without an eos."""
         pixels = None if images is None else self.prepare_images(images)
-        enc = self.encode(self._source_ids(prompts), pixels)
+        input_ids = self._source_ids(prompts)
+        patch_masks = None
+        if pixels is not None:
+            patch_masks = torch.ones(pixels.shape[0], dtype=torch.bool, device=pixels.device)
         opts = dict(num_beams=self.settings.num_beams, max_new_tokens=self.settings.max_new_tokens,
                     no_repeat_ngram_size=self.settings.no_repeat_ngram_size,
-                    length_penalty=self.settings.length_penalty)
+                    length_penalty=self.settings.length_penalty, min_new_tokens=1)
         unknown = set(kw) - set(opts)
         if unknown:
             raise ValueError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(opts)}")
         opts.update(kw)
-        ids, truncated = self.beam_search(enc, len(prompts), allowed="text", **opts)
+        out = self.ofa.generate(
+            input_ids=input_ids, patch_images=pixels, patch_masks=patch_masks,
+            suppress_tokens=self._suppressed(allowed), do_sample=False, early_stopping=True,
+            pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID, **opts,
+        )
+        ids, truncated = [], []
+        for row in out[:, 1:].tolist():
+            ended = EOS_ID in row
+            row = row[: row.index(EOS_ID)] if ended else row
+            ids.append([t for t in row if t != PAD_ID])
+            truncated.append(not ended and allowed == "text")
+        return ids, truncated
+
+    def _generate_text(self, images: ImageBatch | None, prompts: Sequence[str], **kw) -> tuple[list[str], list]:
+        ids, truncated = self._generate(images, prompts, "text", **kw)
         return [self.tokenizer.decode(t) for t in ids], list(zip(ids, truncated))
 
     @torch.no_grad()
@@ -445,9 +389,8 @@ class OFAUnifiedModel(UnifiedModel):
             raise ValueError(f"got {len(images)} images but {len(expressions)} expressions")
         sizes = self._image_sizes(images, self.settings.image_size)
         prompts = [self.settings.grounding_prompt.format(e) for e in expressions]
-        enc = self.encode(self._source_ids(prompts), self.prepare_images(images))
-        ids, _ = self.beam_search(enc, len(prompts), num_beams=self.settings.num_beams, max_new_tokens=4,
-                                  allowed="bins", fixed_length=True)
+        ids, _ = self._generate(images, prompts, "bins", min_new_tokens=4, max_new_tokens=4,
+                                no_repeat_ngram_size=0)
         return torch.tensor([self.tokenizer.ids_to_box(t, *sizes[b]) for b, t in enumerate(ids)])
 
     @torch.no_grad()
