@@ -357,7 +357,7 @@ class OFAUnifiedModel(UnifiedModel):
         opts.update(kw)
         out = self.ofa.generate(
             input_ids=input_ids, patch_images=pixels, patch_masks=patch_masks,
-            suppress_tokens=self._suppressed(allowed), do_sample=False, early_stopping=True,
+            suppress_tokens=self._suppressed(allowed), do_sample=False,
             pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID, **opts,
         )
         ids, truncated = [], []
