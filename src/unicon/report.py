@@ -88,8 +88,12 @@ def _plot(run_dir: Path, series: dict) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
-    for ax, k in zip(axes[0], keys):
+    cols = min(5, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, k in zip(axes.flat, keys):
         steps, vals = zip(*series[k])
         ax.plot(steps, vals, marker="o" if len(vals) < 30 else None, ms=3)
         ax.set_title(k, fontsize=8)
