@@ -141,8 +141,8 @@ def reference_metrics(rows, task, max_k=5):
     return C, n, ties, (sum(rhos) / len(rhos) if rhos else None), undefined
 
 
-def check_against_reference(results, rows):
-    for task in cc.TASKS:
+def check_against_reference(results, rows, tasks=cc.TASKS):
+    for task in tasks:
         C, n, ties, rho, undefined = reference_metrics(rows, task)
         r = results[task]
         for k in range(1, 6):
@@ -441,6 +441,24 @@ def test_cli_with_tiny_ofa_on_shapesworld(tiny_world_model, tmp_path):
     assert isinstance(gen["t2i_scene_match"], float) and gen["t2i_fid"] == "unavailable"
     assert 0.0 <= gen["vqa_accuracy"] <= 100.0 and gen["localization_n"] == results["localization"]["n_k"]["1"]
     assert set(results["truncated_candidates"]) == {"caption", "vqa", "localization", "t2i"}
+
+
+@pytest.mark.shared
+def test_cli_with_the_ofa_reference_fixture(ofa_fixture_dir, tiny_world_model, tmp_path):
+    """`model=ofa_reference_tiny` (the OFA-Sys parity fixture) scores CocoCon end to end.
+
+    It has no image tokenizer, so T2I is left out; its checkpoint ships no BPE files (byte-level text).
+    """
+    world, _ = tiny_world_model
+    out = tmp_path / "out"
+    rc = cc.cli(["--ckpt", str(ofa_fixture_dir), "--data", str(world / "cococon_test.json"), "--out", str(out),
+                 "--logger", "none", "--max-samples", "6", "--tasks", "vqa", "localization",
+                 "--cider-tokenizer", "simple"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
+    assert results["num_samples"] == 6 and results["vqa"]["n_k"]["1"] == 6
+    check_against_reference(results, rows, tasks=("vqa", "localization"))
 
 
 # ---------------------------------------------------------------------------------------------
