@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Sequence
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from unicon.models.base import ImageGenerationConfig, ImageTokenizer, Scores
-from unicon.models.bench import naive_score_text
 from unicon.models.ofa.tokenization import BOS_ID, EOS_ID, OFATokenizer
 from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
 
@@ -21,6 +21,35 @@ TEXTS = [
     "which region does the text describe", "what is the complete image? caption:", "how many shapes are there",
     "yes", "no", "two", "three",
 ]
+
+
+def naive_score_text(model, images: Sequence[Image.Image], prompts: Sequence[str],
+                     candidates: Sequence[Sequence[str]]) -> torch.Tensor:
+    """Reference scorer: a full ``model.ofa(...)`` forward for every (example, candidate).
+
+    Returns the ``[B, K]`` length-normalised NLL (0.0 at padded positions), computed
+    independently of ``OFAUnifiedModel``'s collation: no padding, no shared encoder.
+    """
+    from unicon.models.ofa.tokenization import BOS_ID
+
+    B, K = len(candidates), max(len(c) for c in candidates)
+    out = torch.zeros(B, K)
+    tok = model.tokenizer
+    for b in range(B):
+        pixels = model.prepare_images([images[b]])
+        src, _ = tok.encode_text(prompts[b], model.settings.max_source_length)
+        for k, cand in enumerate(candidates[b]):
+            tgt, _ = tok.encode_text(cand, model.settings.max_target_length + 1)
+            tgt = tgt[1:]
+            dec_in = torch.tensor([[BOS_ID] + tgt[:-1]], device=pixels.device)
+            res = model.ofa(input_ids=torch.tensor([src], device=pixels.device), patch_images=pixels,
+                            patch_masks=torch.ones(1, dtype=torch.bool, device=pixels.device),
+                            decoder_input_ids=dec_in)
+            logits = res.logits if hasattr(res, "logits") else (res[0] if isinstance(res, tuple) else res)
+            logp = logits[0].float().log_softmax(-1)
+            nll = -logp[torch.arange(len(tgt)), torch.tensor(tgt)].mean()
+            out[b, k] = nll.item()
+    return out
 
 
 def _bpe(vocab_size: int = 120) -> Tokenizer:
