@@ -16,7 +16,6 @@ with the model's *generation* methods and the world's exact verifiers:
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Sequence
@@ -44,21 +43,11 @@ def normalize_answer(text: str) -> str:
 
 def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
     """Rows of ``mixture_<split>.jsonl`` grouped by task (always has the four :data:`TASKS` keys)."""
-    path = Path(world_root) / f"mixture_{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no ShapesWorld mixture file {path}")
+    from unicon.data.mixture import read_mixture
+
     rows: dict[str, list[dict]] = {t: [] for t in TASKS}
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if "task" not in row:
-                raise ValueError(f"{path}:{lineno}: row has no 'task'")
-            rows.setdefault(row["task"], []).append(row)  # other tasks (e.g. "reason") are kept, not scored
+    for row in read_mixture(Path(world_root) / f"mixture_{split}.jsonl", tasks=TASKS):
+        rows[row["task"]].append(row)
     return rows
 
 
