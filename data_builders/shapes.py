@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 from unicon.worlds.shapes import (
     SPLITS,
@@ -390,23 +391,18 @@ def _world_texts(out: Path) -> Iterator[str]:
     for name in [f"mixture_{s}.jsonl" for s in SPLITS] + ["reason_train.jsonl"]:
         if not (out / name).is_file():
             continue
-        with open(out / name) as f:
-            for line in f:
-                r = json.loads(line)
-                for v in (r["text"], r["target"]):
-                    if isinstance(v, str):
-                        yield v
+        for _, r in read_jsonl(out / name):
+            yield from (v for v in (r["text"], r["target"]) if isinstance(v, str))
     for split in SPLITS:
         for a in _stream_annotations(out / f"cococon_{split}.json"):
             yield from (a["caption"], a["query"], a["answer"])
             for cs in a["contrast_sets"]:
                 yield from (cs["mutex_caption"], cs["mutex_answer"])
-    for line in open(out / "geneval_metadata.jsonl"):
-        yield json.loads(line)["prompt"]
+    for _, r in read_jsonl(out / "geneval_metadata.jsonl"):
+        yield r["prompt"]
     for cat in UREASON_CATEGORIES:
         for name in (f"direct_{cat}.jsonl", f"{cat}.jsonl"):
-            for line in open(out / "ureason" / name):
-                r = json.loads(line)
+            for _, r in read_jsonl(out / "ureason" / name):
                 yield from (r["prompt"], r["expect_en"], r["trace"])
 
 

@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -604,16 +604,6 @@ def load_world(root: str | Path) -> World:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: not a ShapesWorld world.json ({e})") from e
     return World(root, cfg, info)
-
-
-def iter_jsonl(path: str | Path) -> Iterable[dict]:
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: invalid JSON ({e})") from e
 
 
 # Language and verifiers live in their own modules (which import this one); they are re-exported
