@@ -167,7 +167,7 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
     if p.is_file():
         if p.suffix != ".ckpt":
             raise UserError(f"{p}: expected a Lightning .ckpt file or a save_pretrained directory")
-        model = _load_lightning(p, **kwargs)
+        model = load_lightning_checkpoint(p, **kwargs)[0]
     else:
         model = _load_directory(p, **kwargs)
     return model.eval()
@@ -194,10 +194,6 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
         return JanusUnifiedModel.from_pretrained(str(p), **kwargs)
     raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
                     f"model_type is {backend!r})")
-
-
-def _load_lightning(p: Path, **kwargs) -> UnifiedModel:
-    return load_lightning_checkpoint(p, **kwargs)[0]
 
 
 def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
