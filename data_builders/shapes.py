@@ -5,17 +5,17 @@ Writes (see the team brief for the schemas)::
     world.json                      config, held-out compositions, seed, sizes, build options
     tokenizer.json                  byte-level BPE trained on all world text (<s>=0 <pad>=1 </s>=2 <unk>=3)
     images/<split>/<scene_id>.png   one rendered scene per file (jittered, noise per --noise)
-    mixture_<split>.jsonl           caption / vqa / grounding / t2i rows
-    reason_train.jsonl              think-then-draw training rows, task "reason" (text = think prompt,
-                                    target = gold trace ending "refined prompt: ..."); with
-                                    --reason-in-mixture they are appended to mixture_train.jsonl instead
+    mixture_<split>.jsonl           caption / vqa / grounding / t2i rows; the train split also has the
+                                    think-then-draw rows, task "reason" (no image; text = think prompt,
+                                    target = gold trace ending "refined prompt: ..."), trained on when
+                                    data.tasks lists "reason"
     cococon_<split>.json            CocoCon schema + "category" + "scene" per annotation
     drift_seeds.jsonl               (image, caption) pairs from the test split
     geneval_metadata.jsonl          GenEval schema with ShapesWorld classes and colours
     ureason/direct_<cat>.jsonl      UReason direct prompts (+ target_scene, trace)
     ureason/<cat>.jsonl             UReason think-then-refine prompts (+ target_scene, trace)
 
-Default sizes (6000 / 500 / 500 scenes, ~9 mixture rows per scene, 2000 reasoning rows) give a
+Default sizes (6000 / 500 / 500 scenes, ~9 mixture rows per scene, 6000 reasoning rows) give a
 tiny OFA enough data to learn all four tasks; the default world builds in seconds. Everything is
 a function of ``--seed``: each scene's image and text use their own RNG seeded with
 ``(seed, split, index)``, so the output does not depend on ``--workers``. Large worlds are
@@ -106,9 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="contrast-set categories")
     t.add_argument("--min-contrast-sets", type=int, default=1)
     t.add_argument("--max-contrast-sets", type=int, default=5)
-    t.add_argument("--num-reason-train", type=int, default=2000, help="think-then-draw rows in the train mixture")
-    t.add_argument("--reason-in-mixture", action="store_true",
-                   help="append the reasoning rows to mixture_train.jsonl instead of reason_train.jsonl")
+    t.add_argument("--num-reason-train", type=int, default=6000, help="think-then-draw rows in the train mixture")
     t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
     t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
     t.add_argument("--num-drift-seeds", type=int, default=64)
@@ -388,9 +386,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, path: Path) -> int:
 def _world_texts(out: Path) -> Iterator[str]:
     for _ in range(10):
         yield from TASK_PROMPTS
-    for name in [f"mixture_{s}.jsonl" for s in SPLITS] + ["reason_train.jsonl"]:
-        if not (out / name).is_file():
-            continue
+    for name in [f"mixture_{s}.jsonl" for s in SPLITS]:
         for _, r in read_jsonl(out / name):
             yield from (v for v in (r["text"], r["target"]) if isinstance(v, str))
     for split in SPLITS:
@@ -500,7 +496,7 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
                         if split == "test" and len(drift) < args.num_drift_seeds:
                             drift.append(res["drift"])
                         progress.advance(bar)
-                    if split == "train" and args.reason_in_mixture:
+                    if split == "train":
                         for r in reason_train:
                             mix.write(json.dumps(r) + "\n")
                         n_rows += len(reason_train)
@@ -512,8 +508,6 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
             pool.close()
             pool.join()
 
-    if not args.reason_in_mixture:
-        _write_jsonl(out / "reason_train.jsonl", reason_train)
     _write_jsonl(out / "drift_seeds.jsonl", drift)
     geneval = geneval_rows(cfg, args.geneval_per_tag, args.seed)
     _write_jsonl(out / "geneval_metadata.jsonl", geneval)

@@ -137,6 +137,25 @@ def test_score_text_shapes_grad_and_naive(model, images):
     model.zero_grad(set_to_none=True)
 
 
+def test_text_only_scoring_is_the_reason_prompt_format(model):
+    """score_text(None, ...) = the processor's text-only chat turn (what reason() continues) + target."""
+    prompts, cands = ["Plan the picture.", "Count to three, then draw."], [["three red circles", "two"], ["one"]]
+    proc, tok = model.processor, model.tokenizer
+    with torch.no_grad():
+        scores = model.score_text(None, prompts, cands)
+        for b, row in enumerate(cands):
+            chat = proc.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": prompts[b]}]}],
+                                            add_generation_prompt=True, tokenize=False)
+            prompt_ids = proc(text=[chat], return_tensors="pt")["input_ids"]
+            assert prompt_ids[0].tolist() == model._reason_prompt_ids(prompts[b])
+            for k, cand in enumerate(row):
+                target = tok(" " + cand, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                logits = model.janus(input_ids=torch.cat([prompt_ids, torch.tensor([target])], 1)).logits[0]
+                ref = -logits[-len(target) - 1: -1].float().log_softmax(-1).gather(-1, torch.tensor(target)[:, None]).sum()
+                assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
+    assert scores.mask.tolist() == [[True, True], [True, False]]
+
+
 def test_score_text_checkpointing_path_matches_cached_path(model, images):
     """Gradient checkpointing in training mode disables the KV cache; the full-sequence path must agree."""
     m = copy.deepcopy(model)

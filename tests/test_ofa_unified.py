@@ -217,6 +217,41 @@ def test_score_boxes_and_score_image_match_independent_forwards(model):
     assert sb.mask.tolist() == [[True, True], [True, False]]
 
 
+def test_text_only_scoring_matches_independent_forwards(model):
+    """score_text(None, ...) reads the prompt alone (no image patches), as reason() does."""
+    prompts = ["two shapes", "what is the complete image?"]
+    cands = [["two", "yes"], ["three"]]
+    tok = model.tokenizer
+    with torch.no_grad():
+        s = model.score_text(None, prompts, cands)
+        for b, prompt in enumerate(prompts):
+            src = tok.encode_text(" " + prompt)[0]
+            for k, cand in enumerate(cands[b]):
+                ref = _independent_target_nll(model, src, None, tok.encode_text(cand)[0][1:])
+                assert abs(s.nll[b, k].item() - ref.item()) < 1e-5
+    assert s.mask.tolist() == [[True, True], [True, False]]
+    with pytest.raises(ValueError, match="got 1 images, 2 prompts"):
+        model.score_text(_images(1), prompts, cands)
+
+
+def test_training_on_text_only_scores_teaches_reason_to_write_the_trace():
+    """Minimising score_text(None, prompt, [trace]) makes reason(prompt) emit that trace: training and
+    generation share one prompt format. Two prompts with different traces rule out a prompt-blind fit."""
+    model = _tiny_model(seed=2, max_target_length=24).train()
+    prompts, traces = ["two shapes", "a green triangle above"], ["a blue square", "two three"]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = model.score_text(None, prompts, [[t] for t in traces]).nll.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.02:
+            break
+    model.eval()
+    out = model.reason(prompts, max_new_tokens=20)
+    assert [g.text.strip() for g in out] == traces and not any(g.truncated for g in out)
+
+
 def test_encoder_runs_once_per_example_in_score_text(model, monkeypatch):
     calls = []
     real = model.ofa.encode
@@ -457,6 +492,18 @@ def test_load_model_accepts_save_pretrained_dirs_and_lightning_ckpts(tiny_world,
         load_model(tmp_path / "missing")
     with pytest.raises(UserError, match="not a unicon model directory"):
         load_model(tmp_path)
+    # unicon train stores the world's vocabulary files: the .ckpt then loads without the world
+    from unicon.models import world_vocabulary
+
+    moved = {**ckpt, "unicon_world_files": world_vocabulary(cfg["model"], tiny_world),
+             "unicon_config": {**cfg, "data": {**cfg["data"], "root": str(tmp_path / "world-was-deleted")}}}
+    assert set(moved["unicon_world_files"]) == {"tokenizer.json", "world.json"}
+    torch.save(moved, tmp_path / "moved.ckpt")
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path / "moved.ckpt").score_text(images, prompts, cands).nll, ref)
+    torch.save({**moved, "unicon_world_files": {"../evil.json": "{}"}}, tmp_path / "evil.ckpt")
+    with pytest.raises(UserError, match="unexpected stored world files"):
+        load_model(tmp_path / "evil.ckpt")
     ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if "layer_norm" not in k}
     torch.save(ckpt, tmp_path / "broken.ckpt")
     with pytest.raises(UserError, match="first missing"):

@@ -381,7 +381,7 @@ def test_small_world_builds_quickly_with_the_documented_layout(world):
     w, seconds = world
     assert seconds < 90, f"building a 180-scene world took {seconds:.1f}s"
     root = w.root
-    for name in ["world.json", "tokenizer.json", "drift_seeds.jsonl", "geneval_metadata.jsonl", "reason_train.jsonl"] + \
+    for name in ["world.json", "tokenizer.json", "drift_seeds.jsonl", "geneval_metadata.jsonl"] + \
             [f"mixture_{s}.jsonl" for s in ("train", "val", "test")] + [f"cococon_{s}.json" for s in ("train", "val", "test")] + \
             [f"ureason/{p}{c}.jsonl" for c in ("arithmetic", "attribute", "spatial", "code") for p in ("", "direct_")]:
         assert (root / name).is_file(), name
@@ -412,8 +412,8 @@ def test_small_world_builds_quickly_with_the_documented_layout(world):
     assert len(test_scenes) == 30
     for image, scene in test_scenes.items():  # every test image parses back to its scene
         assert parse(w.image(image), w.config) == Scene.from_dict(scene)
-    reason = [json.loads(line) for line in open(w.reason_train_path)]
-    assert len(reason) == 40 and all(r["task"] == "reason" and REFINED_MARKER in r["target"] for r in reason)
+    reason = [r for r in map(json.loads, open(w.mixture_path("train"))) if r["task"] == "reason"]
+    assert len(reason) == 40 and all(r["image"] is None and REFINED_MARKER in r["target"] for r in reason)
 
 
 def test_splits_are_disjoint_and_held_out_compositions_stay_out_of_training(world):
@@ -422,16 +422,17 @@ def test_splits_are_disjoint_and_held_out_compositions_stay_out_of_training(worl
     assert len(held) == 4
     keys = {}
     for split in ("train", "val", "test"):
-        keys[split] = {json.dumps(json.loads(line)["scene"], sort_keys=True) for line in open(w.mixture_path(split))}
+        rows = [json.loads(line) for line in open(w.mixture_path(split))]
+        keys[split] = {json.dumps(r["scene"], sort_keys=True) for r in rows if r["task"] != "reason"}
     assert not (keys["train"] & keys["val"]) and not (keys["train"] & keys["test"]) and not (keys["val"] & keys["test"])
     texts = []
     for line in open(w.mixture_path("train")):
         r = json.loads(line)
-        assert not any((o["color"], o["shape"]) in held for o in r["scene"]["objects"])
+        scene = r["scene"] or r["target_scene"]  # think-then-draw rows have no image, only a target
+        assert not any((o["color"], o["shape"]) in held for o in scene["objects"])
         texts += [t for t in (r["text"], r["target"]) if isinstance(t, str)]
     for a in json.loads(w.cococon_path("train").read_text())["annotations"]:
         texts += [a["caption"]] + [c["mutex_caption"] for c in a["contrast_sets"]]
-    texts += [json.loads(line)["text"] for line in open(w.reason_train_path)]
     assert not [t for t in texts if mentions_kind(t, held)]
     evaluation = [Scene.from_dict(json.loads(s)) for s in keys["val"] | keys["test"]]
     assert any(o.kind in held for s in evaluation for o in s.objects)  # generalisation cases exist

@@ -56,6 +56,7 @@ class ModelConfig:
     allow_pickle: bool = False  # accept pytorch_model.bin (pickle) checkpoints
     trust_remote_code: bool = False
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes kept frozen
+    freeze_batchnorm: bool = False  # BatchNorm on running statistics, not trained (exact DDP, small batches)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -70,7 +71,7 @@ class DataConfig:
     contrast_batch_size: int = 8  # contrast samples per consistency step
     max_contrast: int = 5
     num_workers: int = 0
-    tasks: list[str] = field(default_factory=lambda: ["caption", "vqa", "grounding", "t2i"])
+    tasks: list[str] = field(default_factory=lambda: ["caption", "vqa", "grounding", "t2i", "reason"])
 
 
 @dataclass

@@ -1,10 +1,16 @@
 """The standard pretraining mixture: ``mixture_<split>.jsonl`` of a ShapesWorld root.
 
-One row per task example (layout in the team brief)::
+One row per task example::
 
-    {"id", "scene_id", "image": "images/train/00042.png", "task": "caption"|"vqa"|"grounding"|"t2i",
-     "text": question / referring expression / t2i caption / null, "target": caption / answer /
-     [x, y, w, h] / null, "qtype", "scene"}
+    {"id", "scene_id", "image": "images/train/00042.png" | null,
+     "task": "caption" | "vqa" | "grounding" | "t2i" | "reason",
+     "text": question / referring expression / t2i caption / think prompt / null,
+     "target": caption / answer / [x, y, w, h] / reasoning trace / null, "qtype", "scene"}
+
+``reason`` rows (ShapesWorld's think-then-draw prompts) have no image: the model is trained to
+write the trace ``R`` (ending in ``refined prompt: ...``) from the prompt alone, through
+``UnifiedModel.score_text(None, ...)`` -- the text-only format ``UnifiedModel.reason`` generates in.
+Every other task needs an image. Which tasks a run trains on is ``data.tasks``.
 
 :class:`MixtureDataset` reads and validates the rows once (a bad row is a ``ValueError``
 naming ``file:line`` and the key) and opens images lazily in ``__getitem__`` so that
@@ -26,7 +32,8 @@ from unicon.errors import UserError
 
 log = logging.getLogger(__name__)
 
-TASKS = ("caption", "vqa", "grounding", "t2i")
+TASKS = ("caption", "vqa", "grounding", "t2i", "reason")
+IMAGE_FREE_TASKS = ("reason",)
 
 
 class MixtureFormatError(UserError, ValueError):
@@ -51,16 +58,17 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
         if "task" not in row:
             raise _row_error(path, n, "missing key 'task'")
         task = row["task"]
-        if task not in tasks:  # e.g. ShapesWorld's optional "reason" rows
+        if task not in tasks:  # e.g. the "reason" rows of a run that trains on the image tasks only
             skipped[task] = skipped.get(task, 0) + 1
             continue
-        for key in ("id", "image"):
-            if key not in row:
-                raise _row_error(path, n, f"missing key '{key}'")
-        if task in ("vqa", "grounding", "t2i") and not row.get("text"):
+        if "id" not in row:
+            raise _row_error(path, n, "missing key 'id'")
+        if task not in IMAGE_FREE_TASKS and not isinstance(row.get("image"), str):
+            raise _row_error(path, n, f"task {task} needs 'image' (a path relative to {path.parent})")
+        if task in ("vqa", "grounding", "t2i", "reason") and not row.get("text"):
             raise _row_error(path, n, f"task {task} needs a non-empty 'text'")
-        if task in ("caption", "vqa") and not isinstance(row.get("target"), str):
-            raise _row_error(path, n, f"task {task} needs a string 'target'")
+        if task in ("caption", "vqa", "reason") and not (isinstance(row.get("target"), str) and row["target"]):
+            raise _row_error(path, n, f"task {task} needs a non-empty string 'target'")
         if task == "grounding":
             box = row.get("target")
             if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
@@ -70,6 +78,9 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
         raise ValueError(f"{path}: no rows for tasks {list(tasks)} (found {skipped or 'none'})")
     if skipped:
         log.info("%s: skipped rows of tasks not in data.tasks: %s", path, skipped)
+    absent = [t for t in tasks if not any(r["task"] == t for r in rows)]
+    if absent:
+        log.warning("%s has no rows of task(s) %s listed in data.tasks; training on the others", path, absent)
     return rows
 
 
@@ -86,12 +97,14 @@ class MixtureDataset(Dataset):
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         row = self.rows[idx]
-        image_path = self.root / row["image"]
-        try:
-            with Image.open(image_path) as im:
-                image = im.convert("RGB")
-        except (FileNotFoundError, OSError) as e:
-            raise ValueError(f"{self.path}: row id={row['id']}: cannot open image {image_path} ({e})") from None
+        image = None
+        if row["task"] not in IMAGE_FREE_TASKS:
+            image_path = self.root / row["image"]
+            try:
+                with Image.open(image_path) as im:
+                    image = im.convert("RGB")
+            except (FileNotFoundError, OSError) as e:
+                raise ValueError(f"{self.path}: row id={row['id']}: cannot open image {image_path} ({e})") from None
         return {
             "id": str(row["id"]),
             "task": row["task"],
@@ -102,7 +115,7 @@ class MixtureDataset(Dataset):
 
 
 def collate_mixture(examples: list[dict[str, Any]]) -> dict[str, Any]:
-    """List of examples -> column lists (images stay PIL; tasks are grouped by the module)."""
+    """List of examples -> column lists (images stay PIL, None for ``reason`` rows; the module groups tasks)."""
     return {
         "ids": [e["id"] for e in examples],
         "tasks": [e["task"] for e in examples],

@@ -179,12 +179,11 @@ def score_samples(model, samples: Sequence[CocoConSample], images: list, width: 
     task not selected) and the number of candidates each task had to truncate (``Scores.num_truncated``)."""
     B = len(samples)
     prompt = caption_prompt or model.caption_prompt
-    vqa_template = (getattr(model, "task_prompts", None) or {}).get("vqa", "{}")
     captions = [[normalize_text(s.caption)] + [normalize_text(c.caption) for c in s.contrast_sets] for s in samples]
     answers = [[normalize_text(s.answer)] + [normalize_text(c.answer) for c in s.contrast_sets] for s in samples]
     calls = {
         "caption": lambda: model.score_text(images, [prompt] * B, captions),
-        "vqa": lambda: model.score_text(images, [vqa_template.format(s.query) for s in samples], answers),
+        "vqa": lambda: model.score_text(images, [s.query for s in samples], answers),  # as training does
         "t2i": lambda: model.score_image(captions, images),
     }
     scores = {task: _call(task, samples, fn) for task, fn in calls.items() if task == "caption" or task in tasks}

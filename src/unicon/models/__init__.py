@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ def _apply_common(model: UnifiedModel, cfg: dict) -> UnifiedModel:
         raise UserError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if DTYPES[dtype] != torch.float32:
         model.to(DTYPES[dtype])
+    if cfg.get("freeze_batchnorm"):
+        model.freeze_batchnorm()
     prefixes = list(cfg.get("freeze") or [])
     if prefixes:
         names = [n for n, _ in model.named_parameters()]
@@ -158,7 +161,8 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
     OFA-Sys checkpoint directory (``config.json`` with ``model_type: ofa`` + BPE files), or a
     Lightning ``.ckpt`` from ``unicon train`` (its ``unicon_config`` rebuilds the model, whose
     weights are the ``model.``-prefixed state-dict entries). ``kwargs``: ``world_root``
-    (where the run's ShapesWorld lives, default the run's ``data.root``), ``map_location``, and
+    (a ShapesWorld whose vocabulary to use; default: the copy stored in the checkpoint, else the
+    run's ``data.root``), ``map_location``, and
     for directories the backend's ``from_pretrained`` options (e.g. ``allow_pickle``).
     """
     p = Path(path)
@@ -196,6 +200,22 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
                     f"model_type is {backend!r})")
 
 
+WORLD_VOCABULARY_FILES = ("tokenizer.json", "world.json")
+
+
+def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str, str]:
+    """Text of the world files a from-scratch OFA model's vocabulary comes from (``{}`` otherwise).
+
+    ``unicon train`` stores them in every ``.ckpt`` (key ``unicon_world_files``), so a checkpoint
+    loads without the world, and rebuilding the world cannot change an old run's vocabulary.
+    """
+    cfg = _as_dict(model_cfg)
+    if cfg.get("backend", "ofa") != "ofa" or cfg.get("pretrained") or world_root is None:
+        return {}
+    root = Path(world_root)
+    return {name: (root / name).read_text() for name in WORLD_VOCABULARY_FILES if (root / name).is_file()}
+
+
 def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
                               **kwargs):
     """A ``unicon train`` ``.ckpt`` -> ``(model, run config)``; LoRA adapters are re-applied, unmerged."""
@@ -218,8 +238,19 @@ def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = Non
     except ConfigError as e:
         raise UserError(f"{p}: stored config is invalid: {e}") from None
     # The architecture comes from the run's model section (a `pretrained` directory is read
-    # for its config and tokenizer); the weights are then replaced by the trained ones.
-    model = build_model(cfg.model, world_root=world_root or cfg.data.root)
+    # for its config and tokenizer, a world's vocabulary from the copy stored in the checkpoint);
+    # the weights are then replaced by the trained ones.
+    stored = ckpt.get("unicon_world_files") or {}
+    if world_root is None and stored:
+        unknown = sorted(set(stored) - set(WORLD_VOCABULARY_FILES))
+        if unknown:
+            raise UserError(f"{p}: unexpected stored world files {unknown}")
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in stored.items():
+                (Path(tmp) / name).write_text(text)
+            model = build_model(cfg.model, world_root=tmp)
+    else:
+        model = build_model(cfg.model, world_root=world_root or cfg.data.root)
     if cfg.model.lora.enabled:
         apply_lora(model, cfg.model.lora)
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}

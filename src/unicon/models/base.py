@@ -17,6 +17,9 @@ Conventions shared by all backends
   ``Scores.nll[b, k]`` is the *length-normalised* NLL (mean over the target
   tokens, EOS included) of candidate ``k`` of example ``b``; ``Scores.sum_nll`` is
   the summed NLL. Both are differentiable when grad is enabled.
+* **Prompts** are passed as written (a VQA question, a referring expression, a caption, a think
+  prompt); each backend applies its own template (OFA: a leading space and its task
+  instructions; Janus: the chat format). Training and evaluation therefore score the same text.
 * **Ragged candidate lists** are padded to ``K = max_b K_b``; ``Scores.mask`` is
   True for real candidates. Padded entries hold 0.0 (never inf/nan, so that
   masked arithmetic keeps finite gradients).
@@ -32,7 +35,7 @@ The three scoring directions mirror CocoCon section 4.3:
 ====================  =========================  ======================
 method                input varies?              output (scored) varies?
 ====================  =========================  ======================
-``score_text``        no (image + prompt)        yes (K captions/answers)
+``score_text``        no (image + prompt)        yes (K captions/answers/traces)
 ``score_boxes``       yes (K expressions)        no (the gold box)
 ``score_image``       yes (K prompts)            no (the gold image's codes)
 ====================  =========================  ======================
@@ -131,6 +134,27 @@ class UnifiedModel(nn.Module, abc.ABC):
     #: backends override it (OFA: " what does the image describe?")
     caption_prompt: str = "Describe the image."
 
+    # ---- training mode ------------------------------------------------------------
+    def freeze_batchnorm(self) -> "UnifiedModel":
+        """Keep every BatchNorm on its running statistics, with frozen affine parameters, also after
+        ``train()`` (``model.freeze_batchnorm=true``). Per-GPU batches then do not change the
+        normalisation, so DDP on N ranks computes what one process computes on the whole batch."""
+        self._batchnorm_frozen = True
+        for module in self.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+                for p in module.parameters():
+                    p.requires_grad_(False)
+        return self
+
+    def train(self, mode: bool = True) -> "UnifiedModel":
+        super().train(mode)
+        if getattr(self, "_batchnorm_frozen", False):
+            for module in self.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.eval()
+        return self
+
     # ---- inputs -----------------------------------------------------------------
     @abc.abstractmethod
     def prepare_images(self, images: ImageBatch) -> torch.Tensor:
@@ -144,9 +168,13 @@ class UnifiedModel(nn.Module, abc.ABC):
     # ---- likelihood scoring ---------------------------------------------------------
     @abc.abstractmethod
     def score_text(
-        self, images: ImageBatch, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
+        self, images: ImageBatch | None, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
     ) -> Scores:
-        """NLL of each candidate text given (image, prompt). [B] x [B][K] -> [B, K]."""
+        """NLL of each candidate text given (image, prompt). [B] x [B][K] -> [B, K].
+
+        ``images=None`` scores text-only continuations with exactly the prompt format of
+        :meth:`reason` (think-then-draw traces: the training target of :meth:`reason`).
+        """
 
     @abc.abstractmethod
     def score_boxes(

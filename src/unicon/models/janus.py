@@ -296,8 +296,6 @@ class JanusUnifiedModel(UnifiedModel):
     backend = "janus"
     #: instruction used for captioning and for scoring captions (read by training and CocoCon)
     caption_prompt = CAPTION_PROMPT
-    #: task prompt templates (``{}`` = the question); Janus takes VQA questions as they are
-    task_prompts = {"caption": CAPTION_PROMPT, "vqa": "{}"}
     #: parameter-name prefixes (of this module) frozen by default: SigLIP encoder + VQ-VAE
     default_frozen_prefixes = ("janus.model.vision_model.", "janus.model.vqmodel.")
 
@@ -658,23 +656,26 @@ class JanusUnifiedModel(UnifiedModel):
     def _lm(self):
         return self.janus.model.language_model
 
-    def _embed_with_image(self, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
-        """Text embeddings with the SigLIP+aligner features scattered into the image placeholders."""
+    def _embed_with_image(self, ids: torch.Tensor, pixels: torch.Tensor | None) -> torch.Tensor:
+        """Text embeddings with the SigLIP+aligner features scattered into the image placeholders
+        (plain text embeddings when ``pixels`` is None)."""
         embeds = self.janus.get_input_embeddings()(ids)
+        if pixels is None:
+            return embeds
         features = self.janus.model.get_image_features(pixels, return_dict=True).pooler_output
         mask = (ids == self.image_token_id).unsqueeze(-1)
         return embeds.masked_scatter(mask, features.to(embeds.dtype))
 
     def _score_after_image(
         self,
-        pixels: torch.Tensor,
+        pixels: torch.Tensor | None,
         heads: list[list[int]],
         rows: list[tuple[int, list[int], list[int]]],
         shape: tuple[int, int],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed target NLLs for continuations ``(b, context_ids, target_ids)`` of image prefixes.
 
-        ``heads[b]`` (which contains the image) is encoded and run through the LM once; each row
+        ``heads[b]`` (which contains the image, unless ``pixels`` is None) is run through the LM once; each row
         continues it with ``context + target`` and only ``target`` is scored. When the LM uses
         gradient checkpointing in training mode (which disables the KV cache), the prefix embeddings
         are instead copied to each row and the full sequence is run; both give the same numbers.
@@ -730,14 +731,19 @@ class JanusUnifiedModel(UnifiedModel):
 
     # ---- likelihood scoring -------------------------------------------------------------
     def score_text(
-        self, images: ImageBatch, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
+        self, images: ImageBatch | None, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
     ) -> Scores:
         check_candidates(candidates)
-        _check_lengths(images, prompts, candidates)
-        pixels = self._pixels(images)
+        if images is None:  # text only: the prompt reason() generates after; its last token starts the row
+            if len(prompts) != len(candidates):
+                raise ValueError(f"batch sizes differ: {len(prompts)} prompts, {len(candidates)} candidate lists")
+            pixels, parts = None, [self._reason_prompt_ids(p) for p in prompts]
+            parts = [(ids[:-1], ids[-1:]) for ids in parts]
+        else:
+            _check_lengths(images, prompts, candidates)
+            pixels, parts = self._pixels(images), [self._image_prompt_parts(p) for p in prompts]
         heads, rows, truncated = [], [], 0
-        for b, (prompt, cands) in enumerate(zip(prompts, candidates)):
-            head, ctx = self._image_prompt_parts(prompt)
+        for b, ((head, ctx), cands) in enumerate(zip(parts, candidates)):
             heads.append(head)
             for cand in cands:
                 tgt, cut = self._target_ids(cand)
@@ -938,9 +944,12 @@ class JanusUnifiedModel(UnifiedModel):
     ) -> list:
         return self.decode_codes(self.generate_image_codes(prompts, context, config))
 
+    def _reason_prompt_ids(self, prompt: str) -> list[int]:
+        """Token ids of a text-only chat turn up to ``<|Assistant|>:`` (``reason`` and text-only scoring)."""
+        return self.tokenizer(self._system() + self._chat([{"type": "text", "text": prompt}]))["input_ids"]
+
     def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
-        texts = [self._system() + self._chat([{"type": "text", "text": p}]) for p in prompts]
-        ids = [self.tokenizer(t)["input_ids"] for t in texts]
+        ids = [self._reason_prompt_ids(p) for p in prompts]
         return self._generate_text(ids, None, max_new_tokens=max_new_tokens)
 
 

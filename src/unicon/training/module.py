@@ -20,7 +20,8 @@ Each training step receives a contrast batch and a pretraining-mixture batch
   the gold targets of both tasks. With ``loss.type=none`` only the gold candidates are scored
   (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data).
 * otherwise -- **standard update**: the mean length-normalised CE of the mixture batch's gold
-  targets (each task through its ``score_*`` method with one candidate).
+  targets (each task through its ``score_*`` method with one candidate; think-then-draw
+  ``reason`` rows through ``score_text(None, prompt, [trace])``).
 
 Bad input: contrast samples with no contrast candidate are skipped and counted
 (``train/skipped_no_contrast``); a batch left empty falls back to a standard update. A
@@ -42,6 +43,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from unicon.data.mixture import TASKS as MIXTURE_TASKS
 from unicon.losses.consistency import LOSS_TYPES, consistency_loss
 from unicon.models.base import Scores, UnifiedModel
 
@@ -162,7 +164,7 @@ class ConsistencyModule(L.LightningModule):
     def standard_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Mean length-normalised CE of the mixture batch's gold targets."""
         nlls = []
-        for task in ("caption", "vqa", "grounding", "t2i"):
+        for task in MIXTURE_TASKS:
             rows = [b for b, t in enumerate(batch["tasks"]) if t == task]
             if not rows:
                 continue
@@ -173,6 +175,8 @@ class ConsistencyModule(L.LightningModule):
                 sc = self.model.score_text(imgs, [self.model.caption_prompt] * len(rows), [[t] for t in targets])
             elif task == "vqa":
                 sc = self.model.score_text(imgs, texts, [[t] for t in targets])
+            elif task == "reason":  # think prompt -> trace, text only (the format reason() generates in)
+                sc = self.model.score_text(None, texts, [[t] for t in targets])
             elif task == "grounding":
                 sc = self.model.score_boxes(imgs, [[t] for t in texts], targets)
             else:
@@ -250,7 +254,10 @@ class ConsistencyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from unicon.models import world_vocabulary
+
         checkpoint["unicon_config"] = OmegaConf.to_container(self.cfg, resolve=True)
+        checkpoint["unicon_world_files"] = world_vocabulary(self.cfg.model, self.cfg.data.root)
         checkpoint["gamma_rng_state"] = self.gamma_rng.get_state()
         checkpoint["unicon_counts"] = dict(self.counts)
 

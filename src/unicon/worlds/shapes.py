@@ -566,11 +566,6 @@ class World:
         return self._split_file("cococon_{}.json", split)
 
     @property
-    def reason_train_path(self) -> Path:
-        """Think-then-draw training rows (task "reason"); absent if built with --reason-in-mixture."""
-        return self.root / "reason_train.jsonl"
-
-    @property
     def drift_seeds_path(self) -> Path:
         return self.root / "drift_seeds.jsonl"
 

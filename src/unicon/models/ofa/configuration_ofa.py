@@ -222,7 +222,7 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
     # world tokenizer (+ codes + bins) by the OFA-unified wrapper.
     "shapes-tiny": dict(
         vocab_size=1024,
-        max_position_embeddings=128,
+        max_position_embeddings=192,  # think-then-draw prompts reach ~140 tokens
         d_model=128,
         encoder_layers=3,
         decoder_layers=3,

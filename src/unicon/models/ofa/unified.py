@@ -27,12 +27,12 @@ Scoring (CocoCon section 4.3). ``nll[b, k] = -(1/T_bk) * sum_t log p(y_t | y_<t,
   length is fixed. T2I inputs are text only: OFA feeds a dummy image whose patches are all
   masked, which gives the same encoder output for the text and adds only masked keys.
 
-Generation (caption/answer/reason: beam search, OFA defaults beam 5 + 3-gram blocking for real
-checkpoints; locate: 4 tokens constrained to the bins; generate_image: h*w tokens constrained
-to the codes, greedy/sampling/CFG) is a small search loop over ``OFAModel.decode``: the encoder
-output is expanded to the beams once and each step re-runs the decoder on the prefix. It is not
-transformers' ``generate`` because the constrained code/bin modes and the shared-encoder scoring
-need ``OFAModel.encode``/``decode`` directly.
+Generation: caption/answer (beam search; OFA defaults beam 5 + 3-gram blocking for real
+checkpoints), reason (greedy, text-only source) and locate (4 tokens constrained to the bins) use
+transformers' ``generate`` on ``OFAModel`` (KV cache, the encoder runs once, ``suppress_tokens``
+for the constrained vocabularies). ``generate_image`` (h*w tokens constrained to the codes,
+greedy/sampling/classifier-free guidance) is a short loop over ``OFAModel.decode`` because CFG
+mixes the logits of two prompts at every step.
 """
 
 from __future__ import annotations
@@ -121,6 +121,11 @@ class OFAUnifiedModel(UnifiedModel):
         self.tokenizer = tokenizer
         self.settings = settings or OFAWrapperConfig()
         self.image_tokenizer = image_tokenizer
+        positions = getattr(ofa.config, "max_position_embeddings", None)
+        for name in ("max_source_length", "max_target_length"):
+            if positions is not None and getattr(self.settings, name) > positions:
+                raise ValueError(f"{name}={getattr(self.settings, name)} exceeds the network's "
+                                 f"max_position_embeddings={positions}")
         vocab = getattr(ofa.config, "vocab_size", None)
         if vocab is not None and vocab < len(tokenizer):
             raise ValueError(f"model vocab_size {vocab} < tokenizer size {len(tokenizer)} (text+codes+bins)")
@@ -132,12 +137,6 @@ class OFAUnifiedModel(UnifiedModel):
     @property
     def caption_prompt(self) -> str:
         return self.settings.caption_prompt
-
-    @property
-    def task_prompts(self) -> dict[str, str]:
-        """OFA prompt templates; ``{}`` is the question / expression / caption."""
-        s = self.settings
-        return {"caption": s.caption_prompt, "vqa": " {}", "grounding": s.grounding_prompt, "t2i": s.t2i_prompt}
 
     @property
     def device(self) -> torch.device:
@@ -255,14 +254,16 @@ class OFAUnifiedModel(UnifiedModel):
     # ======================================================================================
     # likelihood scoring
     # ======================================================================================
-    def score_text(self, images: ImageBatch, prompts: Sequence[str],
+    def score_text(self, images: ImageBatch | None, prompts: Sequence[str],
                    candidates: Sequence[Sequence[str]]) -> Scores:
         B = len(candidates)
-        if len(prompts) != B or len(images) != B:
-            raise ValueError(f"got {len(images)} images, {len(prompts)} prompts, {B} candidate lists")
+        if len(prompts) != B or (images is not None and len(images) != B):
+            n_images = "no" if images is None else len(images)
+            raise ValueError(f"got {n_images} images, {len(prompts)} prompts, {B} candidate lists")
         check_candidates(candidates)
         counts = [len(c) for c in candidates]
-        enc = self.encode(self._source_ids(prompts), self.prepare_images(images))
+        pixels = None if images is None else self.prepare_images(images)  # None: reason()'s text-only source
+        enc = self.encode(self._source_ids(prompts), pixels)
         index = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
         targets, truncated = self._text_targets(candidates)
         sum_nll, lengths = self._target_nll(self.select(enc, index), targets)
@@ -449,9 +450,15 @@ class OFAUnifiedModel(UnifiedModel):
 
     @torch.no_grad()
     def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
-        """Free text from a text-only input (greedy; OFA is encoder-decoder, so the prompt is the source)."""
-        _, raw = self._generate_text(None, [" " + p.strip() for p in prompts], num_beams=1,
-                                     max_new_tokens=max_new_tokens, no_repeat_ngram_size=0)
+        """Free text from a text-only input (greedy; OFA is encoder-decoder, so the prompt is the source).
+
+        ``max_new_tokens`` is capped by the decoder's learned positions (``max_position_embeddings``
+        minus the start token); a trace that reaches the cap is marked truncated."""
+        limit = int(self.ofa.config.max_position_embeddings) - 1
+        if max_new_tokens > limit:
+            logger.info("reason: max_new_tokens %d capped at the decoder's %d positions", max_new_tokens, limit)
+        _, raw = self._generate_text(None, prompts, num_beams=1, max_new_tokens=min(max_new_tokens, limit),
+                                     no_repeat_ngram_size=0)
         return [TextGeneration(text=self.tokenizer.decode(ids), truncated=cut, num_tokens=len(ids))
                 for ids, cut in raw]
 
