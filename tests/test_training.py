@@ -585,12 +585,16 @@ def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world):
     # ~lr * sign(g), so summation-order noise flips them.
 
 
-def test_freeze_batchnorm_survives_train_mode(tiny_shapes_world):
-    model = build_model(compose(["model=ofa_shapes_tiny", "model.freeze_batchnorm=true"]).model, tiny_shapes_world)
-    model.train()
-    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    assert norms and not any(m.training for m in norms) and model.training
-    assert not any(p.requires_grad for m in norms for p in m.parameters())
+def test_freeze_batchnorm_survives_train_mode_also_from_init_from(tiny_shapes_world, tmp_path):
+    overrides = ["model=ofa_shapes_tiny", "model.freeze_batchnorm=true", f"data.root={tiny_shapes_world}"]
+    built = build_model(compose(overrides).model, tiny_shapes_world)
+    built.save_pretrained(str(tmp_path / "export"))
+    started = build_training_model(compose(overrides + [f"init_from={tmp_path / 'export'}"]))
+    for model in (built, started):
+        model.train()
+        norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+        assert norms and not any(m.training for m in norms) and model.training
+        assert not any(p.requires_grad for m in norms for p in m.parameters())
 
 
 @pytest.mark.slow

@@ -78,7 +78,8 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
         raise ValueError(f"{path}: no rows for tasks {list(tasks)} (found {skipped or 'none'})")
     if skipped:
         log.info("%s: skipped rows of tasks not in data.tasks: %s", path, skipped)
-    absent = [t for t in tasks if not any(r["task"] == t for r in rows)]
+    found = {r["task"] for r in rows}
+    absent = [t for t in tasks if t not in found]
     if absent:
         log.warning("%s has no rows of task(s) %s listed in data.tasks; training on the others", path, absent)
     return rows

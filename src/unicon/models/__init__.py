@@ -35,7 +35,7 @@ from unicon.models.base import UnifiedModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnifiedModel", "build_model", "load_model"]
+__all__ = ["UnifiedModel", "apply_model_options", "build_model", "load_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,10 +67,13 @@ def build_model(model_cfg: Any, world_root: str | Path | None = None) -> Unified
         model = JanusUnifiedModel.from_config(model_cfg)
     else:
         raise UserError(f"model.backend {backend!r} is unknown; expected 'ofa' or 'janus'")
-    return _apply_common(model, cfg)
+    return apply_model_options(model, cfg)
 
 
-def _apply_common(model: UnifiedModel, cfg: dict) -> UnifiedModel:
+def apply_model_options(model: UnifiedModel, model_cfg: Any) -> UnifiedModel:
+    """``model.dtype``, ``model.freeze_batchnorm`` and ``model.freeze`` of a config section, applied
+    to a built or loaded model (``build_model`` does it; a run started ``init_from`` a checkpoint too)."""
+    cfg = _as_dict(model_cfg)
     dtype = cfg.get("dtype", "float32")
     if dtype not in DTYPES:
         raise UserError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")

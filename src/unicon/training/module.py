@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from unicon.data.mixture import TASKS as MIXTURE_TASKS
 from unicon.losses.consistency import LOSS_TYPES, consistency_loss
+from unicon.models import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
 
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
@@ -101,6 +102,8 @@ class ConsistencyModule(L.LightningModule):
         if bad or not loss.tasks:
             raise ValueError(f"loss.tasks must be a non-empty subset of {list(EVAL_TASKS)}, got {list(loss.tasks)}")
         self.gamma_rng = torch.Generator().manual_seed(int(cfg.seed))
+        # read once: every checkpoint carries the vocabulary files the run started with
+        self.world_files = world_vocabulary(cfg.model, cfg.data.root)
         self.counts = {"consistency_updates": 0, "standard_updates": 0, "skipped_no_contrast": 0,
                        "skipped_nonfinite": 0, "truncated": 0}
 
@@ -254,10 +257,8 @@ class ConsistencyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from unicon.models import world_vocabulary
-
         checkpoint["unicon_config"] = OmegaConf.to_container(self.cfg, resolve=True)
-        checkpoint["unicon_world_files"] = world_vocabulary(self.cfg.model, self.cfg.data.root)
+        checkpoint["unicon_world_files"] = self.world_files
         checkpoint["gamma_rng_state"] = self.gamma_rng.get_state()
         checkpoint["unicon_counts"] = dict(self.counts)
 

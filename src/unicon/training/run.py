@@ -129,14 +129,15 @@ def make_strategy(name: str):
 
 
 def build_training_model(cfg: DictConfig):
-    """The UnifiedModel a run starts from, with gradient checkpointing and LoRA applied."""
-    from unicon.models import build_model, load_model
+    """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
+    gradient checkpointing and LoRA applied."""
+    from unicon.models import apply_model_options, build_model, load_model
     from unicon.models.lora import apply_lora
 
     if cfg.init_from:
         if not Path(cfg.init_from).exists():
             raise UserError(f"init_from: {cfg.init_from} does not exist")
-        model = load_model(cfg.init_from, world_root=cfg.data.root)
+        model = apply_model_options(load_model(cfg.init_from, world_root=cfg.data.root), cfg.model)
         model.train()
     else:
         model = build_model(cfg.model, cfg.data.root)
