@@ -16,10 +16,11 @@ Every layer is validated against the schema: an unknown key or a wrong type rais
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -32,14 +33,37 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Schema
+# Schema. ``choice(...)`` and ``bounded(...)`` declare the allowed values of a field; they are
+# checked by :func:`validate` right after composition, before anything is built.
 # ---------------------------------------------------------------------------------------------
+def choice(default: Any, allowed: Sequence[str], *, optional: bool = False, each: bool = False):
+    """A field whose value (or, with ``each``, every list element) must be one of ``allowed``."""
+    meta = {"choices": tuple(allowed), "optional": optional, "each": each}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def bounded(default: Any, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+            hi_open: bool = False, extra: Sequence[Any] = ()):
+    """A numeric field in ``[lo, hi]`` (``lo_open``/``hi_open`` exclude the end); ``extra`` lists
+    special values also allowed (e.g. ``-1`` = unlimited); ``None`` is allowed where the default is."""
+    return field(default=default, metadata={"range": (lo, hi, lo_open, hi_open, tuple(extra))})
+
+
+STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
+              "deepspeed_zero3", "deepspeed_zero3_offload")
+PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
+MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason")
+EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
+    r: int = bounded(8, 1)
+    alpha: int = bounded(16, 1)
+    dropout: float = bounded(0.05, 0.0, 1.0, hi_open=True)
     # module-name suffixes wrapped by PEFT; empty = the backend's default attention+MLP projections
     target_modules: list[str] = field(default_factory=list)
     merge_on_export: bool = True
@@ -47,13 +71,14 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    backend: str = "ofa"  # ofa | janus
+    backend: str = choice("ofa", ("ofa", "janus"))
     preset: Optional[str] = None  # named architecture preset of the backend (e.g. "shapes-tiny")
     pretrained: Optional[str] = None  # local directory or hub id for from_pretrained
     arch: dict[str, Any] = field(default_factory=dict)  # overrides of the backend config class
-    dtype: str = "float32"
+    dtype: str = choice("float32", ("float32", "bfloat16", "float16"))
     gradient_checkpointing: bool = False
-    allow_pickle: bool = False  # accept pytorch_model.bin (pickle) checkpoints
+    # unpickling (pytorch_model.bin weights, a .ckpt that is not plain tensors) only with consent
+    allow_pickle: bool = False
     trust_remote_code: bool = False
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes kept frozen
     freeze_batchnorm: bool = False  # BatchNorm on running statistics, not trained (exact DDP, small batches)
@@ -62,103 +87,99 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    world: str = "shapes"  # shapes | cococon (real CocoCon-format file + images)
     root: str = "data/shapes"  # directory written by `unicon build-data shapes`
-    build: dict[str, Any] = field(default_factory=dict)  # builder options when root is missing
     contrast_file: Optional[str] = None  # CocoCon-schema JSON; default <root>/cococon_train.json
     images_root: Optional[str] = None
-    batch_size: int = 32  # pretraining-mixture examples per step
-    contrast_batch_size: int = 8  # contrast samples per consistency step
-    max_contrast: int = 5
-    num_workers: int = 0
-    tasks: list[str] = field(default_factory=lambda: ["caption", "vqa", "grounding", "t2i", "reason"])
+    batch_size: int = bounded(32, 1)  # pretraining-mixture examples per step
+    contrast_batch_size: int = bounded(8, 1)  # contrast samples per consistency step
+    max_contrast: int = bounded(5, 1)
+    num_workers: int = bounded(0, 0)
+    tasks: list[str] = choice(list(MIXTURE_TASKS), MIXTURE_TASKS, each=True)
 
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = 1
-    max_steps: int = -1
-    accelerator: str = "auto"
+    max_epochs: int = bounded(1, 1, extra=(-1,))
+    max_steps: int = bounded(-1, 1, extra=(-1,))  # -1 = bounded by max_epochs
+    accelerator: str = choice("auto", ("auto", "cpu", "gpu", "cuda", "mps", "tpu"))
     devices: Any = 1
-    num_nodes: int = 1
-    strategy: str = "auto"  # auto | ddp | deepspeed_zero2[_offload] | deepspeed_zero3[_offload] | fsdp
-    precision: str = "32-true"
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = 1.0
-    log_every_n_steps: int = 10
-    limit_train_batches: Optional[float] = None
-    check_val_every_n_epoch: int = 1
+    num_nodes: int = bounded(1, 1)
+    strategy: str = choice("auto", STRATEGIES)
+    precision: str = choice("32-true", PRECISIONS)
+    accumulate_grad_batches: int = bounded(1, 1)
+    gradient_clip_val: Optional[float] = bounded(1.0, 0.0, lo_open=True)
+    log_every_n_steps: int = bounded(10, 1)
+    limit_train_batches: Optional[float] = bounded(None, 0.0, lo_open=True)  # int = batches, float <= 1 = fraction
     deterministic: bool = False
     enable_progress_bar: bool = True
-    checkpoint_every_n_steps: Optional[int] = None  # also save every N optimizer steps (default: epoch ends)
+    checkpoint_every_n_steps: Optional[int] = bounded(None, 1)  # also save every N optimizer steps (default: epoch ends)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.01
+    lr: float = bounded(1e-6, 0.0, lo_open=True)
+    weight_decay: float = bounded(0.01, 0.0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_ratio: float = 0.1
-    scheduler: str = "linear"  # linear | cosine | constant
+    warmup_ratio: float = bounded(0.1, 0.0, 1.0)
+    scheduler: str = choice("linear", ("linear", "cosine", "constant"))
 
 
 @dataclass
 class LossConfig:
-    type: str = "spearman"  # spearman | hinge | none
-    lambda_: float = 0.25
-    gamma: float = 0.5  # probability that a step is a consistency update
-    regularization: str = "l2"  # torchsort soft_rank regularization
-    regularization_strength: float = 1.0
-    hinge_margin: float = 0.1
-    label_smoothing: float = 0.0
-    tasks: list[str] = field(default_factory=lambda: ["vqa", "localization", "t2i"])  # evaluation tasks t_i
-    on_nonfinite: str = "stop"  # stop | skip
+    type: str = choice("spearman", ("spearman", "hinge", "none"))
+    lambda_: float = bounded(0.25, 0.0)
+    gamma: float = bounded(0.5, 0.0, 1.0)  # probability that a step is a consistency update
+    regularization: str = choice("l2", ("l2", "kl"))  # torchsort soft_rank regularization
+    regularization_strength: float = bounded(1.0, 0.0, lo_open=True)
+    hinge_margin: float = bounded(0.1, 0.0)
+    tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # evaluation tasks t_i
+    on_nonfinite: str = choice("stop", ("stop", "skip"))
 
 
 @dataclass
 class CocoConEvalConfig:
     enabled: bool = True
-    every_n_epochs: int = 1
+    every_n_epochs: int = bounded(1, 1)
     data: Optional[str] = None  # CocoCon-schema JSON; default the world's eval file
     images_root: Optional[str] = None
-    max_samples: Optional[int] = 200
-    batch_size: int = 16
+    max_samples: Optional[int] = bounded(200, 1)
+    batch_size: int = bounded(16, 1)
     generative: bool = True  # also compute CIDEr / VQA / loc / T2I accuracies
-    table_rows: int = 16
+    table_rows: int = bounded(16, 0)
     skip_missing: bool = False  # skip (and count) samples whose image file is missing
-    tasks: list[str] = field(default_factory=lambda: ["vqa", "localization", "t2i"])  # compared with captioning
+    tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # compared with captioning
 
 
 @dataclass
 class DriftEvalConfig:
     enabled: bool = True
-    every_n_epochs: int = 1
+    every_n_epochs: int = bounded(1, 1)
     seeds: Optional[str] = None  # seed set file; default the world's drift seeds
-    num_chains: int = 8
-    generations: int = 4
+    num_chains: int = bounded(8, 1)
+    generations: int = bounded(4, 1)
     i2t_prompt: Optional[str] = None
-    embedders: list[str] = field(default_factory=lambda: ["scene", "clip", "text"])
+    embedders: list[str] = choice(["scene", "clip", "text"], ("scene", "clip", "text", "dino"), each=True)
     geneval: bool = True
     geneval_prompts: Optional[str] = None  # GenEval metadata file for MGG; default the world's geneval_metadata.jsonl
     long_prompts: bool = False  # use 'detailed_caption' (BLIP3-o rewrite) as T0
     clip: Optional[str] = "checkpoints/shapes_clip"  # open_clip dir / '<arch>:<weights>' (python -m unicon.embedders.clip)
     dino: Optional[str] = None  # transformers DINO directory (image->image)
     sentence: Optional[str] = None  # sentence-transformers dir; default the bundled all-MiniLM-L6-v2
-    batch_size: int = 8
-    strips: int = 2  # chains shown in the strip plot / W&B table
+    batch_size: int = bounded(8, 1)
+    strips: int = bounded(2, 0)  # chains shown in the strip plot / W&B table
 
 
 @dataclass
 class UReasonEvalConfig:
     enabled: bool = True
-    every_n_epochs: int = 1
+    every_n_epochs: int = bounded(1, 1)
     data: Optional[str] = None  # directory of UReason JSONL files; default the world's prompts
     judge: str = "exact"  # exact | vlm:<path> | ...
     chain_judge: Optional[str] = None  # causal-LM path for the reasoning-chain judge (exact judges chains itself)
-    max_samples: Optional[int] = 32  # round-robin over categories
-    max_new_tokens: int = 128
-    batch_size: int = 8
-    table_rows: int = 8  # samples in the W&B table (three images side by side)
+    max_samples: Optional[int] = bounded(32, 1)  # round-robin over categories
+    max_new_tokens: int = bounded(128, 1)
+    batch_size: int = bounded(8, 1)
+    table_rows: int = bounded(8, 0)  # samples in the W&B table (three images side by side)
 
 
 @dataclass
@@ -171,10 +192,11 @@ class EvalConfig:
 
 @dataclass
 class LoggerConfig:
-    type: str = "wandb"  # wandb | csv
+    type: str = choice("wandb", ("wandb", "csv", "none"))
     project: Optional[str] = None  # default $WANDB_PROJECT or "unicon"
     entity: Optional[str] = None
-    mode: Optional[str] = None  # online | offline | disabled; default $WANDB_MODE, else offline without an API key
+    # default $WANDB_MODE, else online with an API key, offline without
+    mode: Optional[str] = choice(None, ("online", "offline", "disabled"), optional=True)
     tags: list[str] = field(default_factory=list)
 
 
@@ -184,7 +206,8 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "checkpoints"  # runs write to <output_dir>/<name>/
     init_from: Optional[str] = None  # checkpoint (.ckpt or save_pretrained dir) to start from
-    resume: Optional[str] = None  # Lightning .ckpt to resume (optimizer, step, RNG)
+    resume: Optional[str] = None  # Lightning .ckpt to resume (its stored config + command-line overrides)
+    overwrite: bool = False  # start in a non-empty run folder, deleting the old run's files
     experiment: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -230,6 +253,7 @@ def _merge(base: DictConfig, layer: DictConfig | dict, source: str) -> DictConfi
 
 def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
     """Split ``group=name`` choices (and ``experiment=``) from dotlist overrides."""
+    sections = {name for name, hint in get_type_hints(RunConfig).items() if is_dataclass(hint)}
     choices, dotlist = {}, []
     for item in overrides:
         if "=" not in item:
@@ -237,13 +261,66 @@ def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
         key, value = item.split("=", 1)
         if key in GROUPS or key == "experiment":
             choices[key] = value
+        elif key in sections:
+            raise ConfigError(f"command line: '{item}': {key} is a config section without group files; "
+                              f"set its keys instead, e.g. {key}.<key>=<value> (groups: {', '.join(GROUPS)})")
         else:
             dotlist.append(item)
     return choices, dotlist
 
 
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of every leaf (and every empty mapping) of a plain/OmegaConf mapping."""
+    if isinstance(node, (dict, DictConfig)) and len(node):
+        out = []
+        for k in node:
+            out += _leaf_keys(node[k], f"{prefix}{k}.")
+        return out
+    return [prefix[:-1]] if prefix else []
+
+
+class _Composer:
+    """Merges layers into a ``RunConfig`` and remembers which layer set each key."""
+
+    def __init__(self):
+        self.cfg = OmegaConf.structured(RunConfig)
+        self.sources: dict[str, str] = {}
+
+    def add(self, layer: DictConfig | dict, source: str) -> None:
+        self.cfg = _merge(self.cfg, layer, source)
+        for key in _leaf_keys(OmegaConf.create(layer) if isinstance(layer, dict) else layer):
+            self.sources[key] = source
+
+    def finish(self) -> DictConfig:
+        try:
+            OmegaConf.resolve(self.cfg)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"cannot resolve interpolation: {str(e).splitlines()[0]}") from None
+        validate(self.cfg, self.sources)
+        return self.cfg
+
+
+def _dotlist(dotlist: list[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(dotlist)
+    except Exception as e:
+        raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
+
+
 def compose(overrides: list[str] | None = None, configs: Path | None = None) -> DictConfig:
-    """Build the validated run config from base + groups + experiment + ``overrides``."""
+    """Build the validated run config from base + groups + experiment + ``overrides``.
+
+    Precedence, lowest first (a later layer wins for every key it sets):
+
+    1. the schema defaults (``RunConfig``);
+    2. one file per group: ``configs/config.yaml``'s ``defaults:``, replaced by the experiment's
+       ``defaults:``, replaced by ``group=name`` on the command line;
+    3. the body of ``configs/config.yaml``;
+    4. the body of the experiment file;
+    5. the group files chosen on the command line, once more -- so ``eval=none`` after
+       ``experiment=X`` turns X's evaluations off: a command-line choice beats the experiment;
+    6. ``key.sub=value`` dotlist overrides.
+    """
     configs = configs or config_dir()
     choices, dotlist = split_overrides(list(overrides or []))
     base = _load_yaml(configs / "config.yaml")
@@ -255,36 +332,134 @@ def compose(overrides: list[str] | None = None, configs: Path | None = None) -> 
         experiment_cfg = _load_yaml(configs / "experiment" / f"{exp_name}.yaml")
         defaults.update(dict(experiment_cfg.pop("defaults", {}) or {}))
     defaults.update(choices)
+    unknown = sorted(set(defaults) - set(GROUPS))
+    if unknown:
+        raise ConfigError(f"{configs / 'config.yaml'}: unknown config group(s) in defaults: {unknown}")
 
-    cfg = OmegaConf.structured(RunConfig)
+    c = _Composer()
+    group_layers = {}
     for group in GROUPS:
-        name = defaults.pop(group, None)
+        name = defaults.get(group)
         if name is None:
             continue
         path = configs / group / f"{name}.yaml"
-        cfg = _merge(cfg, {group: _load_yaml(path)}, str(path))
-    if defaults:
-        raise ConfigError(f"{configs / 'config.yaml'}: unknown config group(s) in defaults: {sorted(defaults)}")
-    cfg = _merge(cfg, base, str(configs / "config.yaml"))
+        group_layers[group] = (OmegaConf.create({group: _load_yaml(path)}), str(path))
+        c.add(*group_layers[group])
+    c.add(base, str(configs / "config.yaml"))
     if experiment_cfg is not None:
-        cfg = _merge(cfg, experiment_cfg, str(configs / "experiment" / f"{exp_name}.yaml"))
-        cfg.experiment = exp_name
-    try:
-        cli = OmegaConf.from_dotlist(dotlist)
-    except Exception as e:
-        raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
-    cfg = _merge(cfg, cli, "command line")
-    try:
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot resolve interpolation: {str(e).splitlines()[0]}") from None
-    return cfg
+        c.add(experiment_cfg, str(configs / "experiment" / f"{exp_name}.yaml"))
+        c.cfg.experiment = exp_name
+    for group in choices:
+        c.add(*group_layers[group])
+    c.add(_dotlist(dotlist), "command line")
+    return c.finish()
+
+
+def compose_resume(stored: dict, source: str, overrides: list[str] | None = None,
+                   configs: Path | None = None) -> tuple[DictConfig, list[str]]:
+    """The config of a resumed run: the one stored in its checkpoint (``source`` names it), with
+    command-line ``group=name`` files and dotlist overrides on top. Returns ``(cfg, changes)``,
+    one ``"key: old -> new"`` line per value the overrides changed."""
+    configs = configs or config_dir()
+    choices, dotlist = split_overrides(list(overrides or []))
+    if "experiment" in choices:
+        raise ConfigError("command line: experiment= cannot be combined with resume= (the resumed run's "
+                          "config, experiment included, is stored in its checkpoint)")
+    c = _Composer()
+    c.add(_strip_unknown(stored), source)
+    before = OmegaConf.to_container(c.cfg, resolve=True)
+    for group, name in choices.items():
+        path = configs / group / f"{name}.yaml"
+        c.add(OmegaConf.create({group: _load_yaml(path)}), str(path))
+    c.add(_dotlist(dotlist), "command line")
+    cfg = c.finish()
+    after = OmegaConf.to_container(cfg, resolve=True)
+    changes = []
+    for key in sorted(set(_leaf_keys(before)) | set(_leaf_keys(after))):
+        old, new = OmegaConf.select(OmegaConf.create(before), key), OmegaConf.select(cfg, key)
+        if old != new:
+            changes.append(f"{key}: {old!r} -> {new!r}")
+    return cfg, changes
+
+
+# keys that older versions wrote into checkpoints and that no longer exist (they were never read)
+REMOVED_KEYS = ("data.world", "data.build", "trainer.check_val_every_n_epoch", "loss.label_smoothing")
+
+
+def _strip_unknown(stored: dict) -> dict:
+    stored = OmegaConf.to_container(OmegaConf.create(stored))
+    for key in REMOVED_KEYS:
+        section, _, leaf = key.partition(".")
+        if isinstance(stored.get(section), dict):
+            stored[section].pop(leaf, None)
+    return stored
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
+    """Check every ``choice``/``bounded`` field of the schema; raise :class:`ConfigError` naming the
+    key, the value, what is allowed and the file (or "command line") that set it."""
+    sources = sources or {}
+
+    def fail(key: str, value: Any, problem: str) -> None:
+        where = sources.get(key) or next((src for k, src in sources.items() if k.startswith(key + ".")), None)
+        raise ConfigError(f"{where or 'default'}: {key}={value!r} {problem}")
+
+    def walk(schema: type, node: DictConfig, prefix: str) -> None:
+        hints = get_type_hints(schema)
+        for f in fields(schema):
+            key, value = f"{prefix}{f.name}", node[f.name]
+            if is_dataclass(hints[f.name]):
+                walk(hints[f.name], value, key + ".")
+                continue
+            meta = f.metadata
+            if "choices" in meta:
+                allowed = meta["choices"]
+                values = list(value) if meta["each"] else [value]
+                if meta["each"] and not values:
+                    fail(key, [], f"must name at least one of: {', '.join(allowed)}")
+                for v in values:
+                    if v is None and meta["optional"]:
+                        continue
+                    if v not in allowed:
+                        fail(key, v if meta["each"] else value, f"is not one of: {', '.join(allowed)}")
+            if "range" in meta and value is not None:
+                lo, hi, lo_open, hi_open, extra = meta["range"]
+                if value in extra:
+                    continue
+                bad = (not math.isfinite(float(value))
+                       or (lo is not None and (value <= lo if lo_open else value < lo))
+                       or (hi is not None and (value >= hi if hi_open else value > hi)))
+                if bad:
+                    left = "(" if lo_open else "["
+                    right = ")" if hi_open else "]"
+                    rng = f"{left}{'-inf' if lo is None else lo:g}, {'inf' if hi is None else hi:g}{right}" \
+                        if lo is not None and hi is not None else (
+                        f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
+                    also = f" (or {', '.join(map(str, extra))})" if extra else ""
+                    fail(key, value, f"is out of range: must be {rng}{also}")
+
+    walk(RunConfig, cfg, "")
+    for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders"):
+        items = list(OmegaConf.select(cfg, key))
+        if len(set(items)) != len(items):
+            fail(key, items, "lists a value twice")
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        fail("optim.betas", betas, "must be two numbers in [0, 1)")
+    lim = cfg.trainer.limit_train_batches
+    if lim is not None and lim > 1 and float(lim) != int(lim):
+        fail("trainer.limit_train_batches", lim, "must be a fraction in (0, 1] or a whole number of batches")
 
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def from_container(data: dict) -> DictConfig:
+def from_container(data: dict, source: str = "checkpoint config") -> DictConfig:
     """Re-validate a plain dict (e.g. the config stored in a checkpoint) against the schema."""
-    return _merge(OmegaConf.structured(RunConfig), data, "checkpoint config")
+    c = _Composer()
+    c.add(_strip_unknown(data), source)
+    return c.finish()
