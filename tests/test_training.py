@@ -226,7 +226,7 @@ def config_root(tmp_path_factory):
     shutil.copytree(config_dir(), root, dirs_exist_ok=True)
     (root / "data").mkdir(exist_ok=True)
     if not (root / "data" / "shapes.yaml").is_file():
-        (root / "data" / "shapes.yaml").write_text("world: shapes\nroot: data/shapes\n")
+        (root / "data" / "shapes.yaml").write_text("root: data/shapes\n")
     old = os.environ.get("UNICON_CONFIG_DIR")
     os.environ["UNICON_CONFIG_DIR"] = str(root)
     yield root

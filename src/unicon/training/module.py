@@ -96,8 +96,6 @@ class ConsistencyModule(L.LightningModule):
             raise ValueError(f"loss.gamma must be in [0, 1], got {loss.gamma}")
         if loss.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"loss.on_nonfinite must be 'stop' or 'skip', got {loss.on_nonfinite!r}")
-        if loss.label_smoothing != 0.0:
-            raise ValueError("loss.label_smoothing must be 0.0: Scores are plain NLL (Table 5 uses 0.0)")
         bad = set(loss.tasks) - set(EVAL_TASKS)
         if bad or not loss.tasks:
             raise ValueError(f"loss.tasks must be a non-empty subset of {list(EVAL_TASKS)}, got {list(loss.tasks)}")
