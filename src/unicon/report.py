@@ -13,12 +13,12 @@ The same summary is printed as rich tables. ``write_report`` is called at the en
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections import defaultdict
 from pathlib import Path
 
 from unicon.errors import UserError
-from unicon.training.loggers import read_metrics
 
 HEADLINE = (
     "train/loss",
@@ -34,13 +34,38 @@ HEADLINE = (
 )
 
 
+def read_rows(path: Path) -> tuple[list[dict], int]:
+    """The readable rows of ``metrics.jsonl`` and the number of unreadable lines skipped (a line
+    cut by a kill, or garbage): a report of what is there beats no report."""
+    rows, bad = [], 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad += 1
+    return rows, bad
+
+
 def collect(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """metric name -> [(step, value), ...] in logging order."""
+    """metric name -> [(step, value), ...] in logging order (unreadable lines are skipped and
+    counted under ``report/unreadable_lines``)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} not found: is {run_dir} a unicon run directory?")
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for row in read_metrics(path):
+    rows, bad = read_rows(path)
+    if bad:
+        print(f"warning: {path}: skipped {bad} unreadable line(s)")
+        series["report/unreadable_lines"].append((0, float(bad)))
+    for row in rows:
         step = row.get("step") or 0
         for key, value in row.items():
             if key in ("step", "time", "epoch"):

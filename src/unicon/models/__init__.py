@@ -22,7 +22,6 @@ ShapesWorld world's ``tokenizer.json`` under ``world_root`` and the image codes 
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from pathlib import Path
@@ -35,7 +34,8 @@ from unicon.models.base import UnifiedModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnifiedModel", "apply_model_options", "build_model", "load_model"]
+__all__ = ["UnifiedModel", "apply_model_options", "build_model", "check_same_architecture", "load_model",
+           "read_training_checkpoint", "recorded_model_section"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -184,9 +184,9 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
     meta = p / "unicon_model.json"
     backend = None
     if meta.is_file():
-        backend = json.loads(meta.read_text()).get("backend", "ofa")
+        backend = _json_object(meta).get("backend", "ofa")
     elif (p / "config.json").is_file():
-        backend = json.loads((p / "config.json").read_text()).get("model_type")
+        backend = _json_object(p / "config.json").get("model_type")
         backend = "ofa" if backend == "ofa" else backend
     if backend == "ofa":
         from unicon.models.ofa.unified import OFAUnifiedModel
@@ -201,6 +201,50 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
         return JanusUnifiedModel.from_pretrained(str(p), **kwargs)
     raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
                     f"model_type is {backend!r})")
+
+
+def _json_object(path: Path) -> dict:
+    from unicon.data.jsonl import read_json
+
+    data = read_json(path, what="model metadata")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+# ---- what a checkpoint says about the model it holds ----------------------------------------------
+TRAINING_CONFIG_NAME = "training_config.json"  # written into exports by unicon.training.checkpoints
+ARCHITECTURE_KEYS = ("backend", "preset", "pretrained", "arch")  # the model section's keys that fix the network
+
+
+def recorded_model_section(path: str | Path, allow_pickle: bool = False) -> dict | None:
+    """The ``model:`` section of the run that produced a checkpoint: a ``.ckpt``'s stored config, or
+    an export's ``training_config.json``; ``None`` for directories without one (OFA-Sys, older exports)."""
+    p = Path(path)
+    if p.is_file():
+        return _as_dict(checkpoint_config(read_training_checkpoint(p, allow_pickle=allow_pickle), p).model)
+    record = p / TRAINING_CONFIG_NAME
+    if record.is_file():
+        section = _json_object(record).get("model")
+        return section if isinstance(section, dict) else None
+    return None
+
+
+def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str | Path, backend: str | None = None) -> None:
+    """Refuse a ``model:`` config section that describes another network than checkpoint ``source``
+    holds (``recorded``: its model section, see :func:`recorded_model_section`; ``backend``: the
+    loaded model's backend, checked when nothing was recorded)."""
+    mine = _as_dict(model_cfg)
+    if recorded is None:
+        if backend is not None and mine.get("backend") != backend:
+            raise UserError(f"model.backend={mine.get('backend')!r} but init_from {source} holds a {backend!r} model; "
+                            f"choose the matching model= group or drop init_from")
+        return
+    diffs = [f"{k}: {mine.get(k)!r} vs {recorded.get(k)!r}" for k in ARCHITECTURE_KEYS
+             if (mine.get(k) or None) != (recorded.get(k) or None)]
+    if diffs:
+        raise UserError(f"the model section differs from the init_from checkpoint {source} ({'; '.join(diffs)}; "
+                        "config vs checkpoint): drop the model= choice / model.* overrides, or init_from")
 
 
 WORLD_VOCABULARY_FILES = ("tokenizer.json", "world.json")
@@ -219,27 +263,64 @@ def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str,
     return {name: (root / name).read_text() for name in WORLD_VOCABULARY_FILES if (root / name).is_file()}
 
 
-def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
-                              **kwargs):
-    """A ``unicon train`` ``.ckpt`` -> ``(model, run config)``; LoRA adapters are re-applied, unmerged."""
+PICKLE_OPT_IN = "model.allow_pickle=true (unicon train) or --allow-pickle (unicon evaluate)"
+
+
+def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pickle: bool = False,
+                             mmap: bool = False) -> dict:
+    """The dict of a Lightning ``.ckpt`` written by ``unicon train``, loaded with ``weights_only=True``.
+
+    Such a checkpoint holds only tensors and plain containers, so it never needs unpickling of
+    arbitrary objects. A file that does (which can run code while it loads) is refused unless
+    ``allow_pickle``; a truncated or foreign file gets a one-line error naming it. ``mmap`` maps
+    the tensors instead of reading them (cheap when only the config is needed).
+    """
+    import pickle
+    import zipfile
+
+    p = Path(p)
+    if not p.exists():
+        raise UserError(f"checkpoint {p} does not exist")
+    if p.is_dir():
+        raise UserError(f"{p} is a directory (a save_pretrained export?); expected a Lightning .ckpt file "
+                        "written by unicon train, e.g. <run_dir>/last.ckpt")
+    try:
+        ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "Weights only load failed" not in first:
+            raise UserError(f"{p}: not a readable PyTorch checkpoint ({first}); truncated or corrupt?") from None
+        if not allow_pickle:
+            raise UserError(f"{p}: refusing to unpickle Python objects stored in this checkpoint (loading it could "
+                            f"run code); if you trust the file, opt in with {PICKLE_OPT_IN}") from None
+        logger.warning("%s: unpickling with weights_only=False (allow_pickle)", p)
+        ckpt = torch.load(p, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{p}: not a readable PyTorch checkpoint ({first}); truncated or corrupt?") from None
+    if not isinstance(ckpt, dict) or "unicon_config" not in ckpt or "state_dict" not in ckpt:
+        raise UserError(f"{p}: not a unicon training checkpoint (missing 'unicon_config' or 'state_dict')")
+    return ckpt
+
+
+def checkpoint_config(ckpt: dict, p: str | Path):
+    """The validated run config stored in a training checkpoint."""
     from unicon.config import ConfigError, from_container
+
+    try:
+        return from_container(ckpt["unicon_config"], source=f"{p} (stored config)")
+    except ConfigError as e:
+        raise UserError(f"{p}: stored config is invalid: {e}") from None
+
+
+def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
+                              allow_pickle: bool = False, **kwargs):
+    """A ``unicon train`` ``.ckpt`` -> ``(model, run config)``; LoRA adapters are re-applied, unmerged."""
     from unicon.models.lora import apply_lora
 
     p = Path(p)
-
-    try:
-        ckpt = torch.load(p, map_location=map_location, weights_only=True)
-    except Exception:
-        # Lightning may store non-tensor objects (e.g. hyper-parameters); this file was written by
-        # `unicon train` and is read only after the path check above.
-        logger.info("%s: loading with weights_only=False", p)
-        ckpt = torch.load(p, map_location=map_location, weights_only=False)
-    if "unicon_config" not in ckpt or "state_dict" not in ckpt:
-        raise UserError(f"{p}: not a unicon training checkpoint (missing 'unicon_config' or 'state_dict')")
-    try:
-        cfg = from_container(ckpt["unicon_config"])
-    except ConfigError as e:
-        raise UserError(f"{p}: stored config is invalid: {e}") from None
+    ckpt = read_training_checkpoint(p, map_location, allow_pickle)
+    cfg = checkpoint_config(ckpt, p)
     # The architecture comes from the run's model section (a `pretrained` directory is read
     # for its config and tokenizer, a world's vocabulary from the copy stored in the checkpoint);
     # the weights are then replaced by the trained ones.
@@ -257,7 +338,12 @@ def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = Non
     if cfg.model.lora.enabled:
         apply_lora(model, cfg.model.lora)
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # size mismatches
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise UserError(f"{p}: weights do not fit the model its config describes ({detail}); "
+                        "was it trained on another world's vocabulary? pass that world") from None
     if missing or unexpected:
         raise UserError(f"{p}: weights do not match the model; first missing: {missing[:1]}, "
                         f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")

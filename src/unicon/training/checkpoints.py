@@ -14,11 +14,11 @@ With LoRA on (``model.lora.enabled``), the wrapped projections appear as
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-
 
 
 def merge_lora(model: torch.nn.Module, merge: bool = True) -> int:
@@ -47,11 +47,14 @@ def has_lora(model: torch.nn.Module) -> bool:
     return any(isinstance(m, LoraLayer) for m in model.modules())
 
 
-def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True) -> Path:
+def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True,
+                 run_config: dict | None = None) -> Path:
     """``model.save_pretrained(out_dir)`` with LoRA adapters merged (``merge``) -- in place.
 
     The adapters are always also saved as ``<out_dir>/lora_adapters.safetensors``; with
-    ``merge=False`` the exported model is the base model without them.
+    ``merge=False`` the exported model is the base model without them. ``run_config`` (the
+    resolved config of the run that trained it) is written as ``training_config.json``: a run
+    started ``init_from`` this export checks its ``model:`` section against that record.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,6 +65,10 @@ def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True
         save_file(adapters, str(out / "lora_adapters.safetensors"))
         merge_lora(model, merge=merge)
     model.save_pretrained(str(out))
+    if run_config is not None:
+        from unicon.models import TRAINING_CONFIG_NAME
+
+        (out / TRAINING_CONFIG_NAME).write_text(json.dumps(run_config, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -69,5 +76,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     """``.ckpt`` -> ``save_pretrained`` directory (merged LoRA)."""
     from unicon.models import load_lightning_checkpoint
 
-    model, _ = load_lightning_checkpoint(ckpt_path, **kw)
-    return export_model(model, out_dir, merge=merge)
+    from omegaconf import OmegaConf
+
+    model, cfg = load_lightning_checkpoint(ckpt_path, **kw)
+    return export_model(model, out_dir, merge=merge, run_config=OmegaConf.to_container(cfg, resolve=True))

@@ -74,12 +74,16 @@ class EpochShuffleSampler(Sampler[int]):
     """A permutation of ``range(n)`` that depends only on ``(seed, epoch)``.
 
     Lightning calls ``set_epoch`` at every epoch start, so a run resumed at an epoch boundary
-    sees exactly the order the uninterrupted run would have seen. (Under DDP Lightning swaps it
-    for a ``DistributedSampler``, which follows the same rule.)
+    sees exactly the order the uninterrupted run would have seen. A run resumed mid-epoch sets
+    ``skip`` (see :meth:`ConsistencyDataModule.train_dataloader`): the next pass starts after the
+    examples already consumed, so it continues the same order. (Under DDP Lightning wraps the
+    sampler in a ``DistributedSamplerWrapper``; the skip then applies to the global order before
+    the split over ranks, which continues the order only approximately.)
     """
 
     def __init__(self, n: int, seed: int = 0):
         self.n, self.seed, self.epoch = n, seed, 0
+        self.skip = 0  # examples to drop from the start of the next pass only
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -89,7 +93,8 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+        skip, self.skip = self.skip, 0
+        return iter(torch.randperm(self.n, generator=g).tolist()[skip:])
 
 
 class ConsistencyDataModule(L.LightningDataModule):
@@ -140,4 +145,20 @@ class ConsistencyDataModule(L.LightningDataModule):
             "mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture),
             "contrast": self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast),
         }
+        self._continue_order(loaders)
         return CombinedLoader(loaders, mode="max_size_cycle")
+
+    def _continue_order(self, loaders: dict[str, DataLoader]) -> None:
+        """On a run resumed mid-epoch, start each loader after the batches the epoch already used.
+
+        Lightning restores the loop progress before it asks for the loaders; ``ready`` counts the
+        batches of the current epoch that were fetched and trained on. In ``max_size_cycle`` mode
+        a shorter loader has cycled, so its position is that count modulo its length.
+        """
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None or not trainer.fit_loop.restarting:
+            return
+        used = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        for loader in loaders.values():
+            if used and isinstance(loader.sampler, EpochShuffleSampler) and len(loader):
+                loader.sampler.skip = (used % len(loader)) * int(loader.batch_size)

@@ -4,7 +4,13 @@
 
 * ``WandbLogger`` (``logger.type=wandb``, the default) or ``CSVLogger`` (``logger.type=csv``);
 * :class:`JsonlLogger`, which appends every scalar to ``<run_dir>/metrics.jsonl`` so that tests,
-  ``unicon report`` and users read the numbers back without W&B.
+  ``unicon report`` and users read the numbers back without W&B. The file exists from the start.
+
+A resumed run continues the same files: :class:`LogFilesCallback` records in every checkpoint how
+many bytes of ``metrics.jsonl`` and ``csv/metrics.csv`` existed when it was written; on resume
+each file keeps those bytes plus the later rows of steps before the restored step (Lightning logs
+a step's metrics just after an on-batch-end checkpoint), and loses the rows a killed run wrote
+after its checkpoint, including a partial last line. Nothing written before the checkpoint is lost.
 
 W&B mode: ``logger.mode`` if set, else ``$WANDB_MODE``, else ``online`` when an API key is
 configured (``$WANDB_API_KEY`` or a ``~/.netrc`` entry for api.wandb.ai) and ``offline``
@@ -15,6 +21,8 @@ internet. ``$WANDB_PROJECT`` is respected when ``logger.project`` is unset.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
@@ -22,7 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from unicon.data.jsonl import read_jsonl
@@ -40,6 +50,9 @@ class JsonlLogger(Logger):
         super().__init__()
         self._run_dir = Path(run_dir)
         self.path = self._run_dir / filename
+        if rank_zero_only.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
 
     @property
     def name(self) -> str:
@@ -75,6 +88,118 @@ class JsonlLogger(Logger):
 def read_metrics(path: str | Path) -> list[dict]:
     """Read ``metrics.jsonl`` back (one dict per logged call)."""
     return [row for _, row in read_jsonl(path, UserError, "metrics file")]
+
+
+class _KeepingCSVWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing ``metrics.csv`` when it starts; this one appends
+    to it (a resumed run), keeping its columns."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                self.metrics_keys = sorted(next(csv.reader(f), []))
+
+
+class KeepingCSVLogger(CSVLogger):
+    """``CSVLogger`` that appends to the run's ``metrics.csv`` instead of deleting it on resume."""
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _KeepingCSVWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def _trim_jsonl(path: Path, keep_bytes: int, restored_step: int) -> int:
+    """Keep the first ``keep_bytes`` of a JSONL file plus later complete rows whose step is below
+    ``restored_step``; returns the number of rows dropped."""
+    data = path.read_bytes()
+    head, tail = data[:keep_bytes], data[keep_bytes:]
+    kept, dropped = [], 0
+    for line in tail.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ok = isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < restored_step
+        except ValueError:  # a line cut by the kill
+            ok = False
+        if ok:
+            kept.append(line + b"\n")
+        else:
+            dropped += 1
+    if not head.endswith(b"\n") and head:
+        head = head[: head.rfind(b"\n") + 1]
+    _atomic_write(path, head + b"".join(kept))
+    return dropped
+
+
+def _trim_csv(path: Path, keep_bytes: int, restored_step: int) -> int:
+    """:func:`_trim_jsonl` for Lightning's ``metrics.csv`` (column ``step``)."""
+    data = path.read_bytes()
+    head, tail = data[:keep_bytes], data[keep_bytes:]
+    if not head.endswith(b"\n") and head:
+        head = head[: head.rfind(b"\n") + 1]
+    header = next(csv.reader(io.StringIO(head.decode() or data.decode())), [])
+    kept, dropped = [], 0
+    for line in tail.split(b"\n"):
+        if not line.strip():
+            continue
+        row = next(csv.reader(io.StringIO(line.decode(errors="replace"))), [])
+        ok = len(row) == len(header) and "step" in header
+        if ok:
+            try:
+                ok = int(float(row[header.index("step")])) < restored_step
+            except ValueError:
+                ok = False
+        if ok:
+            kept.append(line + b"\n")
+        else:
+            dropped += 1
+    _atomic_write(path, head + b"".join(kept))
+    return dropped
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class LogFilesCallback(Callback):
+    """Keeps the run's metric files consistent with its checkpoints (see the module docstring)."""
+
+    KEY = "unicon_log_bytes"
+
+    def __init__(self, loggers: list[Logger]):
+        self.files: dict[str, tuple[Logger, Path]] = {}
+        for lg in loggers:
+            if isinstance(lg, JsonlLogger):
+                self.files["jsonl"] = (lg, lg.path)
+            elif isinstance(lg, CSVLogger):
+                self.files["csv"] = (lg, Path(lg.log_dir) / ExperimentWriter.NAME_METRICS_FILE)
+        self.dropped: dict[str, int] = {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        sizes = {}
+        for key, (lg, path) in self.files.items():
+            if isinstance(lg, CSVLogger) and trainer.is_global_zero:
+                lg.save()  # flush the rows buffered so far, so the file holds every row before this point
+            sizes[key] = path.stat().st_size if path.is_file() else 0
+        checkpoint[self.KEY] = sizes
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        sizes = checkpoint.get(self.KEY)
+        if not trainer.is_global_zero or sizes is None:
+            return
+        step = int(checkpoint.get("global_step", 0))
+        for key, (lg, path) in self.files.items():
+            if path.is_file() and key in sizes:
+                trim = _trim_jsonl if key == "jsonl" else _trim_csv
+                self.dropped[key] = trim(path, int(sizes[key]), step)
+                if self.dropped[key]:
+                    print(f"resume: dropped {self.dropped[key]} row(s) of {path} written after the checkpoint")
 
 
 def wandb_mode(configured: str | None = None) -> str:
@@ -117,7 +242,7 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None) -> list
                 )
             )
     elif lcfg.type == "csv":
-        loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        loggers.append(KeepingCSVLogger(save_dir=str(run_dir), name="csv", version=""))
     elif lcfg.type != "none":
         raise UserError(f"logger.type must be wandb, csv or none, got {lcfg.type!r}")
     loggers.append(JsonlLogger(run_dir))

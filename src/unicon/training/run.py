@@ -2,37 +2,47 @@
 
 ``train(cfg)`` is the whole run:
 
-1. seed everything (``cfg.seed``), create ``<output_dir>/<name>/`` and write the resolved
-   ``config.yaml`` there (the same config goes into every checkpoint);
+1. claim the run folder ``<output_dir>/<name>/`` (a lock file; a folder that already holds a run
+   is refused unless this run resumes it or ``overwrite=true`` deletes it), seed everything
+   (``cfg.seed``) and write the resolved ``config.yaml`` there (the same config goes into every
+   checkpoint);
 2. build the model (``unicon.models.build_model``; ``init_from`` loads a checkpoint with
-   ``unicon.models.load_model`` instead), turn on gradient checkpointing and LoRA if asked;
+   ``unicon.models.load_model`` instead, and a ``model:`` section that describes another network
+   than that checkpoint is refused), turn on gradient checkpointing and LoRA if asked;
 3. wrap it in :class:`~unicon.training.module.ConsistencyModule` (Algorithm 1) with the
    :class:`~unicon.training.datamodule.ConsistencyDataModule`;
 4. ``Trainer.fit`` with the strategy of ``trainer.strategy`` (``auto``, ``ddp``, ``fsdp``,
    ``deepspeed_zero2[_offload]``, ``deepspeed_zero3[_offload]`` -- the DeepSpeed ones read
    ``configs/strategy/<name>.json``), ModelCheckpoint in the run directory, a rich progress bar,
    the loggers of ``unicon.training.loggers.make_loggers`` and the enabled epoch-end evaluations;
-   ``resume=<ckpt>`` restores optimizer, scheduler, step and the γ generator;
+   ``resume=<ckpt>`` restores optimizer, scheduler, step, the γ generator and the data order;
 5. export the final model with ``save_pretrained`` to ``<run_dir>/export`` (LoRA merged).
+
+``unicon train resume=CKPT [overrides]`` (:func:`compose_run`) is the same run: its config is the
+one stored in ``CKPT``, with the command-line overrides on top, each change printed.
+Checkpoints load with ``weights_only=True``; unpickling needs ``model.allow_pickle=true``.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import inspect
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from unicon.config import GROUPS, ConfigError, compose, config_dir, to_yaml
+from omegaconf import OmegaConf
+
+from unicon.config import GROUPS, STRATEGIES, ConfigError, compose, compose_resume, config_dir, to_yaml
 from unicon.errors import UserError
 
-STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
-              "deepspeed_zero3", "deepspeed_zero3_offload")
 # suite -> (module, callback class)
 EVAL_CALLBACKS = {
     "cococon": ("unicon.evaluation.cococon", "CocoConCallback"),
@@ -48,10 +58,14 @@ examples:
   unicon train loss.lambda_=0.5 loss.gamma=0.5 optim.lr=1e-5 trainer.max_epochs=3
   unicon train model.lora.enabled=true model.lora.r=16 trainer=gpu trainer.precision=bf16-mixed
   unicon train trainer=gpu trainer.devices=4 trainer.strategy=deepspeed_zero2
-  unicon train resume=checkpoints/run/last.ckpt
+  unicon train resume=checkpoints/run/last.ckpt trainer.max_epochs=4
+
+precedence (later wins): schema defaults < group files (config.yaml defaults < experiment defaults
+< group=name on the command line) < config.yaml body < experiment body < group files chosen on the
+command line < key=value overrides. With resume=CKPT: the config stored in CKPT < command line.
 
 main keys:
-  name, seed, output_dir (run dir = <output_dir>/<name>), init_from, resume
+  name, seed, output_dir (run dir = <output_dir>/<name>), init_from, resume, overwrite
   loss.type (spearman|hinge|none)  loss.lambda_  loss.gamma  loss.regularization_strength
   loss.tasks  loss.on_nonfinite (stop|skip)  optim.lr  optim.warmup_ratio  optim.scheduler
   trainer.max_epochs  trainer.max_steps  trainer.devices  trainer.strategy  trainer.precision
@@ -84,7 +98,7 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args = parser.parse_args(argv)
     try:
-        cfg = compose(args.overrides)
+        cfg = compose_run(args.overrides, announce=not args.print_config)
     except ConfigError as e:
         raise UserError(str(e)) from None
     if args.print_config:
@@ -98,6 +112,28 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"W&B run:    {result['wandb_dir'] or '(no W&B logger)'}")
     print(f"report:     {write_report(result['run_dir'])}  (metrics: {result['run_dir']}/metrics.jsonl)")
     return 0
+
+
+def compose_run(overrides: list[str], announce: bool = True):
+    """The config of ``unicon train OVERRIDES``. With ``resume=CKPT`` it is the config stored in
+    CKPT with the other overrides applied on top (each change printed when ``announce``)."""
+    from unicon.models import read_training_checkpoint
+
+    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if not resume or not resume[-1] or resume[-1] in ("null", "None"):
+        return compose(overrides)
+    path = resume[-1]
+    rest = [o for o in overrides if not o.startswith("resume=")]
+    pickle_opt = [o.split("=", 1)[1] for o in rest if o.startswith("model.allow_pickle=")]
+    allow_pickle = bool(pickle_opt) and pickle_opt[-1].strip().lower() in ("true", "1", "yes")
+    ckpt = read_training_checkpoint(path, allow_pickle=allow_pickle, mmap=True)
+    cfg, changes = compose_resume(ckpt["unicon_config"], f"{path} (stored config)", rest)
+    cfg.resume = path
+    if announce:
+        print(f"resume: {path} (run '{cfg.name}', step {ckpt.get('global_step', '?')}), with the config stored in it")
+        for change in changes:
+            print(f"resume: command line changes {change}")
+    return cfg
 
 
 # ---- pieces of train() ------------------------------------------------------------------------
@@ -131,19 +167,34 @@ def make_strategy(name: str):
 def build_training_model(cfg: DictConfig):
     """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
     gradient checkpointing and LoRA applied."""
-    from unicon.models import apply_model_options, build_model, load_model
+    from unicon.models import (apply_model_options, build_model, check_same_architecture, load_lightning_checkpoint,
+                               load_model, recorded_model_section)
     from unicon.models.lora import apply_lora
+    from unicon.training.checkpoints import has_lora
 
-    if cfg.init_from:
+    allow_pickle = bool(cfg.model.allow_pickle)
+    if cfg.resume:  # the network the checkpoint holds (its weights are restored by Lightning afterwards)
+        model, stored = load_lightning_checkpoint(cfg.resume, allow_pickle=allow_pickle)
+        check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), cfg.resume)
+        model = apply_model_options(model, cfg.model).train()
+    elif cfg.init_from:
         if not Path(cfg.init_from).exists():
             raise UserError(f"init_from: {cfg.init_from} does not exist")
-        model = apply_model_options(load_model(cfg.init_from, world_root=cfg.data.root), cfg.model)
-        model.train()
+        source = Path(cfg.init_from)
+        recorded = recorded_model_section(source, allow_pickle=allow_pickle) if source.is_dir() else None
+        check_same_architecture(cfg.model, recorded, source)  # before the (possibly large) load
+        if source.is_file():
+            model, stored = load_lightning_checkpoint(source, world_root=cfg.data.root, allow_pickle=allow_pickle)
+            check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), source)
+        else:
+            model = load_model(source, world_root=cfg.data.root, allow_pickle=allow_pickle)
+            check_same_architecture(cfg.model, recorded, source, backend=getattr(model, "backend", None))
+        model = apply_model_options(model, cfg.model).train()
     else:
         model = build_model(cfg.model, cfg.data.root)
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if cfg.model.lora.enabled:
+    if cfg.model.lora.enabled and not has_lora(model):
         try:
             apply_lora(model, cfg.model.lora)
         except ValueError as e:
@@ -166,16 +217,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 
 
 def make_eval_callbacks(cfg: DictConfig) -> list:
-    """Epoch-end evaluation callbacks of the enabled suites whose module exists."""
+    """Epoch-end evaluation callbacks of the enabled suites. A suite that cannot be built fails the
+    run here, before training starts (never silently skipped)."""
     callbacks = []
     for suite, (module_name, cls_name) in EVAL_CALLBACKS.items():
         if not cfg.eval[suite].enabled:
             continue
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError) as e:
-            print(f"warning: eval.{suite} is enabled but {module_name}.{cls_name} is unavailable ({e}); skipped")
-            continue
+        cls = getattr(importlib.import_module(module_name), cls_name)
         callbacks.append(_make_callback(suite, cls, cfg))
     return callbacks
 
@@ -193,22 +241,86 @@ def _run_dir(cfg: DictConfig) -> Path:
     return Path(cfg.output_dir) / cfg.name
 
 
+LOCK_NAME = ".lock"
+
+
+def claim_run_dir(cfg: DictConfig):
+    """Create and lock the run folder; returns the open lock file (held until the process ends or
+    :func:`release_run_dir`). Under DDP only global rank 0 claims it.
+
+    A folder that already holds files is refused unless the run resumes a checkpoint inside it,
+    Lightning's SLURM requeue left an ``hpc_ckpt_*.ckpt`` there to resume, or ``overwrite=true``
+    (which deletes the old run's files first).
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    run_dir = _run_dir(cfg)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} (output_dir/name) exists and is not a directory")
+    if rank_zero_only.rank != 0:
+        return None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / LOCK_NAME, "a+")
+    except OSError as e:
+        raise UserError(f"cannot create the run folder {run_dir} ({e.strerror}); check output_dir") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "?"
+        lock.close()
+        raise UserError(f"{run_dir} is in use by another unicon run (pid {owner}); choose another name=") from None
+    entries = sorted(p for p in run_dir.iterdir() if p.name != LOCK_NAME)
+    resuming = bool(cfg.resume) and Path(cfg.resume).resolve().parent == run_dir.resolve()
+    requeued = any(p.name.startswith("hpc_ckpt_") for p in entries)
+    if entries and not (resuming or requeued):
+        if not cfg.overwrite:
+            lock.close()
+            raise UserError(f"{run_dir} already holds a run ({len(entries)} entries, e.g. {entries[0].name}); resume it "
+                            f"with resume={run_dir / 'last.ckpt'}, choose another name=, or pass overwrite=true "
+                            "to delete it")
+        for p in entries:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def release_run_dir(lock) -> None:
+    if lock is not None:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
 def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Run one training job; returns ``{run_dir, ckpt_path, export_dir, wandb_dir, metrics}``."""
+    strategy = make_strategy(cfg.trainer.strategy)  # fail early (DeepSpeed without CUDA)
+    if cfg.resume:
+        from unicon.models import read_training_checkpoint
+
+        read_training_checkpoint(cfg.resume, allow_pickle=cfg.model.allow_pickle, mmap=True)  # readable, ours
+    lock = claim_run_dir(cfg)
+    try:
+        return _train(cfg, strategy, extra_callbacks)
+    finally:
+        release_run_dir(lock)
+
+
+def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
     from unicon.training.checkpoints import export_model
     from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.training.loggers import make_loggers, wandb_run_dir
+    from unicon.training.loggers import LogFilesCallback, make_loggers, wandb_run_dir
     from unicon.training.module import ConsistencyModule
 
     tcfg = cfg.trainer
-    strategy = make_strategy(tcfg.strategy)  # fail early (DeepSpeed without CUDA)
-    if cfg.resume and not Path(cfg.resume).exists():
-        raise UserError(f"resume: checkpoint {cfg.resume} does not exist")
     run_dir = _run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    eval_callbacks = make_eval_callbacks(cfg)  # a suite that cannot be built fails before any work
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -219,7 +331,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
 
     checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
                                  every_n_train_steps=tcfg.checkpoint_every_n_steps)
-    callbacks = [checkpoint, *make_eval_callbacks(cfg), *(extra_callbacks or [])]
+    callbacks = [checkpoint, LogFilesCallback(loggers), *eval_callbacks, *(extra_callbacks or [])]
     if tcfg.enable_progress_bar:
         callbacks.append(RichProgressBar())
     trainer = L.Trainer(
@@ -242,7 +354,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
         logger=loggers,
         callbacks=callbacks,
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=not cfg.model.allow_pickle)
 
     export_dir = run_dir / "export"
     if trainer.is_global_zero:
@@ -251,7 +363,8 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
             print("ZeRO-3: parameters are sharded across ranks; export with "
                   "unicon.training.checkpoints.export_checkpoint after zero_to_fp32 conversion")
         else:
-            export_model(module.model, export_dir, merge=cfg.model.lora.merge_on_export)
+            export_model(module.model, export_dir, merge=cfg.model.lora.merge_on_export,
+                         run_config=OmegaConf.to_container(cfg, resolve=True))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     return {
         "run_dir": str(run_dir),
@@ -265,5 +378,5 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
 
 
 def train_from_overrides(overrides: list[str]) -> dict[str, Any]:
-    """``train(compose(overrides))`` -- convenient in notebooks and tests."""
-    return train(compose(overrides))
+    """``train(compose_run(overrides))`` -- convenient in notebooks and tests."""
+    return train(compose_run(overrides))

@@ -26,6 +26,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from unicon.data.jsonl import read_json
+from unicon.errors import UserError
+
 from .configuration_ofa import OFAConfig, check_config_dict
 
 logger = logging.getLogger(__name__)
@@ -38,8 +41,17 @@ CANONICAL_EMBEDDING = "encoder.embed_tokens.weight"
 DERIVED_SUFFIXES = (".token_rp_bucket", ".image_rp_bucket", ".image_position_idx")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that does not fit the model (missing/unexpected keys, shapes, unsafe format)."""
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` with a one-line error naming a truncated or foreign file."""
+    try:
+        return load_file(file)
+    except Exception as e:  # SafetensorError, or OSError for an unreadable file
+        raise CheckpointError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]}); "
+                              "truncated or corrupt?") from None
 
 
 def read_config(path: str | Path) -> OFAConfig:
@@ -47,10 +59,7 @@ def read_config(path: str | Path) -> OFAConfig:
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no config.json in the checkpoint directory")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    data = read_json(file, CheckpointError, "model config")
     check_config_dict(data, source=str(file))
     return OFAConfig.from_dict(data, _source=str(file))
 
@@ -61,7 +70,7 @@ def read_state_dict(path: str | Path, allow_pickle: bool = False) -> tuple[dict[
     path = Path(path)
     safe, pickle_file = path / SAFE_NAME, path / PICKLE_NAME
     if safe.is_file():
-        return load_file(safe), safe
+        return read_safetensors(safe), safe
     if pickle_file.is_file():
         if not allow_pickle:
             raise CheckpointError(
@@ -86,7 +95,7 @@ def read_state_dict(path: str | Path, allow_pickle: bool = False) -> tuple[dict[
         save_file(unique, safe, metadata={"format": "pt", "converted_from": PICKLE_NAME})
         logger.warning("converted %s to %s (%d tensors); later loads read the safetensors file",
                        pickle_file, safe, len(unique))
-        return load_file(safe), safe
+        return read_safetensors(safe), safe
     raise FileNotFoundError(f"{path}: neither {SAFE_NAME} nor {PICKLE_NAME} found")
 
 

@@ -30,6 +30,9 @@ from typing import Sequence
 import torch
 from tokenizers import Tokenizer
 
+from unicon.data.jsonl import read_json
+from unicon.errors import UserError
+
 BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = {"<s>": BOS_ID, "<pad>": PAD_ID, "</s>": EOS_ID, "<unk>": UNK_ID}
 CONFIG_NAME = "ofa_tokenizer.json"
@@ -70,7 +73,12 @@ class OFATokenizer:
         path = Path(tokenizer_json)
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file {path}")
-        return cls(Tokenizer.from_file(str(path)), num_codes, num_bins, max_length)
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            raise UserError(f"{path}: not a readable tokenizers JSON file ({str(e).splitlines()[0]}); "
+                            "truncated or corrupt?") from None
+        return cls(tokenizer, num_codes, num_bins, max_length)
 
     @classmethod
     def from_bart_files(
@@ -116,7 +124,7 @@ class OFATokenizer:
         """Load what :meth:`save_pretrained` wrote, or BART's ``vocab.json`` + ``merges.txt``."""
         path = Path(path)
         cfg_file = path / CONFIG_NAME
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        cfg = read_json(cfg_file, what="tokenizer config") if cfg_file.is_file() else {}
         if (path / BPE_NAME).is_file():
             return cls.from_file(path / BPE_NAME, cfg.get("num_codes", 8192), cfg.get("num_bins", 1000),
                                  cfg.get("max_length", 1024))
