@@ -343,7 +343,12 @@ def compose(overrides: list[str] | None = None, configs: Path | None = None) -> 
         if name is None:
             continue
         path = configs / group / f"{name}.yaml"
-        group_layers[group] = (OmegaConf.create({group: _load_yaml(path)}), str(path))
+        try:
+            group_layers[group] = (OmegaConf.create({group: _load_yaml(path)}), str(path))
+        except ConfigError as e:
+            if group not in choices:
+                raise
+            raise ConfigError(f"command line: {group}={name}: {e}") from None
         c.add(*group_layers[group])
     c.add(base, str(configs / "config.yaml"))
     if experiment_cfg is not None:

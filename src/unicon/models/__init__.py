@@ -240,9 +240,16 @@ def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str |
             raise UserError(f"model.backend={mine.get('backend')!r} but init_from {source} holds a {backend!r} model; "
                             f"choose the matching model= group or drop init_from")
         return
-    diffs = [f"{k}: {mine.get(k)!r} vs {recorded.get(k)!r}" for k in ARCHITECTURE_KEYS
-             if (mine.get(k) or None) != (recorded.get(k) or None)]
+    def flat(section: dict) -> dict:
+        out = {k: section.get(k) or None for k in ARCHITECTURE_KEYS if k != "arch"}
+        out.update({f"arch.{k}": v for k, v in (section.get("arch") or {}).items()})
+        return out
+
+    a, b = flat(mine), flat(recorded)
+    diffs = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b), key=lambda k: (k.startswith("arch."), k))
+             if a.get(k) != b.get(k)]
     if diffs:
+        diffs = diffs[:4] + ([f"{len(diffs) - 4} more"] if len(diffs) > 4 else [])
         raise UserError(f"the model section differs from the init_from checkpoint {source} ({'; '.join(diffs)}; "
                         "config vs checkpoint): drop the model= choice / model.* overrides, or init_from")
 

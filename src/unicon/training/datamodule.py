@@ -75,7 +75,7 @@ class EpochShuffleSampler(Sampler[int]):
 
     Lightning calls ``set_epoch`` at every epoch start, so a run resumed at an epoch boundary
     sees exactly the order the uninterrupted run would have seen. A run resumed mid-epoch sets
-    ``skip`` (see :meth:`ConsistencyDataModule.train_dataloader`): the next pass starts after the
+    ``skip`` (see :meth:`ConsistencyDataModule.state_dict`): the next pass starts after the
     examples already consumed, so it continues the same order. (Under DDP Lightning wraps the
     sampler in a ``DistributedSamplerWrapper``; the skip then applies to the global order before
     the split over ranks, which continues the order only approximately.)
@@ -107,6 +107,7 @@ class ConsistencyDataModule(L.LightningDataModule):
         self.root = Path(data_cfg.root)
         self.contrast: ContrastDataset | None = None
         self.mixture: MixtureDataset | None = None
+        self._resume_batches = 0  # set by load_state_dict on a run resumed mid-epoch
 
     @property
     def contrast_file(self) -> Path:
@@ -145,20 +146,23 @@ class ConsistencyDataModule(L.LightningDataModule):
             "mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture),
             "contrast": self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast),
         }
-        self._continue_order(loaders)
+        for loader in loaders.values():  # a run resumed mid-epoch continues the epoch's order
+            if self._resume_batches and isinstance(loader.sampler, EpochShuffleSampler) and len(loader):
+                loader.sampler.skip = (self._resume_batches % len(loader)) * int(loader.batch_size)
+        self._resume_batches = 0
         return CombinedLoader(loaders, mode="max_size_cycle")
 
-    def _continue_order(self, loaders: dict[str, DataLoader]) -> None:
-        """On a run resumed mid-epoch, start each loader after the batches the epoch already used.
+    # ---- checkpointed position in the epoch (Lightning saves and restores a datamodule's state) ----
+    def state_dict(self) -> dict[str, int]:
+        """``batches_used_in_epoch``: the batches of the current epoch already fetched for training
+        (0 at an epoch end). In ``max_size_cycle`` mode a shorter loader has cycled, so its position
+        is that count modulo its length."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        used = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        return {"batches_used_in_epoch": 0 if used >= trainer.num_training_batches else used}
 
-        Lightning restores the loop progress before it asks for the loaders; ``ready`` counts the
-        batches of the current epoch that were fetched and trained on. In ``max_size_cycle`` mode
-        a shorter loader has cycled, so its position is that count modulo its length.
-        """
-        trainer = getattr(self, "_trainer", None)
-        if trainer is None or not trainer.fit_loop.restarting:
-            return
-        used = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        for loader in loaders.values():
-            if used and isinstance(loader.sampler, EpochShuffleSampler) and len(loader):
-                loader.sampler.skip = (used % len(loader)) * int(loader.batch_size)
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # restored before Lightning asks for the loaders (it does so while configuring the optimizers)
+        self._resume_batches = int(state.get("batches_used_in_epoch", 0))

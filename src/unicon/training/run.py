@@ -321,10 +321,9 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str,
     tcfg = cfg.trainer
     run_dir = _run_dir(cfg)
     eval_callbacks = make_eval_callbacks(cfg)  # a suite that cannot be built fails before any work
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build_training_model(cfg)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # after the checks: a refused run leaves no files
     module = ConsistencyModule(model, cfg)
     datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed)
     loggers = make_loggers(cfg, run_dir)

@@ -74,8 +74,9 @@ def read_state_dict(path: str | Path, allow_pickle: bool = False) -> tuple[dict[
     if pickle_file.is_file():
         if not allow_pickle:
             raise CheckpointError(
-                f"{pickle_file}: refusing to unpickle a checkpoint (it can run code); pass allow_pickle=True "
-                f"to read it once and convert it to {SAFE_NAME}"
+                f"{pickle_file}: refusing to unpickle a checkpoint (loading it could run code); if you trust it, "
+                "opt in with model.allow_pickle=true (unicon train) or --allow-pickle (unicon evaluate) to read "
+                f"it once and convert it to {SAFE_NAME}"
             )
         state = torch.load(pickle_file, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -1,0 +1,354 @@
+"""Reliability of training runs (issues "Reliability I/II"): each test reproduces one finding.
+
+* pickle only by consent: a ``.ckpt`` carrying an ``os.system`` payload is refused and runs nothing;
+* one model truth: ``init_from`` + another ``model=`` is refused;
+* resume is the same run: stored config + listed overrides; a kill -9 at a random step, then
+  ``resume=``, gives the uninterrupted run's metrics, data order and weights;
+* one run per folder: a lock and a refusal to reuse a folder;
+* command-line group choices win over an experiment; a short run exits 0;
+* bad values and files fail with exit code 2 and one line naming the key or file.
+
+The runs use the real native OFA at a minimal size on a 12-scene ShapesWorld built by the real
+builder, through ``unicon train`` in subprocesses (kill -9 needs a real process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from unicon.cli import main as unicon_main
+from unicon.config import compose
+from unicon.errors import UserError
+from unicon.training.run import claim_run_dir, compose_run, release_run_dir, train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_OFA = [
+    "model=ofa_shapes_tiny", "model.arch.d_model=32", "model.arch.encoder_layers=1", "model.arch.decoder_layers=1",
+    "model.arch.encoder_attention_heads=2", "model.arch.decoder_attention_heads=2",
+    "model.arch.encoder_ffn_dim=64", "model.arch.decoder_ffn_dim=64",
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(REPO))
+    from data_builders.shapes import main as build_shapes
+
+    root = tmp_path_factory.mktemp("shapes")
+    build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
+                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
+                  "--num-reason-train", "0"])
+    return root
+
+
+def run_args(world: Path, out: Path, *extra: str) -> list[str]:
+    return [*TINY_OFA, "trainer=cpu", "logger=csv", "eval=none", f"data.root={world}", f"output_dir={out}",
+            "data.batch_size=4", "data.contrast_batch_size=2", "trainer.enable_progress_bar=false",
+            "trainer.log_every_n_steps=1", "optim.lr=1e-3", "optim.warmup_ratio=0.0", "loss.gamma=0.5", *extra]
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
+    e.pop("UNICON_DEBUG", None)
+    return e
+
+
+def unicon(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "unicon.cli", *args], capture_output=True, text=True, env=env(),
+                          cwd=REPO, timeout=600, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"unicon {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock column."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        row.pop("time", None)
+        out.append(row)
+    return out
+
+
+def one_line_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("unicon: error: "), err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. pickle only by consent
+# ---------------------------------------------------------------------------------------------
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_with_pickle_payload_is_refused_and_runs_nothing(world, tmp_path, capsys):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"unicon_config": {"name": "x"}, "state_dict": {}, "payload": _Payload(marker)}, evil)
+    out = tmp_path / "eval"
+    code = unicon_main(["evaluate", "cococon", "--ckpt", str(evil), "--data", str(world / "cococon_test.json"),
+                        "--out", str(out), "--logger", "none"])
+    line = one_line_error(capsys, code)
+    assert str(evil) in line and "allow_pickle" in line.replace("-", "_")
+    code = unicon_main(["train", *run_args(world, tmp_path / "runs"), f"init_from={evil}"])
+    line = one_line_error(capsys, code)
+    assert str(evil) in line and "model.allow_pickle=true" in line
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. init_from and model= describe one model
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(world, tmp_path_factory) -> Path:
+    """A 2-step run of the tiny OFA: its folder holds last.ckpt and export/."""
+    out = tmp_path_factory.mktemp("trained")
+    train(compose(run_args(world, out, "name=base", "trainer.max_steps=2")))
+    return out / "base"
+
+
+def test_init_from_with_another_model_is_refused(world, trained, tmp_path, capsys):
+    for source in (trained / "export", trained / "last.ckpt"):
+        code = unicon_main(["train", *run_args(world, tmp_path), "model=ofa_large", f"init_from={source}"])
+        line = one_line_error(capsys, code)
+        assert str(source) in line and "preset: 'ofa-large' vs 'shapes-tiny'" in line
+        assert not (tmp_path / "run" / "last.ckpt").exists()
+    # the same model section is accepted, and the saved config describes it
+    result = train(compose(run_args(world, tmp_path, "name=ok", "trainer.max_steps=1", f"init_from={trained / 'export'}")))
+    saved = json.loads((Path(result["export_dir"]) / "training_config.json").read_text())
+    assert saved["model"]["preset"] == "shapes-tiny" and saved["model"]["arch"]["d_model"] == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. resume= starts from the stored config
+# ---------------------------------------------------------------------------------------------
+def test_resume_uses_the_checkpoint_config_and_lists_overrides(trained, capsys):
+    cfg = compose_run([f"resume={trained / 'last.ckpt'}", "trainer.max_steps=4"])
+    printed = capsys.readouterr().out
+    assert cfg.name == "base" and cfg.optim.lr == pytest.approx(1e-3) and cfg.model.arch.d_model == 32
+    assert cfg.output_dir == str(trained.parent) and cfg.resume == str(trained / "last.ckpt")
+    assert "trainer.max_steps: 2 -> 4" in printed
+    with pytest.raises(Exception, match="experiment= cannot be combined with resume="):
+        compose_run([f"resume={trained / 'last.ckpt'}", "experiment=shapes_demo"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. one run per folder
+# ---------------------------------------------------------------------------------------------
+def test_one_run_per_folder(world, trained, tmp_path):
+    cfg = compose(run_args(world, tmp_path, "name=busy"))
+    lock = claim_run_dir(cfg)
+    try:
+        with pytest.raises(UserError, match=r"in use by another unicon run \(pid \d+\)"):
+            claim_run_dir(cfg)
+    finally:
+        release_run_dir(lock)
+    # a finished run's folder is not reused by a plain re-run ...
+    again = compose(run_args(world, trained.parent, "name=base", "trainer.max_steps=1"))
+    with pytest.raises(UserError, match="already holds a run.*resume=.*overwrite=true"):
+        train(again)
+    # ... but overwrite=true replaces it
+    scratch = tmp_path / "scratch"
+    train(compose(run_args(world, scratch, "name=r", "trainer.max_steps=1")))
+    (scratch / "r" / "stale.txt").write_text("old")
+    train(compose(run_args(world, scratch, "name=r", "trainer.max_steps=1", "overwrite=true")))
+    assert not (scratch / "r" / "stale.txt").exists() and (scratch / "r" / "last.ckpt").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. kill -9 at a random step, resume == uninterrupted (metrics, CSV, data order, weights)
+# ---------------------------------------------------------------------------------------------
+def test_kill9_then_resume_equals_uninterrupted_run(world, tmp_path):
+    # 12 mixture rows / batch 4: the mixture loader cycles every 3 steps inside the (longer) contrast
+    # epoch, so a resume has to continue both orders; a checkpoint every 2 steps
+    common = ["trainer.max_epochs=3", "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=2"]
+    unicon("train", *run_args(world, tmp_path, "name=clean", *common))
+    clean = tmp_path / "clean"
+
+    kill_at = random.Random().randint(3, 9)  # a random step, reported on failure
+    args = [sys.executable, "-m", "unicon.cli", "train", *run_args(world, tmp_path, "name=killed", *common)]
+    proc = subprocess.Popen(args, env=env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        text = metrics.read_text() if metrics.is_file() else ""
+        if any(json.loads(ln).get("step", -1) >= kill_at for ln in text.splitlines() if ln.endswith("}")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before step {kill_at}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with metrics.open("a") as f:  # a row cut in the middle, as a kill during a write leaves it
+        f.write('{"step": 99, "train/lo')
+
+    killed = tmp_path / "killed"
+    unicon("train", f"resume={killed / 'last.ckpt'}")
+    assert rows(killed) == rows(clean), f"kill at step {kill_at}"
+    csv_clean = (clean / "csv" / "metrics.csv").read_text()
+    assert (killed / "csv" / "metrics.csv").read_text() == csv_clean, f"kill at step {kill_at}"
+    a = torch.load(clean / "last.ckpt", weights_only=True)
+    b = torch.load(killed / "last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 12
+    # same computation, same thread count, same binary: the weights are identical
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), (key, kill_at)
+    report = unicon("report", str(killed))
+    assert "report:" in report.stdout
+
+
+def test_report_skips_and_counts_unreadable_lines(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n{"step": 1, "tra\nnot json\n'
+                                       '{"step": 2, "train/loss": 0.5}\n')
+    proc = unicon("report", str(run))
+    assert "skipped 2 unreadable line(s)" in proc.stdout
+    assert "report/unreadable_lines" in (run / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. / 9. precedence and short runs
+# ---------------------------------------------------------------------------------------------
+def test_command_line_group_choice_beats_the_experiment():
+    cfg = compose(["experiment=shapes_consistency", "eval=none"])
+    assert not (cfg.eval.cococon.enabled or cfg.eval.drift.enabled or cfg.eval.ureason.enabled)
+    assert cfg.loss.lambda_ == 0.25 and cfg.name == "shapes_consistency"  # the rest of the experiment stays
+    assert compose(["experiment=shapes_consistency", "loss=hinge"]).loss.type == "hinge"
+
+
+def test_run_shorter_than_the_logging_interval_exits_0(world, tmp_path):
+    proc = unicon("train", *run_args(world, tmp_path, "trainer.max_steps=1", "trainer.log_every_n_steps=50"))
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and (tmp_path / "run" / "report.md").is_file()
+    assert "report:" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Reliability II: every bad value and file -> exit 2, one line naming the key or file
+# ---------------------------------------------------------------------------------------------
+BAD_VALUES = [
+    ("loss.type=foo", "loss.type='foo' is not one of: spearman, hinge, none"),
+    ("loss.gamma=2", "loss.gamma=2.0 is out of range: must be [0, 1]"),
+    ("loss.lambda_=-1", "loss.lambda_=-1.0 is out of range: must be >= 0"),
+    ("optim.lr=-1", "optim.lr=-1.0 is out of range: must be > 0"),
+    ("optim.warmup_ratio=5", "optim.warmup_ratio=5.0 is out of range: must be [0, 1]"),
+    ("optim.scheduler=bogus", "optim.scheduler='bogus' is not one of: linear, cosine, constant"),
+    ("trainer.precision=bogus", "trainer.precision='bogus' is not one of"),
+    ("data.batch_size=0", "data.batch_size=0 is out of range: must be >= 1"),
+    ("loss.regularization=l3", "loss.regularization='l3' is not one of: l2, kl"),
+    ("optim=adam", "optim is a config section without group files"),
+    ("data.world=coco", "Key 'world' not in 'DataConfig'"),
+    ("trainer.max_steps=0", "trainer.max_steps=0 is out of range: must be >= 1 (or -1)"),
+    ("eval.drift.num_chains=-1", "eval.drift.num_chains=-1 is out of range"),
+    ("loss=nope", "no config file"),
+]
+
+
+@pytest.mark.parametrize("override,expected", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_value_fails_at_compose_time_with_one_line(override, expected, capsys, tmp_path, monkeypatch):
+    import unicon.models
+
+    def never(*a, **k):  # compose-time validation: no model may be built
+        raise AssertionError("a model was built before the config was validated")
+
+    monkeypatch.setattr(unicon.models, "build_model", never)
+    code = unicon_main(["train", override, f"output_dir={tmp_path}"])
+    line = one_line_error(capsys, code)
+    assert expected in line and "command line" in line, line
+
+
+def test_bad_value_in_a_file_names_the_file(tmp_path, capsys, monkeypatch):
+    configs = tmp_path / "configs"
+    import shutil
+
+    shutil.copytree(REPO / "configs", configs)
+    (configs / "experiment" / "broken.yaml").write_text("loss:\n  gamma: 3\n")
+    monkeypatch.setenv("UNICON_CONFIG_DIR", str(configs))
+    line = one_line_error(capsys, unicon_main(["train", "experiment=broken"]))
+    assert str(configs / "experiment" / "broken.yaml") in line and "loss.gamma=3" in line
+
+
+def _bad_files(world: Path, trained: Path, tmp: Path) -> list[tuple[str, list[str], str]]:
+    """(id, unicon argv, the file or key the one line must name)."""
+    ckpt = trained / "last.ckpt"
+    data = ckpt.read_bytes()
+    truncated = tmp / "truncated.ckpt"
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = tmp / "random.ckpt"
+    garbage.write_bytes(os.urandom(4096))
+    export = tmp / "export-trunc-safetensors"
+    import shutil
+
+    shutil.copytree(trained / "export", export)
+    st = export / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:1000])
+    export_tok = tmp / "export-trunc-tokenizer"
+    shutil.copytree(trained / "export", export_tok)
+    tok = next(p for p in export_tok.iterdir() if p.name.endswith("tokenizer.json"))
+    tok.write_text(tok.read_text()[:200])
+    bin_only = tmp / "export-bin-only"
+    shutil.copytree(trained / "export", bin_only)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(bin_only / "model.safetensors"), bin_only / "pytorch_model.bin")
+    (bin_only / "model.safetensors").unlink()
+    out = str(tmp / "eval-out")
+    cococon = lambda c: ["evaluate", "cococon", "--ckpt", str(c), "--data", str(world / "cococon_test.json"),  # noqa: E731
+                         "--out", out, "--logger", "none", "--max-samples", "2"]
+    return [
+        ("truncated-ckpt", cococon(truncated), str(truncated)),
+        ("random-ckpt", cococon(garbage), str(garbage)),
+        ("truncated-safetensors", cococon(export), str(st)),
+        ("truncated-tokenizer", cococon(export_tok), str(tok)),
+        ("pickle-only-export", cococon(bin_only), "allow_pickle=true"),
+        ("resume-export-folder", ["train", f"resume={trained / 'export'}"], str(trained / "export")),
+        ("resume-missing", ["train", f"resume={tmp / 'nope.ckpt'}"], str(tmp / "nope.ckpt")),
+        ("init-from-truncated", ["train", *run_args(world, tmp / "runs"), f"init_from={truncated}"], str(truncated)),
+    ]
+
+
+def test_bad_files_fail_with_one_line_naming_the_file(world, trained, tmp_path, capsys):
+    for case, argv, named in _bad_files(world, trained, tmp_path):
+        code = unicon_main(argv)
+        line = one_line_error(capsys, code)
+        assert named in line, (case, line)
+
+
+def test_checkpoint_from_another_world_is_named(world, trained, tmp_path):
+    from unicon.models import load_model
+
+    ckpt = torch.load(trained / "last.ckpt", weights_only=True)
+    ckpt.pop("unicon_world_files")
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save(ckpt, foreign)
+    other = tmp_path / "other-world"
+    from data_builders.shapes import main as build_shapes
+
+    build_shapes(["--out", str(other), "--num-train", "4", "--num-val", "2", "--num-test", "2", "--quiet",
+                  "--overwrite", "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1",
+                  "--num-reason-train", "0", "--seed", "7"])
+    try:
+        load_model(foreign, world_root=other)
+    except UserError as e:
+        assert str(foreign) in str(e) and "another world" in str(e)
+    else:  # the two worlds happened to share a vocabulary size: loading is then legitimate
+        assert json.loads((other / "world.json").read_text()) is not None
