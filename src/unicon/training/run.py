@@ -297,6 +297,9 @@ def release_run_dir(lock) -> None:
 
 def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Run one training job; returns ``{run_dir, ckpt_path, export_dir, wandb_dir, metrics}``."""
+    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UserError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA, but torch.cuda.is_available() is "
+                        "False on this machine; use trainer=cpu")
     strategy = make_strategy(cfg.trainer.strategy)  # fail early (DeepSpeed without CUDA)
     if cfg.resume:
         from unicon.models import read_training_checkpoint
