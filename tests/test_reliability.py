@@ -357,3 +357,10 @@ def test_checkpoint_from_another_world_is_named(world, trained, tmp_path):
     with pytest.raises(UserError, match="another world") as err:
         load_model(foreign, world_root=other)
     assert str(foreign) in str(err.value)
+
+
+def test_debug_flag_shows_the_traceback(capsys):
+    from unicon.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        unicon_main(["--debug", "train", "loss.type=foo"])

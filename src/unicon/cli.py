@@ -16,7 +16,8 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 
 User mistakes (:class:`unicon.errors.UserError`, :class:`unicon.config.ConfigError`, a missing
 file) are printed as one line, ``unicon: error: ...``, with exit code 2. Anything else is a bug
-and keeps its traceback (exit code 1). Set ``UNICON_DEBUG=1`` to see tracebacks for all errors.
+and keeps its traceback (exit code 1). ``unicon --debug …`` or ``UNICON_DEBUG=1`` shows tracebacks for
+all errors.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ COMMANDS: dict = {
 
 
 def _usage(table: dict, prefix: str) -> str:
-    lines = [f"usage: {prefix} <command> [options]", "", "commands:"]
+    lines = [f"usage: {prefix} [--debug] <command> [options]" if prefix == "unicon" else f"usage: {prefix} <command> [options]",
+             "", "commands:"]
     for name, entry in table.items():
         desc = entry[2] if isinstance(entry, tuple) else "{" + ",".join(entry) + "}"
         lines.append(f"  {name:<12} {desc}")
@@ -77,6 +79,9 @@ def _resolve(target: str, func: str) -> Callable[[list[str]], int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(os.environ.get("UNICON_DEBUG"))
+    while argv and argv[0] == "--debug":  # `unicon --debug <command> ...`: tracebacks for every error
+        debug, argv = True, argv[1:]
     table, prefix = COMMANDS, "unicon"
     while True:
         if not argv or argv[0] in ("-h", "--help"):
@@ -95,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(entry, tuple):
             break
         table = entry
-    debug = bool(os.environ.get("UNICON_DEBUG"))
     try:
         return int(_resolve(entry[0], entry[1])(argv) or 0)
     except (UserError, ConfigError, FileNotFoundError) as e:
