@@ -360,7 +360,5 @@ def test_checkpoint_from_another_world_is_named(world, trained, tmp_path):
 
 
 def test_debug_flag_shows_the_traceback(capsys):
-    from unicon.config import ConfigError
-
-    with pytest.raises(ConfigError):
+    with pytest.raises(UserError, match="loss.type='foo'"):
         unicon_main(["--debug", "train", "loss.type=foo"])
