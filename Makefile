@@ -28,7 +28,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	@test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes
 	@test -f checkpoints/shapes_pretrain/export/config.json || $(VENV)/bin/unicon train experiment=shapes_pretrain
-	$(VENV)/bin/unicon train experiment=shapes_demo $(ARGS)
+	$(VENV)/bin/unicon train experiment=shapes_demo overwrite=true $(ARGS)
 
 clean-env:
 	rm -rf $(VENV)

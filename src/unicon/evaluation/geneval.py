@@ -229,7 +229,9 @@ class ClipColorClassifier:
     def __call__(self, image: Image.Image | None, boxes: Sequence[Detection], classname: str) -> list[str]:
         if image is None:
             raise ValueError("ClipColorClassifier needs the image to crop the boxes from")
-        crops = [image.convert("RGB").crop((x, y, x + w, y + h)) for (x, y, w, h) in (b.box for b in boxes)]
+        # a crop is at least one pixel: a detector may return a degenerate (zero-width) box
+        crops = [image.convert("RGB").crop((round(x), round(y), round(x) + max(1, round(w)), round(y) + max(1, round(h))))
+                 for (x, y, w, h) in (b.box for b in boxes)]
         logits = self.embedder.embed_image(crops) @ self._head(classname).T
         return [self.colors[i] for i in logits.argmax(-1).tolist()]
 
@@ -274,7 +276,10 @@ class Owlv2Detector(Detector):
     def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
         images = [im.convert("RGB") for im in images]
         queries = [self.query_template.format(c) for c in class_names]
-        inputs = self.processor(text=[queries] * len(images), images=images, return_tensors="pt")
+        # queries are padded to OWL's text length (it pools each query at its end token) and cut to it
+        length = self.model.config.text_config.max_position_embeddings
+        inputs = self.processor(text=[queries] * len(images), images=images, return_tensors="pt",
+                                padding="max_length", truncation=True, max_length=length)
         inputs = inputs.to(self.device)
         outputs = self.model(**inputs)
         # OWLv2 pads images to a square: boxes are relative to the padded square of side max(W, H)

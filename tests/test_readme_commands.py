@@ -1,0 +1,179 @@
+"""Every command of the README runs, as written, in a sandbox project folder.
+
+The sandbox has the README's relative layout (``data/shapes``, ``checkpoints/...``,
+``../shared`` beside it). Real checkpoints and absolute paths the README names are stand-ins of
+the same format (``tests/standins.py``): a tiny ShapesWorld, tiny trained exports, the OFA
+reference fixture, random tiny Janus / OWLv2 / Qwen2-VL models. A command may get *extra*
+arguments appended that only make it small (fewer steps, samples or generations); it is never
+edited otherwise. A README command missing from ``RUNS`` fails the test: every documented command
+is run by some test.
+
+``make test`` is what CI runs; ``make demo`` has its own test below (the sandbox's world and
+pretrained export exist, so it goes straight to the shortened demo run).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import standins
+from unicon.cli import main as unicon_main
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("UNICON_SHARED_DIR", REPO.parent / "shared"))
+
+# README command -> (extra arguments that only shrink it, expected exit code)
+RUNS: dict[str, tuple[list[str], int]] = {
+    "unicon build-data shapes --out data/shapes": (
+        ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
+         "--num-drift-seeds", "2", "--quiet"], 0),
+    "python -m unicon.embedders.clip --train-shapes data/shapes --out checkpoints/shapes_clip": (
+        ["--steps", "3", "--batch-size", "8"], 0),
+    "unicon train experiment=shapes_consistency loss.lambda_=0.25 trainer.max_epochs=3": (
+        ["trainer.limit_train_batches=2", "eval.cococon.max_samples=4"], 0),
+    "unicon train experiment=shapes_consistency model.lora.enabled=true trainer=gpu trainer.strategy=deepspeed_zero2": (
+        [], 0 if torch.cuda.is_available() else 2),
+    "unicon train resume=checkpoints/shapes_consistency/last.ckpt trainer.max_epochs=4": ([], 0),
+    "unicon train experiment=shapes_reason": (["trainer.max_steps=2"], 0),
+    "unicon evaluate cococon --ckpt checkpoints/shapes_demo/export --data data/shapes/cococon_test.json --out outputs/cococon": (
+        ["--logger", "none"], 0),
+    "unicon evaluate cococon --ckpt checkpoints/pretrained/OFA-large --data ../shared/data/cococon/cococon.json --images /data/coco/val2014 --out outputs/cococon-coco": (
+        ["--max-samples", "3", "--logger", "none", "--tasks", "vqa", "localization"], 0),
+    "unicon evaluate drift   --ckpt checkpoints/shapes_demo/export --world data/shapes --generations 20 --out outputs/drift": (
+        [], 0),
+    "unicon evaluate drift   --ckpt checkpoints/pretrained/Janus-Pro-1B --seeds ../shared/data/geneval/evaluation_metadata.jsonl --detector owlv2:/models/owlv2 --clip /models/clip --out outputs/mgg": (
+        ["--num-chains", "2", "--generations", "2", "--geneval-limit", "1"], 0),
+    "unicon evaluate ureason --ckpt checkpoints/shapes_demo/export --data data/shapes --judge exact --out outputs/ureason": (
+        ["--logger", "none"], 0),
+    "unicon evaluate ureason --ckpt checkpoints/pretrained/Janus-Pro-7B --data ../shared/data/ureason --judge vlm:/models/Qwen3-VL-8B --out outputs/ureason-real": (
+        ["--max-samples", "2", "--max-new-tokens", "8", "--judge-max-new-tokens", "4", "--logger", "none"], 0),
+    "unicon report checkpoints/shapes_demo": ([], 0),
+    "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
+    "unicon bench train": (["trainer.max_steps=2"], 0),
+    "unicon bench chains": (["--repeats", "1"], 0),
+}
+NOT_HERE = {"make demo", "make test"}  # make test is CI itself; make demo: test_make_demo below
+
+
+def readme_commands() -> list[str]:
+    """Commands in the README's bash blocks (comments stripped, in order)."""
+    text = (REPO / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            command = re.split(r"\s+#", line, maxsplit=1)[0].rstrip()
+            if command.startswith(("unicon ", "python ", "make ")):
+                out.append(command)
+    return out
+
+
+def test_every_readme_command_has_a_run():
+    commands = readme_commands()
+    assert set(commands) - NOT_HERE == set(RUNS), "README commands without a test run (or stale entries)"
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> Path:
+    """``<tmp>/project`` with ``../shared`` beside it and the stand-ins in place of real checkpoints."""
+    if not (SHARED / "data").is_dir():
+        pytest.skip(f"needs the shared data directory {SHARED} (real benchmark files)")
+    top = tmp_path_factory.mktemp("readme")
+    proj = top / "project"
+    proj.mkdir()
+    (top / "shared").symlink_to(SHARED)
+    fixture = SHARED / "fixtures" / "ofa-reference-tiny"
+    pretrained = proj / "checkpoints" / "pretrained"
+    pretrained.mkdir(parents=True)
+    shutil.copytree(fixture, pretrained / "OFA-large")
+    standins.janus_export(pretrained / "Janus-Pro-1B")
+    shutil.copytree(pretrained / "Janus-Pro-1B", pretrained / "Janus-Pro-7B")
+    standins.owlv2(top / "models" / "owlv2")
+    standins.qwen2_vl(top / "models" / "Qwen3-VL-8B")
+    return proj
+
+
+def absolute(command: str, proj: Path) -> str:
+    """The README's absolute paths (``/data``, ``/models``) moved under the sandbox's parent."""
+    return re.sub(r"(?<=[ :])/(data|models)/", lambda m: f"{proj.parent}/{m.group(1)}/", command)
+
+
+def coco_images(proj: Path, n: int) -> None:
+    """Placeholder images for the first ``n`` samples of the real CocoCon file."""
+    import json
+
+    from PIL import Image
+
+    data = json.loads((SHARED / "data" / "cococon" / "cococon.json").read_text())
+    root = proj.parent / "data" / "coco" / "val2014"
+    root.mkdir(parents=True, exist_ok=True)
+    for image in data["images"]:
+        Image.new("RGB", (64, 48), (120, 80, 40)).save(root / image["file_name"])
+
+
+def run(command: str, proj: Path, monkeypatch, capsys) -> str:
+    extra, expected = RUNS[command]
+    argv = absolute(command, proj).split()
+    monkeypatch.chdir(proj)
+    if argv[0] == "python":
+        proc = subprocess.run([sys.executable, *argv[1:], *extra], cwd=proj, capture_output=True, text=True,
+                              timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == expected, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout
+    code = unicon_main([*argv[1:], *extra])
+    out = capsys.readouterr()
+    assert code == expected, f"{command}: exit {code}\n{out.out[-2000:]}\n{out.err[-2000:]}"
+    if expected == 2:
+        lines = [ln for ln in out.err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "Traceback" not in out.err, out.err
+    return out.out
+
+
+def test_readme_commands_run(sandbox, monkeypatch, capsys):
+    proj = sandbox
+    order = list(RUNS)
+    build = order.pop(0)
+    run(build, proj, monkeypatch, capsys)  # data/shapes, used by every command after it
+    # what `make demo` does before the README's commands are useful: pretrain and the demo run
+    monkeypatch.chdir(proj)
+    for overrides in (["experiment=shapes_pretrain", "trainer.max_steps=2"],
+                      ["experiment=shapes_demo", "trainer.limit_train_batches=2", "eval.cococon.max_samples=4",
+                       "eval.drift.num_chains=1", "eval.drift.generations=1", "eval.ureason.max_samples=2"]):
+        assert unicon_main(["train", *overrides]) == 0, capsys.readouterr().err
+    coco_images(proj, 3)
+    for command in order:
+        run(command, proj, monkeypatch, capsys)
+        if command.startswith("python -m unicon.embedders.clip"):  # an open_clip directory for /models/clip
+            shutil.copytree(proj / "checkpoints" / "shapes_clip", proj.parent / "models" / "clip")
+    assert (proj / "checkpoints" / "shapes_consistency" / "last.ckpt").is_file()
+    assert (proj / "outputs" / "drift" / "drift.json").is_file()
+    assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
+
+
+def test_make_demo(sandbox, tmp_path):
+    """``make demo`` with the sandbox's world and pretrained export in place (so it skips the build and
+    the pretraining, as on a second run) and a shortened demo run; twice, as users do."""
+    proj = sandbox
+    if not (proj / "checkpoints" / "shapes_pretrain" / "export" / "config.json").is_file():
+        pytest.skip("needs the sandbox prepared by test_readme_commands_run")
+    for name in ("Makefile", "constraints.txt", "pyproject.toml", "scripts"):
+        if not (proj / name).exists():
+            (proj / name).symlink_to(REPO / name)
+    venv = REPO / ".venv"
+    if not (venv / "bin" / "unicon").is_file():
+        pytest.skip(f"needs the project's virtual environment {venv} (make setup)")
+    args = ("trainer.limit_train_batches=2 eval.cococon.max_samples=4 eval.drift.num_chains=1 "
+            "eval.drift.generations=1 eval.ureason.max_samples=2 logger=csv")
+    for _ in range(2):
+        proc = subprocess.run(["make", "demo", f"VENV={venv}", f"ARGS={args}"], cwd=proj, capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "report:" in proc.stdout and "build-data" not in proc.stdout and "shapes_pretrain" not in proc.stdout
+    assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
