@@ -362,3 +362,40 @@ def test_checkpoint_from_another_world_is_named(world, trained, tmp_path):
 def test_debug_flag_shows_the_traceback(capsys):
     with pytest.raises(UserError, match="loss.type='foo'"):
         unicon_main(["--debug", "train", "loss.type=foo"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. / 7. drift outputs know their model; MGG scores the GenEval file it was given
+# ---------------------------------------------------------------------------------------------
+def test_drift_refuses_to_resume_another_models_chains(world, trained, tmp_path, capsys):
+    from unicon.models import load_model
+
+    other = tmp_path / "other-export"
+    model = load_model(trained / "export")
+    with torch.no_grad():
+        next(model.parameters()).add_(0.5)
+    model.save_pretrained(str(other))
+    out = tmp_path / "drift"
+    args = ["evaluate", "drift", "--world", str(world), "--generations", "1", "--embedders", "scene",
+            "--geneval", "none", "--out", str(out)]
+    assert unicon_main([*args, "--ckpt", str(trained / "export")]) == 0
+    report = json.loads((out / "drift.json").read_text())
+    assert report["checkpoint"] == str((trained / "export").resolve()) and len(report["model_fingerprint"]) == 32
+    capsys.readouterr()
+    line = one_line_error(capsys, unicon_main([*args, "--ckpt", str(other)]))
+    assert "another model" in line and str(other.resolve()) in line and str((trained / "export").resolve()) in line
+    assert json.loads((out / "drift.json").read_text()) == report  # nothing was overwritten
+    assert unicon_main([*args, "--ckpt", str(trained / "export")]) == 0  # the same model resumes
+
+
+def test_mgg_scores_the_geneval_file_given_as_seeds(world, trained, tmp_path):
+    rows = [json.loads(line) for line in (world / "geneval_metadata.jsonl").read_text().splitlines()]
+    mine = tmp_path / "evaluation_metadata.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    out = tmp_path / "mgg"
+    assert unicon_main(["evaluate", "drift", "--ckpt", str(trained / "export"), "--world", str(world),
+                        "--seeds", str(mine), "--generations", "1", "--embedders", "", "--out", str(out)]) == 0
+    report = json.loads((out / "drift.json").read_text())
+    assert report["geneval_file"] == str(mine.resolve())
+    chains = json.loads((out / "mgg" / "run.json").read_text())["ids"]
+    assert len(chains) == 2  # the two prompts of the given file, not the world's

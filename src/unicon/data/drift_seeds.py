@@ -199,6 +199,15 @@ def balanced(seeds: Sequence[DriftSeed], n: int) -> list[DriftSeed]:
     return picked
 
 
+def is_geneval_file(spec: str | Path) -> bool:
+    """Whether ``spec`` is a GenEval metadata file (a ``.jsonl`` whose first row has a ``tag`` key)."""
+    path = Path(spec)
+    if not path.is_file():
+        return False
+    rows = _read_jsonl(path)
+    return bool(rows) and "tag" in rows[0][1]
+
+
 def load_seeds(spec: str | Path, long: bool = False) -> list[DriftSeed]:
     """Seeds from a file or folder: a ShapesWorld root / ``drift_seeds.jsonl``, or a GenEval metadata file.
 
@@ -208,7 +217,6 @@ def load_seeds(spec: str | Path, long: bool = False) -> list[DriftSeed]:
     path = Path(spec)
     if path.is_dir():
         return load_shapes_seeds(path)
-    rows = _read_jsonl(path)
-    if rows and "tag" in rows[0][1]:
+    if is_geneval_file(path):
         return geneval_seeds(path, long=long, tasks=None)
     return load_shapes_seeds(path)

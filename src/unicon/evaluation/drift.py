@@ -179,7 +179,7 @@ class ChainRunner:
     def __init__(
         self, model: UnifiedModel, seeds: Sequence[DriftSeed], out: str | Path, generations: int = 20,
         chains: Sequence[str] = CHAINS, batch_size: int = 8, i2t_prompt: str | None = DEFAULT_I2T_PROMPT,
-        image_config: ImageGenerationConfig | None = None, seed: int = 0,
+        image_config: ImageGenerationConfig | None = None, seed: int = 0, model_id: dict | None = None,
     ):
         if generations < 1:
             raise UserError(f"generations must be >= 1, got {generations}")
@@ -199,6 +199,7 @@ class ChainRunner:
         self.ids = [s.id for s in self.seeds]
         self.generations, self.chains, self.batch_size = generations, tuple(chains), batch_size
         self.i2t_prompt, self.image_config, self.seed = i2t_prompt, image_config, seed
+        self.model_id = model_id  # {"checkpoint", "fingerprint"}: a resume under other weights is refused
         self.batches = [self.ids[i : i + batch_size] for i in range(0, len(self.ids), batch_size)]
         self.result = ChainRun(self.out, self.ids, generations, self.chains)
 
@@ -227,6 +228,9 @@ class ChainRunner:
             "ids": self.ids, "i2t_prompt": self.i2t_prompt, "batch_size": self.batch_size, "seed": self.seed,
             "image_config": asdict(self.image_config) if self.image_config else None,
         }
+        if self.model_id:
+            info["model_fingerprint"] = self.model_id["fingerprint"]
+            info["checkpoint"] = self.model_id["checkpoint"]  # recorded; the weights decide
         path = self.out / "run.json"
         if path.is_file():
             try:
@@ -235,7 +239,12 @@ class ChainRunner:
                 old = None
                 self._repair(f"{path} is corrupt; rewritten")
             for key, value in (old or {}).items():
-                if key in info and value != info[key]:
+                if key == "model_fingerprint" and key in info and value != info[key]:
+                    raise UserError(
+                        f"{path}: this directory holds chains of another model ({old.get('checkpoint')}, weights "
+                        f"{value}) than {info['checkpoint']} (weights {info[key]}); use another --out"
+                    )
+                if key in info and key != "checkpoint" and value != info[key]:
                     raise UserError(
                         f"{path}: this directory holds chains with a different {key} "
                         f"({str(value)[:80]} != {str(info[key])[:80]}); use another --out or the same "
@@ -768,15 +777,23 @@ def evaluate_drift(
     geneval_seeds: Sequence[DriftSeed] | None = None, generations: int = 20, batch_size: int = 8,
     i2t_prompt: str | None = None, embedders: dict[str, Embedder] | None = None, detector=None,
     chains: Sequence[str] = CHAINS, image_config: ImageGenerationConfig | None = None, strips: int = 3,
-    seed: int = 0,
+    seed: int = 0, model_id: dict | None = None, geneval_file: str | None = None,
 ) -> dict[str, Any]:
     """Run/resume the chains, compute MCD (``seeds``) and MGG (``geneval_seeds`` + ``detector``), write
-    ``drift.json`` and the plots into ``out``. Returns the drift.json content."""
+    ``drift.json`` and the plots into ``out``. Returns the drift.json content.
+
+    ``model_id`` (``{"checkpoint", "fingerprint"}``) is recorded in ``drift.json`` and in each chain
+    folder's ``run.json``, and a resume under other weights is refused; ``geneval_file`` names the
+    GenEval metadata file the MGG prompts come from."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"generations": generations, "i2t_prompt": i2t_prompt, "repairs": []}
+    if model_id:
+        report.update(checkpoint=model_id["checkpoint"], model_fingerprint=model_id["fingerprint"])
+    if geneval_seeds:
+        report["geneval_file"] = geneval_file
     common = dict(generations=generations, batch_size=batch_size, i2t_prompt=i2t_prompt,
-                  image_config=image_config, seed=seed)
+                  image_config=image_config, seed=seed, model_id=model_id)
     if seeds:
         run = run_chains(model, seeds, out / "mcd", chains=chains, **common)
         report["repairs"] += run.repairs
@@ -963,7 +980,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--logger", default="none", choices=["wandb", "csv", "none"])
     args = p.parse_args(argv)
 
-    from unicon.data.drift_seeds import balanced, geneval_seeds, load_seeds, nd400_seeds
+    from unicon.data.drift_seeds import balanced, geneval_seeds, is_geneval_file, load_seeds, nd400_seeds
     from unicon.evaluation.geneval import ClipColorClassifier, load_detector
 
     world = None
@@ -995,7 +1012,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
     gseeds, detector = None, None
     gpath = args.geneval
-    if gpath is None and world is not None and world.geneval_path.is_file():
+    if gpath is None and args.seeds and is_geneval_file(args.seeds):
+        gpath = args.seeds  # MGG scores the prompts of the GenEval file given as seeds
+    elif gpath is None and not args.seeds and world is not None and world.geneval_path.is_file():
         gpath = str(world.geneval_path)
     if gpath and gpath != "none":
         gseeds = geneval_seeds(gpath, long=args.long, limit=args.geneval_limit, tasks=None)
@@ -1007,11 +1026,15 @@ def cli(argv: Sequence[str] | None = None) -> int:
         detector = load_detector(args.detector, world_cfg=world.config if world else None,
                                  color_classifier=color)
 
+    from unicon.models import weights_fingerprint
+
     model = _load_model(args.ckpt)
     out = Path(args.out)
+    model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": weights_fingerprint(model)}
     report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
                             batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,
-                            detector=detector, chains=chains, seed=args.seed)
+                            detector=detector, chains=chains, seed=args.seed, model_id=model_id,
+                            geneval_file=str(Path(gpath).resolve()) if gseeds else None)
     if args.logger != "none":
         from omegaconf import OmegaConf
 

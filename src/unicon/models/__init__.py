@@ -35,7 +35,7 @@ from unicon.models.base import UnifiedModel
 logger = logging.getLogger(__name__)
 
 __all__ = ["UnifiedModel", "apply_model_options", "build_model", "check_same_architecture", "load_model",
-           "read_training_checkpoint", "recorded_model_section"]
+           "read_training_checkpoint", "recorded_model_section", "weights_fingerprint"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -252,6 +252,23 @@ def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str |
         diffs = diffs[:4] + ([f"{len(diffs) - 4} more"] if len(diffs) > 4 else [])
         raise UserError(f"the model section differs from the init_from checkpoint {source} ({'; '.join(diffs)}; "
                         "config vs checkpoint): drop the model= choice / model.* overrides, or init_from")
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of a model's weights: BLAKE2b over every parameter and buffer (name, dtype, shape and
+    bytes, in name order). Equal weights give equal fingerprints on any machine; it reads every
+    byte once (about a second per few GB). Evaluation outputs record it so that a resumed
+    evaluation can refuse to continue under another model."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 WORLD_VOCABULARY_FILES = ("tokenizer.json", "world.json")
