@@ -399,3 +399,18 @@ def test_mgg_scores_the_geneval_file_given_as_seeds(world, trained, tmp_path):
     assert report["geneval_file"] == str(mine.resolve())
     chains = json.loads((out / "mgg" / "run.json").read_text())["ids"]
     assert len(chains) == 2  # the two prompts of the given file, not the world's
+
+
+def test_cococon_and_ureason_outputs_record_their_model(world, trained, tmp_path):
+    from unicon.models import load_model, weights_fingerprint
+
+    fp = weights_fingerprint(load_model(trained / "export"))
+    ckpt = str(trained / "export")
+    assert unicon_main(["evaluate", "cococon", "--ckpt", ckpt, "--data", str(world / "cococon_test.json"),
+                        "--out", str(tmp_path / "c"), "--logger", "none", "--max-samples", "2",
+                        "--no-generative"]) == 0
+    results = json.loads((tmp_path / "c" / "results.json").read_text())
+    assert results["model_fingerprint"] == fp and results["checkpoint"] == str(Path(ckpt).resolve())
+    assert unicon_main(["evaluate", "ureason", "--ckpt", ckpt, "--data", str(world), "--judge", "exact",
+                        "--out", str(tmp_path / "u"), "--logger", "none", "--max-samples", "1"]) == 0
+    assert json.loads((tmp_path / "u" / "ureason.json").read_text())["model_fingerprint"] == fp

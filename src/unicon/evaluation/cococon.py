@@ -792,7 +792,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
     from unicon.config import LoggerConfig
-    from unicon.models import load_model
+    from unicon.models import load_model, weights_fingerprint
     from unicon.training.loggers import make_loggers
 
     data = load_cococon(args.data, args.images, args.skip_missing).subset(args.max_samples)
@@ -804,7 +804,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
                             fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks)
     seconds = time.perf_counter() - start
     result.results.update(
-        data=str(args.data), ckpt=str(args.ckpt), seconds=seconds,
+        data=str(args.data), ckpt=str(args.ckpt), checkpoint=str(Path(args.ckpt).resolve()),
+        model_fingerprint=weights_fingerprint(model), seconds=seconds,
         num_samples_in_file=data.report.num_annotations,
         skipped_missing_images=len(data.report.missing_images),
         load_report={k: (len(v) if isinstance(v, list) else v) for k, v in data.report.to_dict().items()},

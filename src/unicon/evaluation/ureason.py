@@ -623,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from unicon.models import load_model
+    from unicon.models import load_model, weights_fingerprint
     from unicon.training.loggers import make_loggers
 
     instances = subset(load_instances(args.data, split=args.split, categories=args.categories), args.max_samples)
@@ -634,7 +634,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     model = load_model(args.ckpt).to(args.device)
     config = ImageGenerationConfig(seed=args.seed)
     out = Path(args.out)
-    info = {"ckpt": str(args.ckpt), "data": str(args.data), "split": args.split,
+    info = {"ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
+            "model_fingerprint": weights_fingerprint(model), "data": str(args.data), "split": args.split,
             "max_new_tokens": args.max_new_tokens, "chain_judge": args.chain_judge}
     metrics, samples = evaluate_ureason(model, instances, judge, out, args.max_new_tokens, args.batch_size,
                                         config, info)
