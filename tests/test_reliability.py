@@ -414,3 +414,59 @@ def test_cococon_and_ureason_outputs_record_their_model(world, trained, tmp_path
     assert unicon_main(["evaluate", "ureason", "--ckpt", ckpt, "--data", str(world), "--judge", "exact",
                         "--out", str(tmp_path / "u"), "--logger", "none", "--max-samples", "1"]) == 0
     assert json.loads((tmp_path / "u" / "ureason.json").read_text())["model_fingerprint"] == fp
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. SIGTERM during evaluation: stop, save, exit
+# ---------------------------------------------------------------------------------------------
+def test_sigterm_during_epoch_end_evaluation_saves_and_ends_the_run(world, tmp_path):
+    from unicon.evaluation import preemption
+    from unicon.evaluation.callbacks import EvalCallback
+
+    class SlowSuite(EvalCallback):
+        name = "slow"
+        batches = 0
+
+        def evaluate(self, trainer, model):
+            os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends before a kill
+            for _ in range(10_000):  # an evaluation loop: one check per batch
+                preemption.check()
+                self.batches += 1
+                time.sleep(0.01)
+            return {}
+
+    suite = SlowSuite()
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(preemption.Preempted) as err:
+        train(compose(run_args(world, tmp_path, "trainer.max_steps=2", "trainer.max_epochs=1")),
+              extra_callbacks=[suite])
+    assert suite.batches == 0 and err.value.signum == signal.SIGTERM
+    ckpt = tmp_path / "run" / "last.ckpt"
+    assert err.value.checkpoint == str(ckpt) and torch.load(ckpt, weights_only=True)["global_step"] == 2
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers are restored
+    # the run resumes from it
+    result = train(compose_run([*run_args(world, tmp_path), f"resume={ckpt}", "trainer.max_steps=3", "trainer.max_epochs=2"]))
+    assert result["global_step"] == 3
+
+
+def test_sigterm_stops_a_standalone_evaluation_which_then_resumes(world, trained, tmp_path):
+    args = [sys.executable, "-m", "unicon.cli", "evaluate", "drift", "--ckpt", str(trained / "export"),
+            "--world", str(world), "--generations", "30", "--embedders", "scene", "--geneval", "none",
+            "--batch-size", "1"]
+    unicon(*args[3:], "--out", str(tmp_path / "clean"))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*args, "--out", str(out)], env=env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (out / "mcd" / "text-first" / "gen-2.done.json").exists():
+        time.sleep(0.02)
+    assert proc.poll() is None, "the evaluation ended before it could be interrupted"
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and time.time() - sent < 30, err
+    assert "preempted by signal SIGTERM" in err and "Traceback" not in err
+    assert not (out / "drift.json").exists()
+    unicon(*args[3:], "--out", str(out))  # resumes from the journals
+    a, b = (json.loads((d / "drift.json").read_text()) for d in (tmp_path / "clean", out))
+    assert a["MCD"] == b["MCD"] and a["mcd"] == b["mcd"]

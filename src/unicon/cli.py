@@ -31,6 +31,7 @@ from typing import Callable
 
 from unicon.config import ConfigError
 from unicon.errors import UserError
+from unicon.evaluation.preemption import Preempted
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) if not isinstance(e, FileNotFoundError) or not e.filename else f"no such file: {e.filename}"
         print(f"unicon: error: {msg}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        where = f"checkpoint written: {e.checkpoint}" if e.checkpoint else "partial outputs are kept (rerun to resume)"
+        print(f"unicon: {e}; {where}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("unicon: interrupted", file=sys.stderr)
         return 130

@@ -5,7 +5,9 @@ module and implements only ``evaluate(trainer, model) -> {metric: value}``. The 
 *when* to run (every ``every_n_epochs`` training epochs), puts the model in eval mode under
 ``torch.no_grad``, times the run, isolates failures (an exception is logged and reported as
 ``<suite>/failed = 1`` unless ``fail_on_error``), and sends the scalars to every logger of the
-trainer (W&B or CSV, and ``metrics.jsonl``).
+trainer (W&B or CSV, and ``metrics.jsonl``). A SIGTERM/SIGUSR1 during an evaluation
+(:mod:`unicon.evaluation.preemption`) stops it at the next batch, writes ``<run_dir>/last.ckpt`` and
+ends the run.
 
 Under DDP every rank calls ``evaluate`` (the suites shard their work and sync metric states);
 the loggers write on rank zero only.
@@ -25,6 +27,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
+
+from unicon.evaluation import preemption
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +116,18 @@ class EvalCallback(Callback):
         model.eval()
         start = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), preemption.watch_signals():
                 metrics = dict(self.evaluate(trainer, model))
             metrics[f"{self.name}/failed"] = 0.0
+        except preemption.Preempted as e:
+            # the epoch's training is complete: save it, so that a resumed run starts the next epoch
+            # (this evaluation is not redone), and end the run
+            model.train(was_training)
+            e.checkpoint = str(Path(trainer.default_root_dir) / "last.ckpt")
+            log.warning("%s evaluation preempted (%s) at epoch %d; writing %s", self.name, e,
+                        trainer.current_epoch, e.checkpoint)
+            trainer.save_checkpoint(e.checkpoint)
+            raise
         except Exception:
             if self.fail_on_error:
                 raise

@@ -74,6 +74,7 @@ from torchmetrics import Metric
 
 from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
 from unicon.errors import UserError
+from unicon.evaluation import preemption
 from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
 
 log = logging.getLogger(__name__)
@@ -580,6 +581,7 @@ def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16
 
         iterator = track(batches, description="cococon")
     for batch in iterator:
+        preemption.check()
         ev.update(model, batch)
     return ev.compute()
 
@@ -799,9 +801,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
     log.info(data.report.summary())
     model = load_model(args.ckpt).to(args.device).eval()
     start = time.perf_counter()
-    result = evaluate_model(model, data.samples, args.batch_size, progress=True, max_k=args.max_k,
-                            generative=not args.no_generative, world_root=data.images_root,
-                            fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks)
+    with preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch, exit 128 + signal
+        result = evaluate_model(model, data.samples, args.batch_size, progress=True, max_k=args.max_k,
+                                generative=not args.no_generative, world_root=data.images_root,
+                                fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks)
     seconds = time.perf_counter() - start
     result.results.update(
         data=str(args.data), ckpt=str(args.ckpt), checkpoint=str(Path(args.ckpt).resolve()),

@@ -82,6 +82,7 @@ from PIL import Image
 from unicon.data.drift_seeds import DriftSeed
 from unicon.embedders.base import Embedder
 from unicon.errors import UserError
+from unicon.evaluation import preemption
 from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
@@ -430,6 +431,7 @@ class ChainRunner:
         for b, items in done.items():
             results.update(items)
         for b in todo:
+            preemption.check()  # between batches: the journal holds every finished one
             items = self._produce(chain, g, b, self.batches[b], prev_texts)
             results.update(items)
             entry = {"batch": b, "ids": self.batches[b]}
@@ -560,6 +562,7 @@ def compute_mcd(out: str | Path, ids: Sequence[str], embedders: dict[str, Embedd
             inp = emb.embed(src, load_generation(out, chain, 0, ids))
             per_gen = []
             for g in gens:
+                preemption.check()
                 outs = emb.embed(tgt, load_generation(out, chain, g, ids))
                 per_gen.append((inp * outs).sum(-1))  # cosine per chain (unit vectors)
             sims = torch.stack(per_gen, 1)  # [N, len(gens)]
@@ -593,6 +596,7 @@ def compute_mgg(out: str | Path, seeds: Sequence[DriftSeed], generations: int, d
     prompts = [s.geneval for s in seeds]
     per_gen = {}
     for g in range(1, generations + 1, 2):
+        preemption.check()
         images = load_generation(out, "text-first", g, ids)
         summary, results = score_images(prompts, images, detector)
         summary["correct"] = [r.correct for r in results]
@@ -1031,10 +1035,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     model = _load_model(args.ckpt)
     out = Path(args.out)
     model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": weights_fingerprint(model)}
-    report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
-                            batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,
-                            detector=detector, chains=chains, seed=args.seed, model_id=model_id,
-                            geneval_file=str(Path(gpath).resolve()) if gseeds else None)
+    with preemption.watch_signals():  # stops at the next batch; the journals make a rerun resume
+        report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
+                                batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,
+                                detector=detector, chains=chains, seed=args.seed, model_id=model_id,
+                                geneval_file=str(Path(gpath).resolve()) if gseeds else None)
     if args.logger != "none":
         from omegaconf import OmegaConf
 

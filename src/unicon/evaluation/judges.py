@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 
 from unicon.errors import UserError
+from unicon.evaluation import preemption
 
 if TYPE_CHECKING:
     from unicon.data.ureason import UReasonInstance
@@ -260,6 +261,7 @@ class VLMJudge(Judge):
             else:
                 todo.append(i)
         for s in range(0, len(todo), self.batch_size):
+            preemption.check()
             idx = todo[s : s + self.batch_size]
             texts = [self.build_text(instances[i].expect_en) for i in idx]
             ims = [images[i].convert("RGB") for i in idx]
@@ -329,6 +331,7 @@ class ReasoningChainJudge(Judge):
             else:
                 todo.append(i)
         for s in range(0, len(todo), self.batch_size):
+            preemption.check()
             idx = todo[s : s + self.batch_size]
             texts = [self.build_text(instances[i].prompt, traces[i], instances[i].expect_en) for i in idx]
             # chat templates already hold the special tokens

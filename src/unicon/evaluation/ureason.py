@@ -54,6 +54,7 @@ from PIL import Image
 
 from unicon.data.ureason import CATEGORIES, UReasonInstance, load_shapes_ureason, load_ureason
 from unicon.errors import UserError
+from unicon.evaluation import preemption
 from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
 from unicon.evaluation.judges import Judge, Verdict, build_judge
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
@@ -188,6 +189,7 @@ def generate_samples(
     """Run settings 1-3 for every instance (no judging)."""
     samples = [Sample(inst) for inst in instances]
     for start in range(0, len(samples), batch_size):
+        preemption.check()
         batch = samples[start : start + batch_size]
         # setting 1
         ims, errs = _generate_safely(model, [s.instance.direct_prompt for s in batch], None, image_config)
@@ -637,8 +639,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     info = {"ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
             "model_fingerprint": weights_fingerprint(model), "data": str(args.data), "split": args.split,
             "max_new_tokens": args.max_new_tokens, "chain_judge": args.chain_judge}
-    metrics, samples = evaluate_ureason(model, instances, judge, out, args.max_new_tokens, args.batch_size,
-                                        config, info)
+    with preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch, exit 128 + signal
+        metrics, samples = evaluate_ureason(model, instances, judge, out, args.max_new_tokens, args.batch_size,
+                                            config, info)
     logger_section = SimpleNamespace(type=args.logger, mode=None, project=None, entity=None, tags=[])
     logger_cfg = SimpleNamespace(name=f"ureason-{out.name}", logger=logger_section)
     loggers = make_loggers(logger_cfg, out)
