@@ -349,7 +349,9 @@ def test_cli_writes_results(tmp_path, monkeypatch):
     path = _mini_file(tmp_path)
     monkeypatch.setattr(unicon.models, "load_model", lambda p, **kw: HashModel(), raising=False)
     out = tmp_path / "cli"
-    rc = cc.cli(["--ckpt", "dummy", "--data", str(path), "--out", str(out), "--logger", "csv",
+    ckpt = tmp_path / "ckpt"  # a directory: the double loads nothing from it
+    ckpt.mkdir()
+    rc = cc.cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--logger", "csv",
                  "--max-samples", "5", "--cider-tokenizer", "simple"])
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
@@ -360,9 +362,9 @@ def test_cli_writes_results(tmp_path, monkeypatch):
     from unicon.errors import UserError
 
     with pytest.raises(UserError, match="--max-samples must be >= 1, got 0"):
-        cc.cli(["--ckpt", "dummy", "--data", str(path), "--max-samples", "0"])
+        cc.cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--max-samples", "0"])
     with pytest.raises(UserError, match=r"image file not found: .*images/0\.png.*--images"):
-        cc.cli(["--ckpt", "dummy", "--data", str(path), "--images", str(tmp_path / "cli")])
+        cc.cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--images", str(tmp_path / "cli")])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -770,6 +770,7 @@ def test_drift_callback_logs_metrics(world_cfg, tmp_path):
 def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, capsys):
     world = make_world(tmp_path / "world", world_cfg)
     monkeypatch.setattr(drift, "_load_model", lambda ckpt: ShapesModel(world_cfg, competent=True))
+    monkeypatch.setattr(drift, "load_model_for", lambda args: ShapesModel(world_cfg, competent=True))
     out = tmp_path / "out"
     rc = drift.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
                     "--embedders", "scene", "--logger", "csv", "--batch-size", "3"])
@@ -780,7 +781,7 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     assert logged[0]["drift/MCD_avg"] == pytest.approx(1.0)
     # a second invocation resumes: nothing recomputed
     rc = drift.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
-                    "--embedders", "scene", "--batch-size", "3"])
+                    "--embedders", "scene", "--batch-size", "3", "--logger", "none"])
     assert rc == 0
     with pytest.raises(SystemExit):
         drift.cli(["--help"])

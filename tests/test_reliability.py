@@ -470,3 +470,81 @@ def test_sigterm_stops_a_standalone_evaluation_which_then_resumes(world, trained
     unicon(*args[3:], "--out", str(out))  # resumes from the journals
     a, b = (json.loads((d / "drift.json").read_text()) for d in (tmp_path / "clean", out))
     assert a["MCD"] == b["MCD"] and a["mcd"] == b["mcd"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reliability II, evaluation commands: bad values, files, judges, devices, outputs, capabilities
+# ---------------------------------------------------------------------------------------------
+def _eval_cases(world: Path, trained: Path, tmp: Path) -> list[tuple[str, list[str], str]]:
+    """(id, unicon argv, text the one error line must contain). ``--ckpt`` is a missing path where the
+    check must come before any model is loaded."""
+    export, missing = str(trained / "export"), str(tmp / "no-model")
+    a_file = tmp / "a-file"
+    a_file.write_text("x")
+    data = json.loads((world / "cococon_test.json").read_text())
+    bad_box, nan_box = tmp / "bad_box.json", tmp / "nan_box.json"
+    for path, box in ((bad_box, [1e308, -5, 1e308, 3]), (nan_box, [float("nan"), 1, 2, 3])):
+        d = json.loads(json.dumps(data))
+        d["annotations"][0]["boxes"] = [box]
+        path.write_text(json.dumps(d))
+    coco = tmp / "coco"  # a 640x480 photo-like image where the world's renders were
+    coco.mkdir()
+    from PIL import Image
+
+    for image in data["images"]:
+        (coco / image["file_name"]).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (640, 480), (90, 120, 30)).save(coco / image["file_name"])
+    cococon = ["evaluate", "cococon", "--data", str(world / "cococon_test.json"), "--logger", "none"]
+    drift = ["evaluate", "drift", "--world", str(world), "--generations", "1", "--logger", "none"]
+    ureason = ["evaluate", "ureason", "--data", str(world), "--judge", "exact", "--logger", "none"]
+    out = ["--out", str(tmp / "out")]
+    cases = [
+        ("drift-num-chains", [*drift, "--ckpt", missing, *out, "--num-chains", "-1"], "--num-chains must be >= 1, got -1"),
+        ("drift-generations", [*drift, "--ckpt", missing, *out, "--generations", "0"], "--generations must be >= 1"),
+        ("cococon-batch", [*cococon, "--ckpt", missing, *out, "--batch-size", "0"], "--batch-size must be >= 1"),
+        ("ureason-tokens", [*ureason, "--ckpt", missing, *out, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        ("ureason-split-on-world", [*ureason, "--ckpt", missing, *out, "--split", "testmini"], "--split testmini"),
+        ("ureason-judge-typo", ["evaluate", "ureason", "--data", str(world), "--judge", "exactt", "--ckpt", missing,
+                                *out], "--judge 'exactt'"),
+        ("ureason-judge-missing", ["evaluate", "ureason", "--data", str(world), "--judge", "vlm:/nonexistent",
+                                   "--ckpt", missing, *out], "/nonexistent is not a local model directory"),
+        ("cococon-box-huge", ["evaluate", "cococon", "--data", str(bad_box), "--ckpt", missing, *out],
+         "lies outside any image"),
+        ("cococon-box-nan", ["evaluate", "cococon", "--data", str(nan_box), "--ckpt", missing, *out],
+         "non-finite coordinate"),
+        ("cococon-no-image-left", [*cococon, "--ckpt", missing, *out, "--images", str(tmp / "out"), "--skip-missing"],
+         "no sample left"),
+        ("cococon-t2i-on-photos", [*cococon, "--ckpt", export, *out, "--images", str(coco), "--max-samples", "2"],
+         "--tasks vqa localization"),
+        ("drift-detector-missing", [*drift, "--ckpt", export, *out, "--detector", "owlv2:/nonexistent"],
+         "/nonexistent"),
+        ("drift-clip-missing", [*drift, "--ckpt", export, *out, "--clip", str(tmp / "no-clip")], str(tmp / "no-clip")),
+    ]
+    for suite in (cococon, drift, ureason):
+        name = suite[1]
+        cases.append((f"{name}-out-is-a-file", [*suite, "--ckpt", missing, "--out", str(a_file)], f"--out {a_file}"))
+        cases.append((f"{name}-out-unwritable", [*suite, "--ckpt", missing, "--out", str(a_file / "sub")],
+                      f"--out {a_file / 'sub'}: cannot write there"))
+        if not torch.cuda.is_available():
+            cases.append((f"{name}-cuda", [*suite, "--ckpt", missing, *out, "--device", "cuda"], "--device cuda"))
+    return cases
+
+
+def test_bad_evaluation_inputs_fail_early_with_one_line(world, trained, tmp_path, capsys):
+    for case, argv, expected in _eval_cases(world, trained, tmp_path):
+        line = one_line_error(capsys, unicon_main(argv))
+        assert expected in line, (case, line)
+
+
+def test_pickle_only_export_evaluates_with_allow_pickle(world, trained, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    export = tmp_path / "bin-only"
+    shutil.copytree(trained / "export", export)
+    torch.save(load_file(export / "model.safetensors"), export / "pytorch_model.bin")
+    (export / "model.safetensors").unlink()
+    assert unicon_main(["evaluate", "cococon", "--ckpt", str(export), "--data", str(world / "cococon_test.json"),
+                        "--out", str(tmp_path / "o"), "--logger", "none", "--max-samples", "2", "--no-generative",
+                        "--allow-pickle"]) == 0

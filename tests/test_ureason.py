@@ -418,11 +418,14 @@ def test_cli_and_loggers(tmp_path, monkeypatch):
     monkeypatch.setattr(ur, "build_judge", lambda spec, **kw: ColorJudge())
     from unicon.errors import UserError
 
+    ckpt, vlm = tmp_path / "ckpt", tmp_path / "vlm"  # local directories (the doubles load nothing from them)
+    ckpt.mkdir()
+    vlm.mkdir()
     with pytest.raises(UserError, match="judge 'exact' needs ShapesWorld prompts"):
-        ur.cli(["--ckpt", "x", "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
+        ur.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
     out = tmp_path / "out"
-    assert ur.cli(["--ckpt", "x", "--data", str(data), "--out", str(out), "--logger", "none",
-                   "--device", "cpu", "--judge", "vlm:unused"]) == 0
+    assert ur.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(out), "--logger", "none",
+                   "--device", "cpu", "--judge", f"vlm:{vlm}"]) == 0
     metrics = json.loads((out / "ureason.json").read_text())["metrics"]
     assert metrics["acc_s3"] == 100.0 and metrics["acc_s1/code"] == 0.0
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

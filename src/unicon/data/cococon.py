@@ -26,6 +26,7 @@ ShapesWorld convention of names relative to the world root). Problems are handle
 from __future__ import annotations
 
 import json
+import math
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,10 +165,20 @@ def _expect(cond: bool, path: Path, where: str, msg: str) -> None:
         raise CocoConFormatError(f"{path}: {where}: {msg}")
 
 
+MAX_BOX_PIXELS = 100_000  # no image is this large: a coordinate beyond it is a units or format error
+
+
 def _parse_box(box: Any, path: Path, where: str) -> list[float]:
-    ok = isinstance(box, (list, tuple)) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)
+    ok = isinstance(box, (list, tuple)) and len(box) == 4 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)
     _expect(ok, path, where, f"a box must be [x, y, w, h] numbers, got {box!r}")
-    return [float(v) for v in box]
+    x, y, w, h = (float(v) for v in box)
+    _expect(all(math.isfinite(v) for v in (x, y, w, h)), path, where, f"box {box!r} has a non-finite coordinate")
+    _expect(w > 0 and h > 0, path, where, f"box {box!r} must have width and height > 0 ([x, y, w, h] in pixels)")
+    _expect(x >= 0 and y >= 0 and x + w <= MAX_BOX_PIXELS and y + h <= MAX_BOX_PIXELS, path, where,
+            f"box {box!r} lies outside any image ([x, y, w, h] in pixels, 0 <= x, y and x + w, y + h <= "
+            f"{MAX_BOX_PIXELS})")
+    return [x, y, w, h]
 
 
 def _parse_annotation(

@@ -73,8 +73,10 @@ import torch
 from torchmetrics import Metric
 
 from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
+from unicon.config import CocoConEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.cli_common import add_common_args, check_common_args, load_model_for
 from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
 
 log = logging.getLogger(__name__)
@@ -768,38 +770,51 @@ class CocoConCallback(EvalCallback):
 # ---------------------------------------------------------------------------------------------
 # `unicon evaluate cococon`
 # ---------------------------------------------------------------------------------------------
+def check_can_score_t2i(model, sample: CocoConSample) -> None:
+    """Score one sample's text-to-image likelihood before the run: a model whose image tokenizer
+    cannot encode these images (the ShapesWorld model on COCO photos) fails here, in seconds."""
+    try:
+        with torch.no_grad():
+            model.score_image([[sample.caption]], [sample.load_image()])
+    except UserError:
+        raise
+    except Exception as e:  # the backend's own complaint, whatever its type
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"the model cannot score text-to-image on {sample.file_name} ({first}); evaluate the other "
+                        "tasks with --tasks vqa localization") from None
+
+
 def cli(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unicon evaluate cococon",
                                      description="CocoCon cross-task consistency (C_k, rho) and task accuracies.")
-    parser.add_argument("--ckpt", required=True, help="save_pretrained directory or Lightning .ckpt")
+    add_common_args(parser, out_help="output folder (results.json, per_sample.jsonl, plots)")
     parser.add_argument("--data", required=True, help="CocoCon-schema JSON file")
     parser.add_argument("--images", default=None, help="image root for file_name (default: the JSON's folder)")
-    parser.add_argument("--out", default="eval/cococon", help="output folder (results.json, per_sample.jsonl, plots)")
     parser.add_argument("--skip-missing", action="store_true", help="skip samples whose image file is missing")
     parser.add_argument("--max-samples", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=CocoConEvalConfig.batch_size)
     parser.add_argument("--max-k", type=int, default=5)
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS),
                         help="tasks compared with captioning (t2i needs an image tokenizer that encodes the images)")
     parser.add_argument("--no-generative", action="store_true", help="only likelihood scoring (no CIDEr/acc/FID)")
     parser.add_argument("--fid-weights", default=None, help="local Inception weights for FID (else 'unavailable')")
     parser.add_argument("--cider-tokenizer", choices=["auto", "ptb", "simple"], default="auto")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--logger", choices=["wandb", "csv", "none"], default="wandb")
+    parser.add_argument("--table-rows", type=int, default=CocoConEvalConfig.table_rows, help="samples in the W&B table")
     parser.add_argument("--name", default=None, help="run name for the logger")
     args = parser.parse_args(argv)
-    for name in ("batch_size", "max_samples", "max_k"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    out = check_common_args(args, ("batch_size", "max_samples", "max_k", "table_rows"), {"table_rows": 0})
 
     from unicon.config import LoggerConfig
-    from unicon.models import load_model, weights_fingerprint
+    from unicon.models import weights_fingerprint
     from unicon.training.loggers import make_loggers
 
     data = load_cococon(args.data, args.images, args.skip_missing).subset(args.max_samples)
     log.info(data.report.summary())
-    model = load_model(args.ckpt).to(args.device).eval()
+    if not data.samples:
+        raise UserError(f"{args.data}: no sample left to evaluate ({data.report.summary()})")
+    model = load_model_for(args)
+    if "t2i" in args.tasks:
+        check_can_score_t2i(model, data.samples[0])
     start = time.perf_counter()
     with preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch, exit 128 + signal
         result = evaluate_model(model, data.samples, args.batch_size, progress=True, max_k=args.max_k,
@@ -813,13 +828,12 @@ def cli(argv: Sequence[str] | None = None) -> int:
         skipped_missing_images=len(data.report.missing_images),
         load_report={k: (len(v) if isinstance(v, list) else v) for k, v in data.report.to_dict().items()},
     )
-    out = Path(args.out)
     write_outputs(result, out)
     loggers = make_loggers(LoggerConfig(type=args.logger), out, name=args.name or f"cococon-{Path(args.ckpt).name}")
     metrics = result.flat()
     metrics["cococon/seconds"] = seconds
     log_metrics(loggers, metrics, step=0)
-    rows = table_rows(result, {s.index: s for s in data.samples}, 16)
+    rows = table_rows(result, {s.index: s for s in data.samples}, args.table_rows)
     log_table(loggers, "cococon/samples", TABLE_COLUMNS, rows, step=0)
     for lg in loggers:
         lg.finalize("success")

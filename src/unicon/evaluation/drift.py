@@ -81,8 +81,10 @@ from PIL import Image
 
 from unicon.data.drift_seeds import DriftSeed
 from unicon.embedders.base import Embedder
+from unicon.config import DriftEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.cli_common import add_common_args, check_common_args, load_model_for
 from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
@@ -932,7 +934,6 @@ class DriftCallback(EvalCallback):
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", help="model: save_pretrained directory or Lightning .ckpt")
     p.add_argument("--world", default="data/shapes",
                    help="ShapesWorld root (scene embedder, shapes detector, default seeds)")
     p.add_argument("--seeds", help="ShapesWorld drift_seeds.jsonl / world dir, or a GenEval metadata file "
@@ -960,8 +961,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         prog="unicon evaluate drift",
         description="Semantic drift chains: run/resume I2T<->T2I chains, compute MCD and MGG.",
     )
+    add_common_args(p, out_help="output directory (resumable)")
     _add_common(p)
-    p.add_argument("--out", required=True, help="output directory (resumable)")
     p.add_argument("--chains", default="both", choices=["both", "text-first", "image-first"])
     p.add_argument("--nocaps", help="ND400: nocaps_val_4500_captions.json (use instead of --seeds)")
     p.add_argument("--nocaps-images", help="ND400: folder of NoCaps val images")
@@ -970,8 +971,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nd-n", type=int, default=200, help="ND400: pairs drawn from each source (200 -> 400)")
     p.add_argument("--embedders", default="scene,clip,text",
                    help="comma list of scene, clip, text, dino ('' = none)")
-    p.add_argument("--clip", default="checkpoints/shapes_clip",
-                   help="open_clip dir, '<arch>:<weights file>' or hf-hub:<repo>")
+    p.add_argument("--clip", default=DriftEvalConfig.clip,
+                   help="open_clip dir, '<arch>:<weights file>' or hf-hub:<repo> (the default ShapesWorld CLIP is "
+                        "skipped with a warning when it has not been trained)")
     p.add_argument("--dino", default=None, help="DINO model directory (transformers)")
     p.add_argument("--sentence", default=None,
                    help="sentence-transformers dir (default: the bundled all-MiniLM-L6-v2)")
@@ -981,11 +983,12 @@ def cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--geneval-limit", type=int, default=None, help="first N prompts of every task")
     p.add_argument("--detector", default="shapes", help="'shapes' or 'owlv2:<dir>'")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logger", default="none", choices=["wandb", "csv", "none"])
     args = p.parse_args(argv)
-
     from unicon.data.drift_seeds import balanced, geneval_seeds, is_geneval_file, load_seeds, nd400_seeds
-    from unicon.evaluation.geneval import ClipColorClassifier, load_detector
+    from unicon.evaluation.geneval import ClipColorClassifier, check_detector_spec, load_detector
+
+    check_common_args(args, ("num_chains", "generations", "batch_size", "nd_n", "geneval_limit"))
+    check_detector_spec(args.detector)
 
     world = None
     if Path(args.world, "world.json").is_file():
@@ -1012,6 +1015,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
     names = [n for n in args.embedders.split(",") if n]
     if world is None and "scene" in names:
         names.remove("scene")
+    if "clip" in names and args.clip == DriftEvalConfig.clip and not Path(args.clip).exists():
+        log.warning("drift: no CLIP model at the default %s (train one with `python -m unicon.embedders.clip "
+                    "--train-shapes data/shapes --out %s`); the CLIP mappings are skipped", args.clip, args.clip)
+        names.remove("clip")
     embedders = load_embedders(names, clip=args.clip, dino=args.dino, sentence=args.sentence, world=world)
 
     gseeds, detector = None, None
@@ -1032,7 +1039,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
     from unicon.models import weights_fingerprint
 
-    model = _load_model(args.ckpt)
+    model = load_model_for(args)
     out = Path(args.out)
     model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": weights_fingerprint(model)}
     with preemption.watch_signals():  # stops at the next batch; the journals make a rerun resume
@@ -1066,6 +1073,7 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
         description="Throughput of drift chains: batched across samples vs one chain at a time.",
     )
     _add_common(p)
+    p.add_argument("--ckpt", default=None, help="a trained checkpoint (default: --model with random weights)")
     p.add_argument("--model", default="ofa_shapes_tiny",
                    help="without --ckpt: a config name under configs/model/ built with random weights")
     p.add_argument("--repeats", type=int, default=1)

@@ -317,8 +317,19 @@ class ShapesDetector(Detector):
         return out
 
 
+def check_detector_spec(spec: str) -> None:
+    """Refuse a detector spec before anything loads: ``shapes`` or ``owlv2:<local directory>``."""
+    if spec == "shapes":
+        return
+    if not spec.startswith("owlv2:"):
+        raise UserError(f"--detector {spec!r}: use 'shapes' or 'owlv2:<local model directory>'")
+    path = Path(spec.split(":", 1)[1]).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--detector {spec}: {path} is not a local model directory (detectors load from disk only)")
+
+
 def load_detector(spec: str, world_cfg=None, color_classifier: ColorFn | None = None) -> Detector:
-    """``"shapes"`` (needs ``world_cfg``) or ``"owlv2:<path-or-hub-id>"``."""
+    """``"shapes"`` (needs ``world_cfg``) or ``"owlv2:<local directory>"``."""
     if spec == "shapes":
         if world_cfg is None:
             raise UserError("the 'shapes' detector needs the ShapesWorld config (give --world DIR)")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import re
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -439,6 +440,18 @@ class ShapesJudge(Judge):
         return out
 
 
+def check_judge_spec(spec: str, chain: str | None = None) -> None:
+    """Refuse a judge spec that names no local model, before anything loads (never the network)."""
+    if spec != "exact":
+        if not spec.startswith("vlm:"):
+            raise UserError(f"--judge {spec!r}: use 'exact' (the ShapesWorld verifier) or 'vlm:<local model directory>'")
+        path = Path(spec[len("vlm:"):]).expanduser()
+        if not path.is_dir():
+            raise UserError(f"--judge {spec}: {path} is not a local model directory (judges load from disk only)")
+    if chain is not None and not Path(chain).expanduser().is_dir():
+        raise UserError(f"--chain-judge {chain}: not a local model directory (judges load from disk only)")
+
+
 def build_judge(
     spec: str,
     chain: str | None = None,
@@ -449,7 +462,7 @@ def build_judge(
     max_new_tokens: int = 512,
     batch_size: int = 4,
 ) -> Judge:
-    """``spec``: ``exact`` (ShapesWorld) or ``vlm:<path>`` / a bare model path (VLM judge).
+    """``spec``: ``exact`` (ShapesWorld) or ``vlm:<local directory>`` (VLM judge).
 
     ``chain``: optional causal-LM path for the reasoning-chain judge (``exact`` judges chains
     itself unless ``chain`` is given). ``world_root``: the ShapesWorld root whose ``world.json``
@@ -457,6 +470,7 @@ def build_judge(
     """
     kw = dict(device=device, dtype=dtype, trust_remote_code=trust_remote_code,
               max_new_tokens=max_new_tokens, batch_size=batch_size)
+    check_judge_spec(spec, chain)
     if spec == "exact":
         image_judge: Judge = ShapesJudge.from_world(world_root)
     else:

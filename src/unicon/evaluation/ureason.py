@@ -53,10 +53,12 @@ import torch
 from PIL import Image
 
 from unicon.data.ureason import CATEGORIES, UReasonInstance, load_shapes_ureason, load_ureason
+from unicon.config import UReasonEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.cli_common import add_common_args, check_common_args, load_model_for
 from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
-from unicon.evaluation.judges import Judge, Verdict, build_judge
+from unicon.evaluation.judges import Judge, Verdict, build_judge, check_judge_spec
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
 log = logging.getLogger(__name__)
@@ -601,41 +603,45 @@ def build_parser() -> argparse.ArgumentParser:
         prog="unicon evaluate ureason",
         description="UReason: direct, reasoning-guided and de-contextualized generation, judged.",
     )
-    p.add_argument("--ckpt", required=True, help="checkpoint: save_pretrained dir or Lightning .ckpt")
+    add_common_args(p)
     p.add_argument("--data", required=True,
                    help="UReason directory (direct_<cat>.jsonl + <cat>.jsonl) or a ShapesWorld root")
     p.add_argument("--judge", default="exact",
                    help="'exact' (ShapesWorld verifier) or 'vlm:<path>' (image-text-to-text model)")
     p.add_argument("--chain-judge", default=None, help="causal LM path for the reasoning-chain judge (Table 3)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--split", choices=["test", "testmini"], default=None)
+    p.add_argument("--split", choices=["test", "testmini"], default=None,
+                   help="split of the UReason release (a ShapesWorld root has one split)")
     p.add_argument("--categories", nargs="+", default=None)
     p.add_argument("--max-samples", type=int, default=None, help="round-robin subset over categories")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="token budget of the reasoning trace")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=UReasonEvalConfig.max_new_tokens,
+                   help="token budget of the reasoning trace")
+    p.add_argument("--batch-size", type=int, default=UReasonEvalConfig.batch_size)
     p.add_argument("--seed", type=int, default=None, help="image sampling seed (greedy by default)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--judge-dtype", default="float32")
+    p.add_argument("--judge-dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--judge-max-new-tokens", type=int, default=512)
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of judge models")
-    p.add_argument("--logger", choices=["wandb", "csv", "none"], default="wandb")
-    p.add_argument("--table-rows", type=int, default=32, help="samples in the W&B image table")
+    p.add_argument("--table-rows", type=int, default=UReasonEvalConfig.table_rows, help="samples in the W&B image table")
     return p
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from unicon.models import load_model, weights_fingerprint
+    from unicon.models import weights_fingerprint
     from unicon.training.loggers import make_loggers
 
+    out = check_common_args(args, ("max_samples", "max_new_tokens", "batch_size", "judge_max_new_tokens",
+                                   "table_rows"), {"table_rows": 0})
+    check_judge_spec(args.judge, args.chain_judge)
+    if args.split and world_root_of(args.data) is not None:
+        raise UserError(f"--split {args.split}: {args.data} is a ShapesWorld root, which has one split; "
+                        "--split selects a split of the UReason release")
     instances = subset(load_instances(args.data, split=args.split, categories=args.categories), args.max_samples)
     check_judge_fits(args.judge, instances)
     judge = build_judge(args.judge, chain=args.chain_judge, world_root=world_root_of(args.data),
                         device=args.device, dtype=args.judge_dtype,
                         trust_remote_code=args.trust_remote_code, max_new_tokens=args.judge_max_new_tokens)
-    model = load_model(args.ckpt).to(args.device)
+    model = load_model_for(args)
     config = ImageGenerationConfig(seed=args.seed)
-    out = Path(args.out)
     info = {"ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
             "model_fingerprint": weights_fingerprint(model), "data": str(args.data), "split": args.split,
             "max_new_tokens": args.max_new_tokens, "chain_judge": args.chain_judge}

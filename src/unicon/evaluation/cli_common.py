@@ -1,0 +1,73 @@
+"""What every ``unicon evaluate <suite>`` command shares: the model, output, device, pickle and
+logger arguments, and their checks, done before any model or data is loaded.
+
+* ``--device cuda`` on a machine without CUDA, an ``--out`` that is a file or cannot be written,
+  and a count below its minimum fail with one line naming the flag;
+* the model loads with :func:`unicon.models.load_model`; unpickling only with ``--allow-pickle``;
+* ``--logger`` defaults to the training default (``LoggerConfig.type``), for every suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from unicon.config import LoggerConfig
+from unicon.errors import UserError
+
+
+def add_common_args(p: argparse.ArgumentParser, out_help: str = "output directory") -> None:
+    p.add_argument("--ckpt", required=True, help="model: save_pretrained directory or Lightning .ckpt")
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default: cuda when available)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept checkpoints that need unpickling (pytorch_model.bin; can run code: trusted files only)")
+    p.add_argument("--logger", choices=["wandb", "csv", "none"], default=LoggerConfig.type,
+                   help=f"where the metrics also go (default: {LoggerConfig.type}, offline without an API key)")
+
+
+def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), minimum: dict | None = None) -> Path:
+    """Validate the shared arguments and the count flags ``counts`` (>= 1, or ``minimum[name]``);
+    create ``--out``. Returns the output directory."""
+    minimum = minimum or {}
+    for name in counts:
+        value = getattr(args, name)
+        low = minimum.get(name, 1)
+        if value is not None and value < low:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    device = str(args.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine (torch.cuda.is_available() "
+                        "is False); use --device cpu")
+    return prepare_out(args.out)
+
+
+def prepare_out(out: str | Path) -> Path:
+    """Create the output directory and check that it can be written, before any work."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write there ({e.strerror})") from None
+    if not os.access(out, os.W_OK):  # pragma: no cover - covered by the write test above on POSIX
+        raise UserError(f"--out {out}: not writable")
+    return out
+
+
+def load_model_for(args: argparse.Namespace):
+    """The model of ``--ckpt`` on ``--device``, in eval mode."""
+    from unicon.models import load_model
+
+    if not Path(args.ckpt).exists():
+        raise UserError(f"--ckpt {args.ckpt} does not exist")
+    return load_model(args.ckpt, allow_pickle=args.allow_pickle).to(args.device).eval()
