@@ -58,3 +58,42 @@ def test_train_sbatch_body_runs(srun_shim, tmp_path):
     run = tmp_path / "runs" / "unicon-train-4242"
     assert (run / "last.ckpt").is_file() and (run / "export" / "training_config.json").is_file()
     assert list((run / "wandb").glob("offline-run-*")), "W&B should run offline on compute nodes"
+
+
+def test_evaluate_sbatch_body_runs(srun_shim, tmp_path):
+    """The evaluation script on stand-ins: a tiny Janus export, placeholder COCO images, a tiny
+    OWLv2, a ShapesWorld CLIP trained for a few steps and a tiny Qwen2-VL judge."""
+    import json
+
+    from PIL import Image
+
+    import standins
+
+    shared = Path(os.environ.get("UNICON_SHARED_DIR", REPO.parent / "shared"))
+    if not (shared / "data").is_dir():
+        pytest.skip(f"needs the shared data directory {shared} (real benchmark files)")
+    if not (REPO / ".venv" / "bin" / "unicon").is_file():
+        pytest.skip("needs the project's virtual environment (make setup), which the script activates")
+    janus = standins.janus_export(tmp_path / "janus")
+    owl = standins.owlv2(tmp_path / "owlv2")
+    judge = standins.qwen2_vl(tmp_path / "judge")
+    world = standins.build_world(tmp_path / "world", "--num-reason-train", "0", train=8)
+    env = slurm_env(srun_shim, "77")
+    subprocess.run([sys.executable, "-m", "unicon.embedders.clip", "--train-shapes", str(world), "--out",
+                    str(tmp_path / "clip"), "--steps", "2", "--batch-size", "8"], check=True, env=env,
+                   capture_output=True)
+    coco = tmp_path / "val2014"
+    coco.mkdir()
+    for image in json.loads((shared / "data" / "cococon" / "cococon.json").read_text())["images"]:
+        Image.new("RGB", (64, 48), (120, 80, 40)).save(coco / image["file_name"])
+    env.update(SLURM_SUBMIT_DIR=str(tmp_path), UNICON_SHARED_DIR=str(shared),
+               EVAL_ARGS="--max-samples 2 --logger none",
+               DRIFT_ARGS="--num-chains 2 --generations 2 --geneval-limit 1 --logger none")
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "evaluate.sbatch"), str(janus), str(coco), str(owl),
+                           str(tmp_path / "clip"), str(judge)], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "outputs" / "eval-77"
+    for f in ("cococon/results.json", "drift/drift.json", "ureason/ureason.json"):
+        assert (out / f).is_file(), f
