@@ -10,6 +10,28 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The suite must pass at any intra-op thread count (summation order changes with it):
+# UNICON_TEST_THREADS=N runs it with N threads. ATEN_CPU_CAPABILITY (default, avx2, avx512) is read
+# by torch itself at import and selects the vector kernels.
+if os.environ.get("UNICON_TEST_THREADS"):
+    torch.set_num_threads(int(os.environ["UNICON_TEST_THREADS"]))
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def float32_tol(n_reduce: int, scale: float = 1.0, depth: int = 1) -> float:
+    """A forward-error bound for float32 results that two computations may round differently
+    (another summation order: batching, thread count, vector width, masked vs absent inputs).
+
+    A length-``n`` dot product in float32 is within ``n * eps * sum|x_i y_i|`` of the exact value
+    (Higham, the γ_n bound); a value produced by ``depth`` such reductions in a row (layers) of
+    magnitude ``scale`` accumulates at most ``depth * n * eps * scale`` this way, and two
+    computations differ by at most twice that. Worst-case, machine-independent, and still orders of
+    magnitude below what a wrong computation (a mask, an offset, a dropped token) changes.
+    """
+    return 2.0 * depth * n_reduce * EPS32 * max(scale, 1.0)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("UNICON_SHARED_DIR", REPO.parent / "shared"))

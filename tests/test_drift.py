@@ -501,7 +501,7 @@ def test_dino_embedder_tiny_local_model(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # ShapesWorld: scene embedder, exact detector, MGG of a competent vs a random model, shapes CLIP
 # ---------------------------------------------------------------------------------------------------------
-shapes = pytest.importorskip("unicon.worlds.shapes")
+import unicon.worlds.shapes as shapes  # noqa: E402
 
 SHAPES_GENEVAL = [
     {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"},

@@ -467,7 +467,7 @@ def _mini_cococon(tmp_path: Path) -> Path:
 
 
 def test_cococon_evaluation_end_to_end(model, tmp_path):
-    cc = pytest.importorskip("unicon.evaluation.cococon")
+    import unicon.evaluation.cococon as cc
     from unicon.data.cococon import load_cococon
 
     data = load_cococon(_mini_cococon(tmp_path))
@@ -487,7 +487,7 @@ def test_cococon_evaluation_end_to_end(model, tmp_path):
 
 
 def test_drift_two_generations_end_to_end(model, tmp_path):
-    drift = pytest.importorskip("unicon.evaluation.drift")
+    import unicon.evaluation.drift as drift
     from unicon.data.drift_seeds import DriftSeed
 
     seeds = []
@@ -506,7 +506,7 @@ def test_drift_two_generations_end_to_end(model, tmp_path):
 
 
 def test_ureason_settings_end_to_end(model, tmp_path):
-    ur = pytest.importorskip("unicon.evaluation.ureason")
+    import unicon.evaluation.ureason as ur
     from unicon.data.ureason import UReasonInstance
     from unicon.evaluation.judges import Judge, Verdict
 
@@ -541,8 +541,8 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
     import sys
 
     sys.path.insert(0, str(REPO))
-    builder = pytest.importorskip("data_builders.shapes")
-    run = pytest.importorskip("unicon.training.run")
+    import data_builders.shapes as builder
+    import unicon.training.run as run
     from unicon.config import compose
     from unicon.models import load_model
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from unicon.losses.consistency import consistency_loss, hinge_rank_loss, soft_ranks, spearman_rank_loss
+from unicon.losses.consistency import (
+    consistency_loss,
+    hinge_rank_loss,
+    rank_diagnostics,
+    rank_scale,
+    soft_ranks,
+    spearman_rank_loss,
+)
 
 
 def test_soft_rank_is_hard_rank_for_well_separated_values():
@@ -14,40 +21,109 @@ def test_soft_rank_is_hard_rank_for_well_separated_values():
     assert torch.allclose(soft_ranks(x), torch.tensor([[4.0, 2.0, 3.0, 1.0]]))
 
 
-def test_zero_for_identical_orderings_and_positive_otherwise():
+def test_zero_for_the_same_order_on_any_scale_and_positive_otherwise():
     s0 = torch.tensor([[0.0, 10.0, 20.0, 30.0]])
-    same_order = torch.tensor([[5.0, 15.0, 40.0, 60.0]])  # different values, same ranks
-    assert spearman_rank_loss(s0, same_order).item() == pytest.approx(0.0, abs=1e-6)
+    same_order = 3 * s0 + 7  # another scale, the same order
+    assert spearman_rank_loss(s0, same_order).item() == pytest.approx(0.0, abs=1e-9)
     swapped = torch.tensor([[10.0, 0.0, 20.0, 30.0]])
     assert spearman_rank_loss(s0, swapped).item() > 0
 
 
-def test_normalised_value_is_half_one_minus_spearman_for_every_permutation_and_k():
+def test_value_by_hand_is_equation_3_on_rank_scaled_scores():
+    # [0, 1, 2] standardised and rescaled to the spread of ranks 1..3 is [-1, 0, 1]: one rank step
+    # apart = ε, so the soft ranks are the hard ranks [1, 2, 3]; [1, 0, 2] -> ranks [2, 1, 3]
+    s0 = torch.tensor([[0.0, 1.0, 2.0]], dtype=torch.float64)
+    si = torch.tensor([[1.0, 0.0, 2.0]], dtype=torch.float64)
+    assert torch.allclose(soft_ranks(rank_scale(s0)[0]), torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64))
+    # Eq. 3: ½((1-2)² + (2-1)² + 0²) = 1
+    assert spearman_rank_loss(s0, si).item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_hard_rank_value_is_eq3_times_one_minus_spearman_for_every_permutation_and_k():
     for k in (2, 3, 5, 7):
-        s0 = torch.arange(k, dtype=torch.float32)[None] * 10
+        s0 = torch.arange(k, dtype=torch.float64)[None] * 10  # evenly spaced: soft ranks = hard ranks
         perms = list(itertools.permutations(range(k)))[:50]
         for perm in perms:
-            si = torch.tensor(perm, dtype=torch.float32)[None] * 10
+            si = torch.tensor(perm, dtype=torch.float64)[None] * 10
             rho = spearmanr(s0[0].numpy(), si[0].numpy()).statistic
-            assert spearman_rank_loss(s0, si).item() == pytest.approx((1 - rho) / 2, abs=1e-5)
-        # fully reversed ordering is the maximum, 1.0, whatever K is
-        assert spearman_rank_loss(s0, s0.flip(1)).item() == pytest.approx(1.0, abs=1e-5)
+            # ½‖r0 - ri‖² = (K³ - K)/12 · (1 - ρ) for hard ranks
+            assert spearman_rank_loss(s0, si).item() == pytest.approx((k**3 - k) / 12 * (1 - rho), abs=1e-9)
+        # fully reversed: (K³ - K)/6, the paper's scale (20 at K = 5)
+        assert spearman_rank_loss(s0, s0.flip(1)).item() == pytest.approx((k**3 - k) / 6, abs=1e-9)
 
 
-def test_gradient_moves_misranked_candidates_toward_a_common_rank():
-    # candidate 1 is ranked 1st by the anchor and 3rd by the task; candidate 2 the reverse
-    # (values within the regularization strength, where soft ranks are not piecewise constant)
-    s0 = torch.tensor([[1.0, 0.5, 1.5]], requires_grad=True)
-    si = torch.tensor([[1.0, 1.5, 0.5]], requires_grad=True)
+# float64 throughout: rank_scale's mean/std are K-term sums (relative rounding <= K * eps64) and
+# torchsort's projection is exact arithmetic on them, so two affine images of a row give losses equal
+# to ~1e-13; 1e-9 leaves four orders of magnitude.
+AFFINE_TOL = 1e-9
+SCALES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("scale", SCALES)
+def test_operates_on_ranks_at_every_scale(k, scale):
+    g = torch.Generator().manual_seed(k)
+    s0 = torch.rand(64, k, generator=g, dtype=torch.float64) * scale
+    reversed_ = spearman_rank_loss(s0, -0.5 * s0)
+    affine = spearman_rank_loss(s0, 3 * s0 + 7)
+    monotone = spearman_rank_loss(s0, torch.exp(s0 / scale) * scale)  # same order, another spacing
+    assert affine.item() < 0.05 * reversed_.item() and monotone.item() < 0.05 * reversed_.item()
+    # the rank regime: well-separated candidates have soft ranks = hard ranks
+    separated = torch.arange(k, dtype=torch.float64)[None].repeat(4, 1) * scale
+    assert rank_diagnostics(separated, separated)["soft_hard_gap"] < 1e-9
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_invariant_to_positive_affine_changes_of_either_row(scale):
+    g = torch.Generator().manual_seed(1)
+    s0 = torch.rand(32, 5, generator=g, dtype=torch.float64) * scale
+    si = torch.rand(32, 5, generator=g, dtype=torch.float64) * scale
+    base = spearman_rank_loss(s0, si).item()
+    for a, b in ((2.0, 1.0), (0.01, -3.0), (1e3, 5.0)):
+        assert spearman_rank_loss(a * s0 + b, si).item() == pytest.approx(base, rel=AFFINE_TOL)
+        assert spearman_rank_loss(s0, a * si + b).item() == pytest.approx(base, rel=AFFINE_TOL)
+    assert hinge_rank_loss(s0.float(), si.float()).item() == pytest.approx(
+        hinge_rank_loss(7 * s0.float() + 1, si.float()).item(), rel=1e-4)  # float32 path: eps32-level
+
+
+def test_gradient_steps_on_the_task_alone_align_its_order_with_the_anchor():
+    g = torch.Generator().manual_seed(3)
+    s0 = torch.rand(16, 5, generator=g, dtype=torch.float64) * 0.2  # NLL-like spread
+    si = torch.rand(16, 5, generator=g, dtype=torch.float64).mul(0.2).requires_grad_()
+    anchor = s0.clone()
+    before = rank_diagnostics(s0, si.detach())["rho_hard"]
+    opt = torch.optim.SGD([si], lr=0.05)
+    for _ in range(200):
+        opt.zero_grad()
+        spearman_rank_loss(s0, si).backward()
+        opt.step()
+    after = rank_diagnostics(s0, si.detach())["rho_hard"]
+    assert torch.equal(s0, anchor)  # the anchor's scores (and so its order) are untouched
+    assert before < 0.5 and after > 0.95, (before, after)
+
+
+def test_diagnostics_match_scipy_spearman():
+    g = torch.Generator().manual_seed(0)
+    s0 = torch.rand(10, 4, generator=g)
+    si = torch.rand(10, 4, generator=g)
+    si[0] = s0[0]  # and one exact tie pattern
+    s0[1, :2] = 0.5
+    expected = [spearmanr(a.numpy(), b.numpy()).statistic for a, b in zip(s0, si)]
+    assert rank_diagnostics(s0, si)["rho_hard"] == pytest.approx(sum(expected) / len(expected), abs=1e-12)
+
+
+def test_a_gradient_step_reduces_the_loss_and_reaches_both_rows():
+    # uneven spacing: candidates 0 and 1 are closer than one rank step, so their soft ranks merge
+    # and carry a gradient (well-separated candidates have piecewise-constant ranks)
+    s0 = torch.tensor([[1.0, 0.8, 1.5]], requires_grad=True)
+    si = torch.tensor([[1.0, 1.5, 0.8]], requires_grad=True)
     spearman_rank_loss(s0, si).backward()
     step_s0, step_si = -s0.grad[0], -si.grad[0]  # gradient-descent direction
-    # the anchor should make candidate 1 less likely (NLL up) and 2 more likely; the task the opposite
-    assert step_s0[1] > 0 and step_s0[2] < 0
-    assert step_si[1] < 0 and step_si[2] > 0
-    # a small step reduces the loss
+    assert step_s0.norm() > 0 and step_si.norm() > 0
+    assert step_s0[1] > 0  # the anchor's favourite, which the task ranks last, becomes less likely
     with torch.no_grad():
         before = spearman_rank_loss(s0, si)
-        after = spearman_rank_loss(s0 + 0.1 * step_s0 / step_s0.norm(), si + 0.1 * step_si / step_si.norm())
+        after = spearman_rank_loss(s0 + 0.01 * step_s0 / step_s0.norm(), si + 0.01 * step_si / step_si.norm())
     assert after < before
 
 
@@ -83,9 +159,9 @@ def test_hinge_value_by_hand():
     m = 0.1
     s0 = torch.tensor([[1.0, 2.0]])  # anchor: candidate 0 more likely
     si = torch.tensor([[1.05, 1.0]])  # task: candidate 1 slightly more likely (wrong order)
-    # pair (0,1): σ0=+1, di=-0.05 -> relu(0.1+0.05)=0.15; σi=-1, d0=+1 -> relu(0.1+1)=1.1
-    # pair (1,0): σ0=-1, di=+0.05 -> 0.15;               σi=+1, d0=-1 -> 1.1
-    expected = 0.5 * (0.15 + 1.1)
+    # rank-scaled (K = 2: standardised to ±1, times σ(2) = 0.5): z0 = [-0.5, 0.5], zi = [0.5, -0.5]
+    # pair (0,1): σ0=+1, di=-1 -> relu(0.1+1)=1.1; σi=-1, d0=+1 -> relu(0.1+1)=1.1; the same for (1,0)
+    expected = 0.5 * (1.1 + 1.1)
     assert hinge_rank_loss(s0, si, margin=m).item() == pytest.approx(expected, abs=1e-6)
     # same ordering with gaps above the margin: zero
     assert hinge_rank_loss(s0, torch.tensor([[0.0, 1.0]]), margin=m).item() == pytest.approx(0.0)

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import float32_tol
 from safetensors.torch import load_file, save_file
 
 from unicon.models.ofa.configuration_ofa import OFA_PRESETS, OFAConfig, OFAConfigError, preset_config
@@ -26,7 +27,16 @@ from unicon.models.ofa.modeling_ofa import (
 )
 
 CASES = ["image_text", "text_only", "image_masked", "text_to_image"]
-TOL = 1e-5
+
+
+def tol(reference: torch.Tensor) -> float:
+    """Rounding-only difference allowed between two float32 computations of ``reference``'s values
+    (the reference implementation on another machine, another batch shape or a masked input):
+    conftest.float32_tol with the fixture's longest reduction, the ResNet's 3x3 convolutions over
+    64 channels (576 terms), and at most 5 reducing layers per output (2 encoder, 2 decoder, the
+    output projection), at the magnitude of the values compared."""
+    return float32_tol(576, float(reference.detach().abs().max()), depth=5)
+
 HASHES = {
     "token_rp_bucket": "20c31e82a79b5e99e560102fc14acca443cae87bcddffeb9021430a3dd46e46c",
     "image_rp_bucket": "f982ef63073e509c2bee49d3c0fcd15ab78c40b214d286478c0f58bad925b756",
@@ -76,11 +86,13 @@ def test_fixture_case(ofa_fixture_dir, reference_model, case, attn):
     finally:
         model.config._attn_implementation = "sdpa"
     assert out.logits.shape == expected["logits"].shape
-    assert max_diff(out.logits, expected["logits"]) < TOL
-    assert max_diff(out.encoder_last_hidden_state, expected["encoder_last_hidden_state"]) < TOL
+    assert max_diff(out.logits, expected["logits"]) < tol(expected["logits"])
+    assert max_diff(out.encoder_last_hidden_state, expected["encoder_last_hidden_state"]) < tol(
+        expected["encoder_last_hidden_state"])
     assert torch.equal(enc.last_hidden_state, out.encoder_last_hidden_state)
     assert torch.equal(enc.padding_mask, expected["encoder_padding_mask"])
-    assert max_diff(enc.position_embedding, expected["encoder_position_embedding"]) < TOL
+    assert max_diff(enc.position_embedding, expected["encoder_position_embedding"]) < tol(
+        expected["encoder_position_embedding"])
 
 
 def test_derived_buffer_hashes(reference_model):
@@ -143,11 +155,11 @@ def test_kv_cache_and_shared_encoder(ofa_fixture_dir, reference_model):
         steps = [model.decode(dec[:, :3], enc, inputs["code_masks"], past_key_values=cache)]
         steps += [model.decode(dec[:, t : t + 1], enc, inputs["code_masks"], past_key_values=cache)
                   for t in range(3, dec.shape[1])]
-        assert max_diff(torch.cat(steps, 1), full) < TOL
+        assert max_diff(torch.cat(steps, 1), full) < tol(full)
         # K candidates share one encoder pass: index_select rows instead of re-encoding
         index = torch.tensor([1, 1, 0, 1])
         shared = model.decode(dec[index], enc.index_select(index), inputs["code_masks"][index])
-        assert torch.equal(shared, full[index])
+        assert max_diff(shared, full[index]) < tol(full)  # another batch shape: rounding only
 
 
 def test_mixed_code_masks_match_per_sample(ofa_fixture_dir, reference_model):
@@ -159,9 +171,9 @@ def test_mixed_code_masks_match_per_sample(ofa_fixture_dir, reference_model):
         for b, code in ((0, True), (1, False)):
             alone = model.decode(inputs["decoder_input_ids"][b : b + 1], enc.index_select(torch.tensor([b])),
                                  torch.tensor([code]))
-            assert max_diff(mixed[b : b + 1], alone) < TOL
+            assert max_diff(mixed[b : b + 1], alone) < tol(alone)
         text_mode = model.decode(inputs["decoder_input_ids"], enc)
-        assert max_diff(mixed[0], text_mode[0]) > 1e-3  # code mode really changes row 0
+        assert max_diff(mixed[0], text_mode[0]) > tol(text_mode)  # code mode really changes row 0 (beyond rounding)
 
 
 def test_masked_dummy_image_equals_no_image(ofa_fixture_dir, reference_model):
@@ -171,8 +183,8 @@ def test_masked_dummy_image_equals_no_image(ofa_fixture_dir, reference_model):
         no_image = reference_model(input_ids=inputs["input_ids"], decoder_input_ids=inputs["decoder_input_ids"],
                                    code_masks=inputs["code_masks"]).logits
         dummy = reference_model(**inputs).logits
-    assert max_diff(no_image, dummy) < 1e-6
-    assert max_diff(no_image, expected["logits"]) < TOL
+    assert max_diff(no_image, dummy) < tol(no_image)  # masked keys are summed in another order
+    assert max_diff(no_image, expected["logits"]) < tol(expected["logits"])
 
 
 def test_beam_search_with_cache(ofa_fixture_dir, reference_model):
@@ -366,7 +378,8 @@ def test_gradient_checkpointing_same_gradients(monkeypatch):
     original = torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
                         lambda *a, **k: calls.append(1) or original(*a, **k))
-    assert torch.allclose(grads(), plain, atol=1e-6)
+    # recomputation in the backward pass: the same function, rounded the same or in another order
+    assert max_diff(grads(), plain) < tol(plain)
     assert len(calls) == 6  # 3 encoder + 3 decoder layers
 
 

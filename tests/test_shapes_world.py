@@ -440,16 +440,16 @@ def test_splits_are_disjoint_and_held_out_compositions_stay_out_of_training(worl
 
 def test_written_files_load_with_the_benchmark_loaders(world):
     w, _ = world
-    cococon = pytest.importorskip("unicon.data.cococon")
-    geneval = pytest.importorskip("unicon.data.geneval")
-    ureason = pytest.importorskip("unicon.data.ureason")
+    import unicon.data.cococon as cococon
+    import unicon.data.geneval as geneval
+    import unicon.data.ureason as ureason
     data = cococon.load_cococon(w.cococon_path("test"), images_root=w.root)
     assert len(data) == 30 and data[0].image_path.is_file()
     prompts = geneval.load_geneval(w.geneval_path)
     assert {p.tag for p in prompts} == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
     items = ureason.load_shapes_ureason(w.root)
     assert len(items) == 4 * 8 and all(i.target_scene is not None for i in items)
-    drift = pytest.importorskip("unicon.data.drift_seeds")
+    import unicon.data.drift_seeds as drift
     assert len(drift.load_shapes_seeds(w.drift_seeds_path)) == 8
 
 

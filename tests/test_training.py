@@ -16,6 +16,7 @@ from typing import Sequence
 import lightning as L
 import pytest
 import torch
+from conftest import float32_tol
 from torch import nn
 
 from unicon.config import compose
@@ -77,8 +78,8 @@ class TinyUnified(UnifiedModel):
         tok = nn.functional.cross_entropy(logits.transpose(1, 2), tgt, reduction="none") * valid
         s = tok.sum(1)
         mean = s / valid.sum(1)
-        if self.nan:
-            mean = mean * float("nan")
+        if self.nan:  # a broken forward: every score non-finite
+            mean, s = mean * float("nan"), s * float("nan")
         return mean, s
 
     def _scores(self, mean: torch.Tensor, s: torch.Tensor, counts: list[int], lengths: list[int]) -> Scores:
@@ -242,10 +243,7 @@ def tiny_shapes_world(tmp_path_factory) -> Path:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    try:
-        from data_builders.shapes import main as build_shapes
-    except ImportError as e:  # pragma: no cover - the builder is part of the repository
-        pytest.skip(f"ShapesWorld builder unavailable: {e}")
+    from data_builders.shapes import main as build_shapes
     root = tmp_path_factory.mktemp("shapes")
     build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
                   "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
@@ -315,22 +313,31 @@ def test_standard_loss_trains_reason_rows_text_only(world):
     data = MixtureDataset(world)
     batch = collate_mixture([data[i] for i in range(len(data))])
     got = module.standard_loss(batch)["loss"]
-    expected = []
+    sums, tokens = [], []
     for task, text, target, image in zip(batch["tasks"], batch["texts"], batch["targets"], batch["images"]):
         if task == "caption":
-            expected.append(model.score_text([image], [model.caption_prompt], [[target]]).nll[0, 0])
+            sc = model.score_text([image], [model.caption_prompt], [[target]])
         elif task == "vqa":
-            expected.append(model.score_text([image], [text], [[target]]).nll[0, 0])
+            sc = model.score_text([image], [text], [[target]])
         elif task == "grounding":
-            expected.append(model.score_boxes([image], [[text]], [target]).nll[0, 0])
+            sc = model.score_boxes([image], [[text]], [target])
         elif task == "t2i":
-            expected.append(model.score_image([[text]], [image]).nll[0, 0])
+            sc = model.score_image([[text]], [image])
         else:
             assert image is None
-            expected.append(model.score_text(None, [text], [[target]]).nll[0, 0])
-    # standard_loss averages over rows grouped by task; the mean does not depend on the order
+            sc = model.score_text(None, [text], [[target]])
+        sums.append(sc.sum_nll[0, 0])
+        tokens.append(sc.num_tokens[0, 0])
     assert set(batch["tasks"]) == {"caption", "vqa", "grounding", "t2i", "reason"}
-    torch.testing.assert_close(got, torch.stack(expected).mean(), rtol=1e-5, atol=1e-6)
+    # token-weighted: every target token counts once, whatever the length of its sequence
+    expected = torch.stack(sums).sum() / torch.stack(tokens).sum()
+    assert abs(got.item() - expected.item()) < double_tol(expected)
+
+
+def double_tol(value: torch.Tensor) -> float:
+    """Batched vs one-row-at-a-time float32 scores of the byte-level test double: its longest
+    reduction is the log-softmax over V = 258 entries, through 3 reducing layers (conftest.float32_tol)."""
+    return float32_tol(V, float(value.abs().max()), depth=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,21 +356,23 @@ def test_consistency_loss_matches_an_independent_computation(world):
     batch = _contrast_batch(world)
     out = module.consistency_loss(batch)
     # recompute per sample, one model call per candidate list, with the same task choices
-    l0s, ce = [], []
+    l0s, ce_sum, ce_tokens = [], 0.0, 0
     for sample, contrasts, image in zip(batch["samples"], batch["contrasts"], batch["images"]):
         task = module._task_rng(sample.index).choice(supported_tasks(sample, contrasts, cfg.loss.tasks))
         caps, cands = task_candidates(sample, contrasts, task)
-        s0 = model.score_text([image], [model.caption_prompt], [caps]).nll[0]
+        s0 = model.score_text([image], [model.caption_prompt], [caps])
         if task == "vqa":
-            si = model.score_text([image], [sample.query], [cands]).nll[0]
+            si = model.score_text([image], [sample.query], [cands])
         elif task == "localization":
-            si = model.score_boxes([image], [cands], [sample.boxes[0]]).nll[0]
+            si = model.score_boxes([image], [cands], [sample.boxes[0]])
         else:
-            si = model.score_image([cands], [image]).nll[0]
-        l0s.append(spearman_rank_loss(s0[None], si[None]))
-        ce.append((s0[0] + si[0]) / 2)
-    expected = 0.25 * torch.stack(l0s).mean() + torch.stack(ce).mean()
-    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+            si = model.score_image([cands], [image])
+        l0s.append(spearman_rank_loss(s0.nll[0][None], si.nll[0][None]))
+        ce_sum += s0.sum_nll[0, 0] + si.sum_nll[0, 0]
+        ce_tokens += s0.num_tokens[0, 0] + si.num_tokens[0, 0]
+    expected = 0.25 * torch.stack(l0s).mean() + ce_sum / ce_tokens
+    # the soft ranks are Lipschitz (1/ε) in the rank-scaled scores, so score rounding stays at its scale
+    assert abs(out["loss"].item() - expected.item()) < double_tol(expected) * 10
     assert out["loss_const"].item() > 0
 
 
@@ -545,6 +554,7 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
     assert 0 < one["kinds"][-1] < 4  # both update kinds happened
     assert two["kinds"][0] == two["kinds"][1] == one["kinds"]  # same γ draws on both ranks
     assert two["rng"][0] == two["rng"][1]
+    print("losses", one["losses"], two["losses"], one["kinds"])
     for a, b in zip(one["losses"], two["losses"]):
         assert b == pytest.approx(a, rel=1e-4)
     for k in one["params"]:
@@ -576,8 +586,14 @@ def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world):
     two = _fit(world, tmp_path, 2, DDPStrategy(find_unused_parameters=True, start_method="fork"), make_model)
     assert len(two["losses"]) == 4 and all(math.isfinite(x) for x in two["losses"])
     assert two["kinds"][0] == two["kinds"][1] == one["kinds"] and two["rng"][0] == two["rng"][1]
-    for a, b in zip(one["losses"], two["losses"]):
-        assert b == pytest.approx(a, rel=1e-4)
+    # step 1 is the same function of the same weights: rounding only (conftest.float32_tol, the
+    # largest reduction being a 3x3 convolution over the ResNet's 64 channels, through ~12 layers)
+    assert abs(two["losses"][0] - one["losses"][0]) < float32_tol(9 * 64, one["losses"][0], depth=12)
+    # later steps follow Adam updates: its first steps move a parameter by ~lr * sign(g), so entries
+    # whose gradient is at rounding level (~0) may move either way on the two sides; their first-order
+    # effect on the loss is ~0 (g ~ 0), what remains is second order in lr (1e-2 here): rel 1e-3
+    for a, b in zip(one["losses"][1:], two["losses"][1:]):
+        assert b == pytest.approx(a, rel=1e-3)
     bn = [k for k in one["params"] if "running_mean" in k]
     assert bn and all(one["params"][k] == two["params"][k] for k in bn)  # statistics never updated
     # Parameters are compared through the losses of steps 2-4 (computed with the updated weights): an

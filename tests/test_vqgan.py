@@ -7,6 +7,8 @@ import torch
 from diffusers import VQModel
 from torch import nn
 
+from conftest import float32_tol
+
 from unicon.models.base import pil_to_tensor
 from unicon.models.vqgan import VQGANTokenizer, convert_taming_checkpoint, taming_config_to_diffusers
 
@@ -85,7 +87,11 @@ def test_encode_decode_shapes_and_quantizer(vq):
     with torch.no_grad():
         quant = vq.quantize.embedding.weight[codes].permute(0, 3, 1, 2)
         want = ((vq.decoder(vq.post_quant_conv(quant)) + 1) / 2).clamp(0, 1)
-    assert torch.allclose(decoded, want, atol=1e-6)
+    # the tokenizer's decode and this recomputation may batch/round the convolutions differently:
+    # conftest.float32_tol over the decoder's longest reduction (3x3 convolutions over 64 channels,
+    # ch * max(ch_mult)) through its reducing layers (post-quant conv, conv_in, 2 res blocks of 2 convs
+    # per level for 3 levels, attention, conv_out: 16), for images in [0, 1]
+    assert torch.allclose(decoded, want, atol=float32_tol(9 * 64, 1.0, depth=16), rtol=0)
     # the quantizer is idempotent: codebook vectors of the codes re-quantize to the same codes
     _, _, (_, _, again) = vq.quantize(quant)
     assert torch.equal(again.view(codes.shape), codes)

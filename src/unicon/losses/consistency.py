@@ -4,43 +4,64 @@ Inputs are two score matrices of the *same* candidate list seen by two tasks: ``
 the anchor task (captioning) and ``si`` for an evaluation task (VQA, localization or
 text-to-image), each ``[B, K]`` per-candidate length-normalised NLL (``Scores.nll``), plus
 the ``[B, K]`` bool ``mask`` of real candidates (candidate 0 is the gold one, 1.. are the
-contrasts). Lower NLL = more likely, and both tasks are ranked the same way, so a
-consistent model gives both lists the same ranks.
+contrasts; real candidates first). Lower NLL = more likely, and both tasks are ranked the same
+way, so a consistent model gives both lists the same ranks.
 
-Spearman (the paper's, ``loss.type=spearman``)
-    With differentiable ranks ``R = soft_rank(s)`` (Blondel et al. 2020, via
-    ``torchsort.soft_rank``; ranks lie in ``[1, K_b]``; regularization ``l2`` or ``kl`` with
-    strength ``eps``, default 1.0 as in Table 5), per example ``b`` with ``K_b`` real
-    candidates::
+Rank scale (our choice; the paper does not state the scale of the scores)
+    Soft ranks ``R = soft_rank(θ, ε)`` (Blondel et al. 2020, ``torchsort.soft_rank``) project
+    ``θ/ε`` onto the permutahedron: they equal the hard ranks only where sorted values are at
+    least ε apart, and merge into ``R = mean + (θ − mean θ)/ε`` where they are closer. NLL gaps
+    between candidates are ~0.05-0.3 nats (and divided again by the output length for T2I and
+    localization), so with ε = 1 raw NLLs are always merged: the "rank" loss would compare
+    centred raw scores, not orders. Each row is therefore standardised over its ``K_b`` real
+    candidates and rescaled to the spread of the ranks ``1..K_b``::
 
-        L_b = ½ ‖R0_b − Ri_b‖²  /  D(K_b),       D(K) = (K³ − K) / 6
+        z_b = (s_b − mean(s_b)) / std(s_b) · σ(K_b),      σ(K) = sqrt((K² − 1) / 12)
 
-    ``D(K)`` is ``½‖r − reverse(r)‖²`` for hard ranks ``r = 1..K``, the largest value the
-    numerator can take, so ``L_b ∈ [0, 1]`` and, for hard ranks, ``L_b = (1 − ρ_b) / 2``
-    with ``ρ_b`` Spearman's correlation. This is the normalisation that makes the scale of
-    the loss independent of K (the paper's Eq. 3 is un-normalised; at K=5 our value is the
-    paper's divided by 20). The batch loss is the mean of ``L_b`` over examples with
-    ``K_b ≥ 2`` (a single candidate has no ranking); it is 0 when no example qualifies.
+    (population std, not detached: the gradient flows through it). An evenly spread row then
+    has gaps of exactly one rank, so ε = 1 (Table 5) means "one rank step": soft ranks equal
+    hard ranks for well-separated candidates and smooth only near-ties. The loss is invariant to
+    positive affine changes of either row, so it does not depend on how a backend scales its
+    scores. A row whose spread is below the rounding of its values (all candidates scored alike)
+    carries no order and is skipped, like a row with one candidate; a row with a NaN/inf score makes
+    the loss NaN instead (so the training step's non-finite guard sees it).
 
-    Masking: ranks are computed for each example on its real candidates only (examples are
-    grouped by ``K_b`` and each group is one batched ``soft_rank`` call), so padded entries
-    can never change a real candidate's rank.
+Spearman (the paper's, ``loss.type=spearman``) -- Eq. 3 as written, per example::
+
+        L_b = ½ ‖R(z0_b) − R(zi_b)‖²
+
+    For hard ranks ``½‖r0 − ri‖² = (K³ − K)/12 · (1 − ρ_b)`` with Spearman's ρ_b: 0 for the same
+    order, ``(K³ − K)/6`` (20 at K = 5) for the reversed one.
+    λ = 0.25 therefore has the paper's scale. (The first version divided by ``(K³ − K)/6``,
+    which made the effective λ 20-35× smaller than the paper's.) The batch loss is the mean of
+    ``L_b`` over the examples that have an order in both tasks; 0 when none has.
+
+    Differences from the paper, all written down here: the standardisation above; masking of
+    ragged K (ranks are computed per example on its real candidates only: examples are grouped by
+    ``K_b``, one batched ``soft_rank`` call per group, so padding can never change a rank); the
+    mean over examples (the paper's Eq. 3 is per example).
 
 Hinge (``loss.type=hinge``, the paper's "+ Hinge Loss" baseline; the paper does not give
-    its formula, this is ours) -- a pairwise margin-ranking version of the same idea: for
-    every ordered pair ``(j, k)`` of real candidates, let ``σ0_jk = sign(s0_k − s0_j)`` be the
-    anchor's (detached) ordering; task ``i`` should order the pair the same way by a margin
-    ``m``, and vice versa::
+    its formula, this is ours) -- a pairwise margin-ranking version of the same idea on the same
+    standardised scores ``z``: for every ordered pair ``(j, k)`` of real candidates, let
+    ``σ0_jk = sign(z0_k − z0_j)`` be the anchor's (detached) ordering; task ``i`` should order the
+    pair the same way by a margin ``m`` (in rank steps), and vice versa::
 
-        L_b = mean_{j≠k, σ≠0} ½ [ max(0, m − σ0_jk (si_k − si_j)) + max(0, m − σi_jk (s0_k − s0_j)) ]
+        L_b = mean_{j≠k, σ≠0} ½ [ max(0, m − σ0_jk (zi_k − zi_j)) + max(0, m − σi_jk (z0_k − z0_j)) ]
 
     Averaging over pairs keeps the scale independent of K. Batch loss = mean over examples
     with at least one ordered pair.
 
 None (``loss.type=none``): 0 -- Algorithm 1 with λ = 0, the "+ Cont. Pretrain" control.
+
+:func:`rank_diagnostics` reports, per consistency step, the hard-rank Spearman ρ between the
+two tasks and the mean |soft rank − hard rank| of the ranks the loss uses (near 0: the loss
+operates on ranks; large: it compares merged, score-like values).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,10 +89,33 @@ def soft_ranks(values: torch.Tensor, regularization: str = "l2", regularization_
     import torchsort
 
     # torchsort's kernels work in float32/64; bf16 scores are promoted and the result cast back
+    dtype = values.dtype if values.dtype in (torch.float32, torch.float64) else torch.float32
     out = torchsort.soft_rank(
-        values.float(), regularization=regularization, regularization_strength=regularization_strength
+        values.to(dtype), regularization=regularization, regularization_strength=regularization_strength
     )
     return out.to(values.dtype)
+
+
+def rank_scale(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, ordered)`` for ``[n, K]`` rows of real candidates: each row standardised and rescaled
+    to the spread of the ranks 1..K (module docstring), and whether the row has an order at all
+    (its spread exceeds the rounding of its values)."""
+    k = values.shape[1]
+    x = values if values.dtype in (torch.float32, torch.float64) else values.float()
+    centred = x - x.mean(1, keepdim=True)
+    std = centred.pow(2).mean(1, keepdim=True).sqrt()
+    floor = torch.finfo(x.dtype).eps * x.detach().abs().amax(1, keepdim=True) * k
+    ordered = (std.detach() > floor).squeeze(1)
+    safe = torch.where(ordered[:, None], std, torch.ones_like(std))
+    z = centred / safe * math.sqrt((k * k - 1) / 12.0)
+    return torch.where(ordered[:, None], z, torch.zeros_like(z)), ordered
+
+
+def _groups(mask: torch.Tensor):
+    """``(K_b, row indices)`` for every candidate count ``K_b >= 2`` present in the batch."""
+    counts = mask.sum(1)
+    for k in sorted({int(c) for c in counts.tolist() if c >= 2}):
+        yield k, (counts == k).nonzero(as_tuple=True)[0]
 
 
 def spearman_rank_loss(
@@ -81,19 +125,25 @@ def spearman_rank_loss(
     regularization: str = "l2",
     regularization_strength: float = 1.0,
     reduction: str = "mean",
+    all_reduce=None,
 ) -> torch.Tensor:
-    """``½‖R0 − Ri‖² / ((K³−K)/6)`` per example, mean over examples with ≥ 2 candidates (module docstring)."""
+    """Eq. 3, ``½‖R(z0) − R(zi)‖²`` per example on rank-scaled scores, mean over examples (module docstring)."""
     mask = _check(s0, si, mask)
-    counts = mask.sum(1)
-    per_example = s0.new_zeros(s0.shape[0], dtype=torch.float32)
-    for k in sorted({int(c) for c in counts.tolist() if c >= 2}):
-        rows = (counts == k).nonzero(as_tuple=True)[0]
-        r0 = soft_ranks(s0[rows, :k], regularization, regularization_strength).float()
-        ri = soft_ranks(si[rows, :k], regularization, regularization_strength).float()
-        norm = (k**3 - k) / 6.0
-        per_example = per_example.index_put((rows,), 0.5 * ((r0 - ri) ** 2).sum(1) / norm)
-    valid = counts >= 2
-    return _reduce(per_example, valid, reduction)
+    dtype = torch.float64 if s0.dtype == torch.float64 else torch.float32
+    per_example = s0.new_zeros(s0.shape[0], dtype=dtype)
+    valid = torch.zeros(s0.shape[0], dtype=torch.bool, device=s0.device)
+    for k, rows in _groups(mask):
+        z0, ok0 = rank_scale(s0[rows, :k])
+        zi, oki = rank_scale(si[rows, :k])
+        r0 = soft_ranks(z0, regularization, regularization_strength).to(dtype)
+        ri = soft_ranks(zi, regularization, regularization_strength).to(dtype)
+        # a non-finite score is never hidden as "no order": it makes the loss NaN (the training guard)
+        broken = ~(torch.isfinite(s0[rows, :k]).all(1) & torch.isfinite(si[rows, :k]).all(1))
+        ok = (ok0 & oki) | broken
+        value = torch.where(broken, float("nan"), 0.5 * ((r0 - ri) ** 2).sum(1))
+        per_example = per_example.index_put((rows,), torch.where(ok, value, 0.0))
+        valid = valid.index_put((rows,), ok)
+    return _reduce(per_example, valid, reduction, all_reduce)
 
 
 def hinge_rank_loss(
@@ -102,30 +152,41 @@ def hinge_rank_loss(
     mask: torch.Tensor | None = None,
     margin: float = 0.1,
     reduction: str = "mean",
+    all_reduce=None,
 ) -> torch.Tensor:
-    """Symmetric pairwise margin-ranking loss between the two tasks' orderings (module docstring)."""
+    """Symmetric pairwise margin-ranking loss between the two tasks' orderings of rank-scaled scores."""
     mask = _check(s0, si, mask)
-    # padded entries are replaced by 0 (not just multiplied by 0) so that NaN/inf padding cannot leak
-    s0f = torch.where(mask, s0.float(), torch.zeros_like(s0, dtype=torch.float32))
-    sif = torch.where(mask, si.float(), torch.zeros_like(si, dtype=torch.float32))
-    d0 = s0f[:, None, :] - s0f[:, :, None]  # [B, j, k] = s0_k - s0_j
-    di = sif[:, None, :] - sif[:, :, None]
+    B, K = s0.shape
+    z0 = s0.new_zeros(B, K, dtype=torch.float32)
+    zi = s0.new_zeros(B, K, dtype=torch.float32)
+    for k, rows in _groups(mask):  # padded entries stay 0 (never NaN/inf from the padding)
+        z0 = z0.index_put((rows,), torch.nn.functional.pad(rank_scale(s0[rows, :k])[0].float(), (0, K - k)))
+        zi = zi.index_put((rows,), torch.nn.functional.pad(rank_scale(si[rows, :k])[0].float(), (0, K - k)))
+    d0 = z0[:, None, :] - z0[:, :, None]  # [B, j, k] = z0_k - z0_j
+    di = zi[:, None, :] - zi[:, :, None]
     pair = mask[:, :, None] & mask[:, None, :]
     sign0, signi = torch.sign(d0).detach(), torch.sign(di).detach()
     term = 0.5 * (torch.relu(margin - sign0 * di) * (sign0 != 0) + torch.relu(margin - signi * d0) * (signi != 0))
     counted = pair & ((sign0 != 0) | (signi != 0))
     n_pairs = counted.sum((1, 2))
     per_example = (term * counted).sum((1, 2)) / n_pairs.clamp(min=1)
-    return _reduce(per_example, n_pairs > 0, reduction)
+    return _reduce(per_example, n_pairs > 0, reduction, all_reduce)
 
 
-def _reduce(per_example: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+def _reduce(per_example: torch.Tensor, valid: torch.Tensor, reduction: str, all_reduce=None) -> torch.Tensor:
+    """Mean over the valid examples. Under DDP, ``all_reduce`` (sums a tensor over ranks, returns
+    ``(total, world_size)``) makes it the mean over all ranks' valid examples: the rank returns
+    ``world · Σ_rank / n_all``, whose mean over ranks (what DDP averages) is the global mean."""
     if reduction == "none":
         return per_example * valid
     if reduction != "mean":
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    n = valid.sum()
-    return (per_example * valid).sum() / n.clamp(min=1)
+    total = torch.where(valid, per_example, torch.zeros_like(per_example)).sum()
+    n = valid.sum().to(per_example.dtype)
+    if all_reduce is not None:
+        n, world = all_reduce(n)
+        return total * world / n.clamp(min=1)
+    return total / n.clamp(min=1)
 
 
 def consistency_loss(
@@ -137,13 +198,49 @@ def consistency_loss(
     regularization: str = "l2",
     regularization_strength: float = 1.0,
     margin: float = 0.1,
+    all_reduce=None,
 ) -> torch.Tensor:
-    """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``)."""
+    """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``); ``all_reduce``: see :func:`_reduce`."""
     if loss_type == "spearman":
-        return spearman_rank_loss(s0, si, mask, regularization, regularization_strength)
+        return spearman_rank_loss(s0, si, mask, regularization, regularization_strength, all_reduce=all_reduce)
     if loss_type == "hinge":
-        return hinge_rank_loss(s0, si, mask, margin)
+        return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce)
     if loss_type == "none":
         _check(s0, si, mask)
         return s0.new_zeros((), dtype=torch.float32)
     raise ValueError(f"loss.type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+
+
+def hard_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..K of each row, ties sharing their average rank (``scipy.stats.rankdata``'s 'average')."""
+    smaller = (values[:, None, :] < values[:, :, None]).sum(-1)
+    equal = (values[:, None, :] == values[:, :, None]).sum(-1)
+    return (smaller + (equal + 1) / 2.0).to(torch.float64)
+
+
+@torch.no_grad()
+def rank_diagnostics(
+    s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor | None = None,
+    regularization: str = "l2", regularization_strength: float = 1.0,
+) -> dict[str, float]:
+    """``rho_hard``: mean Spearman ρ of the hard ranks of ``s0`` and ``si`` over the examples with an
+    order in both; ``soft_hard_gap``: mean |soft rank − hard rank| of the rank-scaled scores the
+    Spearman loss ranks (both tasks, every real candidate). NaN when no example qualifies."""
+    mask = _check(s0, si, mask)
+    rhos, gaps = [], []
+    for k, rows in _groups(mask):
+        a, b = s0[rows, :k].double(), si[rows, :k].double()
+        za, oka = rank_scale(a)
+        zb, okb = rank_scale(b)
+        ok = oka & okb
+        if not ok.any():
+            continue
+        ha, hb = hard_ranks(a[ok]), hard_ranks(b[ok])
+        ca, cb = ha - ha.mean(1, keepdim=True), hb - hb.mean(1, keepdim=True)
+        denom = (ca.norm(dim=1) * cb.norm(dim=1)).clamp(min=1e-300)
+        rhos.append((ca * cb).sum(1) / denom)
+        for z, h in ((za[ok], ha), (zb[ok], hb)):
+            gaps.append((soft_ranks(z, regularization, regularization_strength).double() - h).abs().flatten())
+    if not rhos:
+        return {"rho_hard": float("nan"), "soft_hard_gap": float("nan")}
+    return {"rho_hard": float(torch.cat(rhos).mean()), "soft_hard_gap": float(torch.cat(gaps).mean())}

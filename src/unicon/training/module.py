@@ -16,10 +16,11 @@ Each training step receives a contrast batch and a pretraining-mixture batch
 
   all length-normalised NLL (``Scores.nll``, CocoCon section 4.3). Then
   ``L = λ · L_const(s0, si, mask) + L_ce`` with ``L_const`` from
-  :mod:`unicon.losses.consistency` and ``L_ce = mean_b (s0[b, 0] + si[b, 0]) / 2``, the CE of
-  the gold targets of both tasks. With ``loss.type=none`` only the gold candidates are scored
-  (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data).
-* otherwise -- **standard update**: the mean length-normalised CE of the mixture batch's gold
+  :mod:`unicon.losses.consistency` and ``L_ce`` the token-weighted CE of the gold targets of both
+  tasks (:func:`token_weighted_ce`). With ``loss.type=none`` only the gold candidates are scored
+  (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data). Each consistency
+  step also logs the hard-rank Spearman ρ of ``s0``/``si`` and the mean |soft − hard rank|.
+* otherwise -- **standard update**: the token-weighted CE of the mixture batch's gold
   targets (each task through its ``score_*`` method with one candidate; think-then-draw
   ``reason`` rows through ``score_text(None, prompt, [trace])``).
 
@@ -44,11 +45,28 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from unicon.data.mixture import TASKS as MIXTURE_TASKS
-from unicon.losses.consistency import LOSS_TYPES, consistency_loss
+from unicon.losses.consistency import LOSS_TYPES, consistency_loss, rank_diagnostics
 from unicon.models import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
 
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
+
+
+def token_weighted_ce(sums: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
+                      all_reduce: Any = None) -> torch.Tensor:
+    """``Σ summed NLL / Σ target tokens`` over every gold target: each token weighs the same, as in
+    OFA's criterion (a per-sequence mean of length-normalised NLLs would upweight short targets,
+    e.g. one-word VQA answers against 16-code images).
+
+    Under DDP (``all_reduce``: sums a tensor over ranks, returns ``(total, world_size)``), the token
+    count is the global one and the rank's loss is ``world · Σ_rank NLL / Σ_all tokens``, so that
+    the mean over ranks DDP applies to the gradients is exactly the single-process loss."""
+    total = torch.cat([s.float() for s in sums]).sum()
+    count = torch.cat([t.float() for t in tokens]).sum()
+    if all_reduce is not None:
+        count, world = all_reduce(count.detach())
+        return total * world / count.clamp(min=1)
+    return total / count.clamp(min=1)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -135,6 +153,7 @@ class ConsistencyModule(L.LightningModule):
         s0 = self._count(self.model.score_text(images, [self.model.caption_prompt] * n, anchors))
         K = s0.nll.shape[1]
         si = s0.nll.new_zeros(n, K)
+        gold_sum, gold_tokens = [s0.sum_nll[:, 0]], [s0.num_tokens[:, 0]]
         for task in EVAL_TASKS:
             rows = [b for b in range(n) if tasks[b] == task]
             if not rows:
@@ -151,20 +170,22 @@ class ConsistencyModule(L.LightningModule):
                 raise RuntimeError(f"{task} scores are not aligned with the anchor's candidates")
             index = torch.tensor(rows, device=si.device)
             si = si.index_put((index,), torch.nn.functional.pad(sc.nll.to(si.dtype), (0, K - sc.nll.shape[1])))
-        loss_ce = 0.5 * (s0.nll[:, 0] + si[:, 0]).mean()
-        loss_const = consistency_loss(
-            loss_cfg.type, s0.nll, si, s0.mask,
-            regularization=loss_cfg.regularization,
-            regularization_strength=loss_cfg.regularization_strength,
-            margin=loss_cfg.hinge_margin,
-        )
+            gold_sum.append(sc.sum_nll[:, 0])
+            gold_tokens.append(sc.num_tokens[:, 0])
+        loss_ce = token_weighted_ce(gold_sum, gold_tokens, self._token_all_reduce())
+        reg = dict(regularization=loss_cfg.regularization, regularization_strength=loss_cfg.regularization_strength)
+        loss_const = consistency_loss(loss_cfg.type, s0.nll, si, s0.mask, margin=loss_cfg.hinge_margin,
+                                      all_reduce=self._token_all_reduce(), **reg)
         lam = 0.0 if only_gold else loss_cfg.lambda_
-        return {"loss": lam * loss_const + loss_ce, "loss_ce": loss_ce.detach(), "loss_const": loss_const.detach(),
-                "num_sequences": torch.tensor(int(s0.mask.sum()) * 2)}
+        out = {"loss": lam * loss_const + loss_ce, "loss_ce": loss_ce.detach(), "loss_const": loss_const.detach(),
+               "num_sequences": torch.tensor(int(s0.mask.sum()) * 2)}
+        if not only_gold:  # is the loss operating on ranks? (logged as train/rank_rho_hard, train/soft_hard_gap)
+            out.update(rank_diagnostics(s0.nll.detach(), si.detach(), s0.mask, **reg))
+        return out
 
     def standard_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Mean length-normalised CE of the mixture batch's gold targets."""
-        nlls = []
+        """Token-weighted CE of the mixture batch's gold targets (see :func:`token_weighted_ce`)."""
+        sums, tokens = [], []
         for task in MIXTURE_TASKS:
             rows = [b for b, t in enumerate(batch["tasks"]) if t == task]
             if not rows:
@@ -182,9 +203,18 @@ class ConsistencyModule(L.LightningModule):
                 sc = self.model.score_boxes(imgs, [[t] for t in texts], targets)
             else:
                 sc = self.model.score_image([[t] for t in texts], imgs)
-            nlls.append(self._count(sc).nll[:, 0])
-        loss = torch.cat(nlls).mean()
+            sc = self._count(sc)
+            sums.append(sc.sum_nll[:, 0])
+            tokens.append(sc.num_tokens[:, 0])
+        loss = token_weighted_ce(sums, tokens, self._token_all_reduce())
         return {"loss": loss, "loss_ce": loss.detach(), "num_sequences": torch.tensor(len(batch["tasks"]))}
+
+    def _token_all_reduce(self):
+        """Sum over ranks (for global token and example counts) under a multi-process strategy, else None."""
+        if self._trainer is None or self.trainer.world_size <= 1:
+            return None
+        strategy = self.trainer.strategy
+        return lambda t: (strategy.reduce(t, reduce_op="sum"), float(self.trainer.world_size))
 
     def _count(self, scores: Scores) -> Scores:
         self.counts["truncated"] += int(scores.num_truncated)
@@ -221,6 +251,9 @@ class ConsistencyModule(L.LightningModule):
         self.log("train/loss_ce", out["loss_ce"], batch_size=bs)
         if kind == "consistency":
             self.log("train/loss_const", out["loss_const"], prog_bar=True, batch_size=bs)
+            for key, name in (("rho_hard", "train/rank_rho_hard"), ("soft_hard_gap", "train/soft_hard_gap")):
+                if key in out and math.isfinite(out[key]):
+                    self.log(name, out[key], batch_size=bs)
         self._log_counts()
         return loss
 
