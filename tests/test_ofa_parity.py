@@ -44,15 +44,6 @@ HASHES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The fixture was produced with 1 thread (the conv reduction order depends on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def reference_model(ofa_fixture_dir):
     return OFAForConditionalGeneration.from_pretrained(ofa_fixture_dir)

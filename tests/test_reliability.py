@@ -548,3 +548,12 @@ def test_pickle_only_export_evaluates_with_allow_pickle(world, trained, tmp_path
     assert unicon_main(["evaluate", "cococon", "--ckpt", str(export), "--data", str(world / "cococon_test.json"),
                         "--out", str(tmp_path / "o"), "--logger", "none", "--max-samples", "2", "--no-generative",
                         "--allow-pickle"]) == 0
+
+
+def test_readme_drift_example_runs_without_a_trained_clip(world, trained, tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)  # no checkpoints/shapes_clip here
+    assert unicon_main(["evaluate", "drift", "--ckpt", str(trained / "export"), "--world", str(world),
+                        "--generations", "2", "--geneval", "none", "--out", str(tmp_path / "d"), "--logger", "none"]) == 0
+    assert "no CLIP model at the default" in caplog.text
+    report = json.loads((tmp_path / "d" / "drift.json").read_text())
+    assert "scene" in report["mcd"]["by_embedder"] and "clip" not in report["mcd"]["by_embedder"]
