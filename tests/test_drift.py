@@ -825,24 +825,11 @@ def test_clip_color_classifier_crops_boxes_and_averages_templates():
 
 
 def test_owlv2_detector_wiring_on_a_tiny_random_model(tmp_path):
-    from transformers import CLIPTokenizer, Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+    import standins
 
     from unicon.evaluation.geneval import Owlv2Detector
 
-    vocab = {"!": 0, "<|startoftext|>": 1, "<|endoftext|>": 2}  # OWL masks queries whose first id is 0
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    processor = Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 32, "width": 32}),
-                               tokenizer=CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")))
-    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    cfg = Owlv2Config(text_config=dict(vocab_size=len(vocab), max_position_embeddings=16, **small),
-                      vision_config=dict(image_size=32, patch_size=8, **small), projection_dim=16)
-    torch.manual_seed(0)
-    Owlv2ForObjectDetection(cfg).save_pretrained(tmp_path / "owl")
-    processor.save_pretrained(tmp_path / "owl")
+    standins.owlv2(tmp_path / "owl")  # 1 layer, letter vocabulary, 32x32 input, 8x8 patches
     det_ = Owlv2Detector(str(tmp_path / "owl"))
     out = det_.detect([Image.new("RGB", (40, 30), (200, 10, 10)), Image.new("RGB", (30, 30))], ["cat", "dog"])
     assert [len(o) for o in out] == [16, 16]  # one box per 8x8 patch of the 32x32 input

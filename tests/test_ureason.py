@@ -513,25 +513,9 @@ def _reference_replies(model, tokenizer, inputs, max_new_tokens):
 
 
 def test_vlm_judge_wiring_with_a_tiny_qwen2_vl(tmp_path):
-    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    import standins
 
-    tokenizer, vocab = _word_tokenizer(VLM_SPECIALS)
-    tokenizer.image_token = "<|image_pad|>"
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
-        tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-                         eos_token_id=vocab["<|im_end|>"], bos_token_id=None, pad_token_id=vocab["<|endoftext|>"]),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(cfg).save_pretrained(tmp_path / "vlm")
-    processor.save_pretrained(tmp_path / "vlm")
+    standins.qwen2_vl(tmp_path / "vlm")  # a 1-layer Qwen2-VL over this file's word vocabulary
 
     judge = VLMJudge.from_pretrained(str(tmp_path / "vlm"), max_new_tokens=6, batch_size=2)
     instances = [_inst(i, "code") for i in range(3)]
