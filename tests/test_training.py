@@ -641,3 +641,12 @@ def test_gradient_checkpointing_reaches_the_hf_backbone(tiny_shapes_world):
     assert flags and all(flags)
     with pytest.raises(UserError, match="gradient_checkpointing"):
         enable_gradient_checkpointing(TinyUnified())
+
+
+def test_pretraining_does_not_load_contrast_sets(world, tmp_path, double):
+    """gamma = 0 (every step a standard update): the contrast file is neither read nor batched."""
+    (world / "cococon_train.json").unlink()
+    out = train(run_cfg(world, tmp_path, "loss.gamma=0", "loss=none", "trainer.max_steps=2"))
+    assert out["global_step"] == 2 and out["counts"]["consistency_updates"] == 0
+    with pytest.raises(UserError, match="contrast-set file"):
+        train(run_cfg(world, tmp_path, "name=needs-contrast", "loss.gamma=0.5", "trainer.max_steps=1"))

@@ -113,6 +113,7 @@ class TrainerConfig:
     deterministic: bool = False
     enable_progress_bar: bool = True
     checkpoint_every_n_steps: Optional[int] = bounded(None, 1)  # also save every N optimizer steps (default: epoch ends)
+    cpu_threads: Optional[int] = bounded(None, 1)  # torch intra-op threads (None: torch's default)
 
 
 @dataclass

@@ -100,10 +100,13 @@ class EpochShuffleSampler(Sampler[int]):
 class ConsistencyDataModule(L.LightningDataModule):
     """Contrast sets + pretraining mixture for :class:`~unicon.training.module.ConsistencyModule`."""
 
-    def __init__(self, data_cfg: Any, seed: int = 0):
+    def __init__(self, data_cfg: Any, seed: int = 0, with_contrast: bool = True):
         super().__init__()
         self.cfg = data_cfg
         self.seed = seed
+        # False when no step can be a consistency update (loss.gamma = 0, pretraining): the contrast
+        # sets are then neither read nor loaded, and an epoch is one pass over the mixture
+        self.with_contrast = with_contrast
         self.root = Path(data_cfg.root)
         self.contrast: ContrastDataset | None = None
         self.mixture: MixtureDataset | None = None
@@ -114,15 +117,16 @@ class ConsistencyDataModule(L.LightningDataModule):
         return Path(self.cfg.contrast_file) if self.cfg.contrast_file else self.root / "cococon_train.json"
 
     def setup(self, stage: str | None = None) -> None:
-        if self.contrast is not None:
+        if self.mixture is not None:
             return
         if not self.root.is_dir():
             raise UserError(f"data.root {self.root} does not exist; build it with `unicon build-data shapes --out {self.root}`")
-        if not self.contrast_file.is_file():
-            raise UserError(f"contrast-set file {self.contrast_file} not found (data.contrast_file)")
-        # images_root None = the JSON's folder (ShapesWorld names images relative to the world root)
-        data = load_cococon(self.contrast_file, images_root=self.cfg.images_root)
-        self.contrast = ContrastDataset(data, self.cfg.max_contrast)
+        if self.with_contrast:
+            if not self.contrast_file.is_file():
+                raise UserError(f"contrast-set file {self.contrast_file} not found (data.contrast_file)")
+            # images_root None = the JSON's folder (ShapesWorld names images relative to the world root)
+            data = load_cococon(self.contrast_file, images_root=self.cfg.images_root)
+            self.contrast = ContrastDataset(data, self.cfg.max_contrast)
         try:
             self.mixture = MixtureDataset(self.root, "train", tasks=list(self.cfg.tasks))
         except (FileNotFoundError, ValueError) as e:
@@ -142,10 +146,9 @@ class ConsistencyDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> CombinedLoader:
         self.setup("fit")
-        loaders = {
-            "mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture),
-            "contrast": self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast),
-        }
+        loaders = {"mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture)}
+        if self.with_contrast:
+            loaders["contrast"] = self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast)
         for loader in loaders.values():  # a run resumed mid-epoch continues the epoch's order
             if self._resume_batches and isinstance(loader.sampler, EpochShuffleSampler) and len(loader):
                 loader.sampler.skip = (self._resume_batches % len(loader)) * int(loader.batch_size)

@@ -324,11 +324,13 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str,
     tcfg = cfg.trainer
     run_dir = _run_dir(cfg)
     eval_callbacks = make_eval_callbacks(cfg)  # a suite that cannot be built fails before any work
+    if tcfg.cpu_threads:
+        torch.set_num_threads(int(tcfg.cpu_threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build_training_model(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))  # after the checks: a refused run leaves no files
     module = ConsistencyModule(model, cfg)
-    datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed)
+    datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0)
     loggers = make_loggers(cfg, run_dir)
 
     checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
