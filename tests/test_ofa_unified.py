@@ -586,6 +586,28 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
     assert good["loc_miou"] > 0.99
 
 
+def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, monkeypatch):
+    import unicon.evaluation.shapes as shapes_cli
+    import unicon.models
+    from unicon.cli import main
+
+    monkeypatch.setattr(shapes_cli, "load_model_for", lambda args: _Oracle(tiny_world))
+    monkeypatch.setattr(unicon.models, "weights_fingerprint", lambda model: "oracle")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    out = tmp_path / "out"
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+                 "--limit", "8", "--examples", "2", "--logger", "none"]) == 0
+    result = json.loads((out / "shapes_eval.json").read_text())
+    for key in ("vqa_accuracy", "caption_match", "loc_iou50", "t2i_match"):
+        assert result["metrics"][key] == 1.0, key
+    assert result["model_fingerprint"] == "oracle" and result["split"] == "test"
+    from PIL import Image as PILImage
+
+    with PILImage.open(out / "shapes_eval.png") as im:
+        assert im.width > 400 and im.height > 400  # 4 task rows x 2 examples
+
+
 def test_shapes_task_accuracies_runs_the_real_model(tiny_world):
     from unicon.worlds.shapes_eval import shapes_task_accuracies
 

@@ -55,6 +55,8 @@ RUNS: dict[str, tuple[list[str], int]] = {
         ["--logger", "none"], 0),
     "unicon evaluate ureason --ckpt checkpoints/pretrained/Janus-Pro-7B --data ../shared/data/ureason --judge vlm:/models/Qwen3-VL-8B --out outputs/ureason-real": (
         ["--max-samples", "2", "--max-new-tokens", "8", "--judge-max-new-tokens", "4", "--logger", "none"], 0),
+    "unicon evaluate shapes  --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/shapes": (
+        ["--limit", "4", "--logger", "none"], 0),
     "unicon report checkpoints/shapes_demo": ([], 0),
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
     "unicon bench train": (["trainer.max_steps=2"], 0),

@@ -7,6 +7,7 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon evaluate cococon`` ``unicon.evaluation.cococon.cli``
 ``unicon evaluate drift``   ``unicon.evaluation.drift.cli``
 ``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli``
+``unicon evaluate shapes``  ``unicon.evaluation.shapes.cli``
 ``unicon build-data shapes`` ``data_builders/shapes.py: main``
 ``unicon report``          ``unicon.report.cli``
 ``unicon bench scoring``   ``unicon.models.bench.cli``
@@ -42,6 +43,7 @@ COMMANDS: dict = {
         "cococon": ("unicon.evaluation.cococon", "cli", "CocoCon cross-task consistency C_k, rho_rank, accuracies"),
         "drift": ("unicon.evaluation.drift", "cli", "semantic drift chains (MCD, MGG)"),
         "ureason": ("unicon.evaluation.ureason", "cli", "UReason reasoning-to-image, three settings"),
+        "shapes": ("unicon.evaluation.shapes", "cli", "ShapesWorld task accuracies (VQA, caption, loc, T2I)"),
     },
     "build-data": {
         "shapes": ("data_builders/shapes.py", "main", "build the embedded ShapesWorld datasets"),

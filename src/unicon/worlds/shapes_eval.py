@@ -53,8 +53,11 @@ def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
 
 @torch.no_grad()
 def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", limit: int | None = 200,
-                           batch_size: int = 32, tasks: Sequence[str] = TASKS) -> dict[str, float]:
-    """The four ShapesWorld task accuracies (see the module docstring) of ``model``."""
+                           batch_size: int = 32, tasks: Sequence[str] = TASKS,
+                           examples: list | None = None, num_examples: int = 0) -> dict[str, float]:
+    """The four ShapesWorld task accuracies (see the module docstring) of ``model``. With
+    ``examples`` (a list) and ``num_examples``, the first ``num_examples`` predictions of each task
+    are appended to it as dicts (task, input image or prompt, prediction, target, correct)."""
     from unicon.worlds.shapes import NotAShapesWorldImage, Scene, caption_matches, load_world, parse
 
     root = Path(world_root)
@@ -81,6 +84,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     ious: list[float] = []
     for task in tasks:
         for chunk in batches(task):
+            start = len(hits[task])
             if task == "vqa":
                 preds = model.answer([image(r) for r in chunk], [r["text"] for r in chunk])
                 hits[task] += [float(normalize_answer(p) == normalize_answer(str(r["target"])))
@@ -89,14 +93,14 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                 preds = model.caption([image(r) for r in chunk])
                 hits[task] += [float(bool(caption_matches(p, scene(r)))) for p, r in zip(preds, chunk)]
             elif task == "grounding":
-                boxes = model.locate([image(r) for r in chunk], [r["text"] for r in chunk])
-                for box, r in zip(boxes.tolist(), chunk):
+                preds = model.locate([image(r) for r in chunk], [r["text"] for r in chunk]).tolist()
+                for box, r in zip(preds, chunk):
                     iou = box_iou(box, r["target"])
                     ious.append(iou)
                     hits[task].append(float(iou >= 0.5))
             elif task == "t2i":
-                images = model.generate_image([r["text"] for r in chunk])
-                for im, r in zip(images, chunk):
+                preds = model.generate_image([r["text"] for r in chunk])
+                for im, r in zip(preds, chunk):
                     try:
                         ok = bool(caption_matches(r["text"], parse(im, world.config)))
                     except NotAShapesWorldImage:
@@ -104,6 +108,12 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                     hits[task].append(float(ok))
             else:
                 raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+            if examples is not None:
+                for r, p, ok in zip(chunk, preds, hits[task][start:]):
+                    if sum(e["task"] == task for e in examples) < num_examples:
+                        examples.append({"task": task, "id": r.get("id"), "text": r.get("text"),
+                                         "image": None if task == "t2i" else image(r), "prediction": p,
+                                         "target": r.get("target"), "correct": bool(ok)})
     names = {"vqa": "vqa_accuracy", "caption": "caption_match", "grounding": "loc_iou50", "t2i": "t2i_match"}
     for task in tasks:
         if hits[task]:
