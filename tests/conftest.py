@@ -21,6 +21,17 @@ if os.environ.get("UNICON_TEST_THREADS"):
 EPS32 = torch.finfo(torch.float32).eps
 
 
+@pytest.fixture()
+def fork_safe_threads():
+    """Tests that fork worker processes run them with one intra-op thread: GNU OpenMP's thread pool
+    does not survive fork(), and a forked child that enters a parallel region with more than one
+    thread waits forever (seen with UNICON_TEST_THREADS > 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def float32_tol(n_reduce: int, scale: float = 1.0, depth: int = 1) -> float:
     """A forward-error bound for float32 results that two computations may round differently
     (another summation order: batching, thread count, vector width, masked vs absent inputs).

@@ -390,7 +390,7 @@ def _ddp_worker(rank, world, init_file, data_path, out_dir):
 
 
 @pytest.mark.timeout(180)
-def test_ddp_two_ranks_match_single_process(tmp_path):
+def test_ddp_two_ranks_match_single_process(tmp_path, fork_safe_threads):
     import torch.multiprocessing as mp
 
     path = _mini_file(tmp_path)

@@ -545,7 +545,7 @@ def _fit(world: Path, out: Path, devices: int, strategy, make_model=TinyUnified,
 
 
 @pytest.mark.slow
-def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+def test_ddp_two_gloo_processes_match_one_process(tmp_path, fork_safe_threads):
     """Exact equality needs a model without batch statistics, hence the test double (see below for OFA)."""
     world = make_world(tmp_path / "world", n_contrast=8, n_mixture=8)
     one = _fit(world, tmp_path, 1, "auto")
@@ -562,7 +562,7 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world):
+def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world, fork_safe_threads):
     """The real tiny OFA under DDP: ranks use different parameter subsets per step (tasks differ), which
     needs find_unused_parameters; γ draws agree. With ``model.freeze_batchnorm`` the ResNet normalises
     with running statistics, so 2 ranks x 4 examples train exactly like 1 process x 8 examples."""
