@@ -61,6 +61,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
     "unicon bench train": (["trainer.max_steps=2"], 0),
     "unicon bench chains": (["--repeats", "1"], 0),
+    "unicon bench pretrain": (["--steps", "1", "--warmup", "0", "data.batch_size=4"], 0),
 }
 NOT_HERE = {"make demo", "make test"}  # make test is CI itself; make demo: test_make_demo below
 

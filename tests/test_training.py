@@ -650,3 +650,19 @@ def test_pretraining_does_not_load_contrast_sets(world, tmp_path, double):
     assert out["global_step"] == 2 and out["counts"]["consistency_updates"] == 0
     with pytest.raises(UserError, match="contrast-set file"):
         train(run_cfg(world, tmp_path, "name=needs-contrast", "loss.gamma=0.5", "trainer.max_steps=1"))
+
+
+def test_bench_pretrain_reports_consistent_figures(tiny_shapes_world, tmp_path):
+    from unicon.training.bench import run_pretrain_bench
+
+    cfg = compose(["experiment=shapes_pretrain", f"data.root={tiny_shapes_world}", "data.batch_size=4",
+                   f"output_dir={tmp_path}"])
+    out = run_pretrain_bench(cfg, steps=2, warmup=0)
+    n_params = sum(p.numel() for p in build_model(cfg.model, tiny_shapes_world).parameters())
+    # forward + backward of a transformer cost >= 2 FLOPs per parameter per target token
+    assert out["model_flops_per_example"] > 2 * n_params
+    assert out["achieved_flops_per_s"] == pytest.approx(out["examples_per_s"] * out["model_flops_per_example"],
+                                                        rel=0.01)
+    assert out["fraction_of_matmul_peak"] == pytest.approx(
+        out["achieved_flops_per_s"] / out["matmul_peak_flops_per_s"], rel=0.01)
+    assert out["kept_beside_a_busy_process"] > 0 and out["torch_threads"] == 1

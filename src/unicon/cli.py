@@ -12,6 +12,7 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon report``          ``unicon.report.cli``
 ``unicon bench scoring``   ``unicon.models.bench.cli``
 ``unicon bench train``     ``unicon.training.bench.cli``
+``unicon bench pretrain``  ``unicon.training.bench.pretrain_cli``
 ``unicon bench chains``    ``unicon.evaluation.drift.bench_cli``
 =========================  ==============================================
 
@@ -52,6 +53,7 @@ COMMANDS: dict = {
     "bench": {
         "scoring": ("unicon.models.bench", "cli", "batched vs naive likelihood scoring (samples/s)"),
         "train": ("unicon.training.bench", "cli", "consistency vs standard update throughput"),
+        "pretrain": ("unicon.training.bench", "pretrain_cli", "pretraining examples/s, FLOPs, share of a matmul peak"),
         "chains": ("unicon.evaluation.drift", "bench_cli", "batched vs one-at-a-time drift chains"),
     },
 }

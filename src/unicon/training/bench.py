@@ -130,3 +130,100 @@ def cli(argv: list[str] | None = None) -> int:
         raise UserError(str(e)) from None
     print(json.dumps(run_bench(cfg, args.steps, args.warmup, args.sequences, args.device)))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `unicon bench pretrain`
+# ---------------------------------------------------------------------------------------------
+def matmul_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a float32 ``n x n`` matrix product on this machine at the current thread count
+    (best of ``repeats``): the practical ceiling the training step is compared against."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm up the kernels
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
+    """Pretraining throughput (standard updates of the mixture) on CPU: examples/s, model FLOPs per
+    example (counted by ``torch.utils.flop_counter`` on one forward + backward), the achieved FLOP/s
+    as a fraction of :func:`matmul_peak_flops` measured in the same run, and the throughput kept while
+    one busy single-threaded process shares the cores."""
+    import subprocess
+    import sys
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unicon.training.datamodule import ConsistencyDataModule
+    from unicon.training.module import ConsistencyModule
+    from unicon.training.run import build_training_model
+
+    if cfg.trainer.cpu_threads:
+        torch.set_num_threads(int(cfg.trainer.cpu_threads))
+    torch.manual_seed(cfg.seed)
+    model = build_training_model(cfg).train()
+    module = ConsistencyModule(model, cfg)
+    dm = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=False)
+    dm.setup("fit")
+    bs = int(cfg.data.batch_size)
+    batches = [_take_mixture(dm.mixture, bs, i * bs) for i in range(warmup + steps)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
+
+    def step(batch):
+        loss = module.standard_loss(batch)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with FlopCounterMode(display=False) as counter:
+        module.standard_loss(batches[0])["loss"].backward()
+    opt.zero_grad(set_to_none=True)
+    flops_per_example = counter.get_total_flops() / bs
+    peak = matmul_peak_flops()
+    idle = steps * bs / _timed(step, batches, warmup, torch.device("cpu"))
+    busy_proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        busy = steps * bs / _timed(step, batches, warmup, torch.device("cpu"))
+    finally:
+        busy_proc.kill()
+        busy_proc.wait()
+    return {
+        "examples_per_s": round(idle, 2),
+        "model_flops_per_example": round(flops_per_example),
+        "achieved_flops_per_s": round(idle * flops_per_example),
+        "matmul_peak_flops_per_s": round(peak),
+        "fraction_of_matmul_peak": round(idle * flops_per_example / peak, 4),
+        "examples_per_s_beside_a_busy_process": round(busy, 2),
+        "kept_beside_a_busy_process": round(busy / idle, 3),
+        "torch_threads": torch.get_num_threads(),
+        "batch_size": bs,
+        "steps": steps,
+        "tasks": list(cfg.data.tasks),
+    }
+
+
+def pretrain_cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="unicon bench pretrain",
+        description="Pretraining throughput on the CPU (experiment=shapes_pretrain + overrides): examples/s, "
+        "model FLOPs per example, the fraction of a matmul peak measured in the same run, and the throughput "
+        "kept beside one busy single-threaded process (goal >= 0.9). Prints one JSON object.",
+        epilog="example: unicon bench pretrain trainer.cpu_threads=2 --steps 20",
+    )
+    parser.add_argument("overrides", nargs="*", help="config overrides on top of experiment=shapes_pretrain")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError("bench pretrain: need --steps >= 1 and --warmup >= 0")
+    try:
+        cfg = compose(["experiment=shapes_pretrain", *args.overrides])
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    print(json.dumps(run_pretrain_bench(cfg, args.steps, args.warmup)))
+    return 0
