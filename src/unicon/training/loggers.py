@@ -221,7 +221,8 @@ def wandb_mode(configured: str | None = None) -> str:
 
 def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None) -> list[Logger]:
     """The loggers of a run: [W&B or CSV, JsonlLogger]. ``cfg`` is a RunConfig (or its ``logger`` section)."""
-    run_dir = Path(run_dir)
+    # absolute: W&B writes from its own service process, whose working directory may be another one
+    run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     lcfg = cfg.logger if hasattr(cfg, "logger") else cfg
     name = name or getattr(cfg, "name", None) or run_dir.name
