@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import float32_tol
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -26,7 +27,13 @@ from unicon.models.janus import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-ATOL = 1e-5  # on the length-normalised NLL (and relative on the summed NLL)
+def tol(value) -> float:
+    """Rounding-only difference between two float32 computations of an NLL of this magnitude
+    (batched vs one at a time, cached vs full, merged vs unmerged LoRA): conftest.float32_tol over
+    janus_tiny's longest reduction (the VQ decoder's 3x3 convolutions over 64 channels = 576 terms;
+    the LM head's vocabulary is shorter) through at most 6 reducing layers (vision encoder, aligner,
+    2 language layers, norm, head)."""
+    return float32_tol(576, float(torch.as_tensor(value).abs().max()), depth=6)
 
 
 def _tiny_cfg(**arch_extra) -> dict:
@@ -122,8 +129,8 @@ def test_score_text_shapes_grad_and_naive(model, images):
         for b, row in enumerate(cands):
             for k, cand in enumerate(row):
                 ref = _naive_text_nll(model, images[b], prompts[b], cand)
-                assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
-                assert abs(scores.nll[b, k].item() - ref.item() / lengths[b][k]) < ATOL, (b, k)
+                assert abs(scores.sum_nll[b, k].item() - ref.item()) < tol(ref), (b, k)
+                assert abs(scores.nll[b, k].item() - ref.item() / lengths[b][k]) < tol(ref / lengths[b][k]), (b, k)
     # candidates differ, so the scores do too (the image and prompt are shared)
     assert len(set(scores.nll[0].tolist())) == 3
 
@@ -152,7 +159,7 @@ def test_text_only_scoring_is_the_reason_prompt_format(model):
                 target = tok(" " + cand, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 logits = model.janus(input_ids=torch.cat([prompt_ids, torch.tensor([target])], 1)).logits[0]
                 ref = -logits[-len(target) - 1: -1].float().log_softmax(-1).gather(-1, torch.tensor(target)[:, None]).sum()
-                assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
+                assert abs(scores.sum_nll[b, k].item() - ref.item()) < tol(ref), (b, k)
     assert scores.mask.tolist() == [[True, True], [True, False]]
 
 
@@ -166,7 +173,7 @@ def test_score_text_checkpointing_path_matches_cached_path(model, images):
         m.train()
         assert m._lm().gradient_checkpointing and m._lm().training  # selects the no-cache path
         full = m.score_text(images, prompts, cands)
-    torch.testing.assert_close(full.sum_nll, cached.sum_nll, atol=ATOL, rtol=1e-6)
+    torch.testing.assert_close(full.sum_nll, cached.sum_nll, atol=tol(full.sum_nll), rtol=0)
 
 
 def test_score_boxes_format_and_naive(model, images):
@@ -184,9 +191,9 @@ def test_score_boxes_format_and_naive(model, images):
             for k, expr in enumerate(row):
                 prompt = GROUNDING_PROMPT.format(expression=expr)
                 ref = _naive_text_nll(model, images[b], prompt, targets[b])
-                assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
+                assert abs(scores.sum_nll[b, k].item() - ref.item()) < tol(ref), (b, k)
                 mean_ref = ref.item() / scores.num_tokens[b, k].item()
-                assert abs(scores.nll[b, k].item() - mean_ref) < ATOL, (b, k)
+                assert abs(scores.nll[b, k].item() - mean_ref) < tol(mean_ref), (b, k)
 
 
 def test_score_image_shapes_grad_and_naive(model, images):
@@ -201,8 +208,8 @@ def test_score_image_shapes_grad_and_naive(model, images):
         for b, row in enumerate(prompts):
             for k, p in enumerate(row):
                 ref = _naive_image_nll(model, p, codes[b])
-                assert abs(scores.sum_nll[b, k].item() - ref.item()) < ATOL * max(1.0, ref.item()), (b, k)
-                assert abs(scores.nll[b, k].item() - ref.item() / N) < ATOL, (b, k)
+                assert abs(scores.sum_nll[b, k].item() - ref.item()) < tol(ref), (b, k)
+                assert abs(scores.nll[b, k].item() - ref.item() / N) < tol(ref / N), (b, k)
     model.zero_grad(set_to_none=True)
     scores.sum_nll[scores.mask].sum().backward()
     named = dict(model.named_parameters())
@@ -247,7 +254,7 @@ def test_score_image_matches_generate_loop(model, guidance):
         assert torch.equal(out[0], codes[b])
         cond = torch.stack([s[0] for s in recorder.steps])  # row 0 = conditional, row 1 = unconditional copy
         ref = -cond.float().log_softmax(-1).gather(-1, out[0][:, None]).sum()
-        assert abs(scores.sum_nll[b, 0].item() - ref.item()) < 1e-4 * max(1.0, ref.item())
+        assert abs(scores.sum_nll[b, 0].item() - ref.item()) < tol(ref)
 
 
 def model_conditional_rows():
@@ -343,7 +350,7 @@ def test_lora_step_changes_only_adapters_and_merges_on_save(model, images, tmp_p
     assert not any("lora_" in n for n, _ in reloaded.named_parameters())
     with torch.no_grad():
         got = reloaded.score_text(images, ["Q?", "Q?"], [["yes", "no"], ["a"]]).sum_nll
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=tol(expected), rtol=0)
 
 
 # ---- persistence and bad input ---------------------------------------------------------------------
@@ -577,7 +584,7 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
     with torch.no_grad():  # `model` was merged in place by the export
         torch.testing.assert_close(exported.score_text(images, ["q"], [["a red square", "x"]]).sum_nll,
                                    model.eval().score_text(images, ["q"], [["a red square", "x"]]).sum_nll,
-                                   atol=1e-5, rtol=1e-6)
+                                   atol=tol(20.0), rtol=0)  # NLL sums of a few tokens: |value| < 20
 
 
 def test_training_lora_hook_keeps_vision_encoder_frozen():
