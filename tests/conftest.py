@@ -70,3 +70,41 @@ def ofa_fixture_dir(shared_dir) -> Path:
     if not (d / "model.safetensors").is_file():
         pytest.skip(f"needs the OFA reference fixture in {d}")
     return d
+
+
+@pytest.fixture(scope="session")
+def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
+    """``(export, world)`` of a ShapesWorld model trained by the pretraining recipe.
+
+    ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name an existing one.
+    Otherwise a world is built and the recipe is trained from scratch with test_competence.STEPS steps
+    (about 3 minutes on one core) through the real CLI; its ``unicon evaluate shapes`` accuracies
+    are written beside the export as ``competence.json`` (asserted by test_competence)."""
+    import subprocess
+    import sys
+
+    if os.environ.get("UNICON_PRETRAINED"):
+        export = Path(os.environ["UNICON_PRETRAINED"])
+        world = Path(os.environ.get("UNICON_WORLD", REPO / "data" / "shapes"))
+        if not (export / "unicon_model.json").is_file() or not (world / "cococon_test.json").is_file():
+            pytest.skip(f"$UNICON_PRETRAINED={export} / world {world} is not a pretrained model and its world")
+        return export, world
+    from test_competence import STEPS
+
+    root = tmp_path_factory.mktemp("competence")
+    world, runs = root / "world", root / "runs"
+    unicon = [sys.executable, "-m", "unicon.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+    def run(*args: str) -> None:
+        proc = subprocess.run([*unicon, *args], cwd=REPO, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, f"unicon {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    run("build-data", "shapes", "--out", str(world), "--quiet")
+    run("train", "experiment=shapes_pretrain", f"data.root={world}", f"output_dir={runs}", "name=recipe",
+        f"trainer.max_steps={STEPS}", "logger=csv", "trainer.enable_progress_bar=false")
+    export = runs / "recipe" / "export"
+    run("evaluate", "shapes", "--ckpt", str(export), "--world", str(world), "--out", str(root / "eval"),
+        "--limit", "100", "--logger", "none")
+    (runs / "recipe" / "competence.json").write_text((root / "eval" / "shapes_eval.json").read_text())
+    return export, world

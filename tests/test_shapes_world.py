@@ -513,3 +513,20 @@ def test_existing_world_is_not_overwritten_silently(world, tmp_path):
     with pytest.raises(UserError, match="not a ShapesWorld directory"):
         _builder().main(["--out", str(tmp_path), *SMALL])
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_tokenizer_caches_parses_by_content_and_names_a_foreign_image():
+    from unicon.worlds.shapes import NotAShapesWorldImage, Scene, ShapeObject, ShapesTokenizer, WorldConfig, render
+
+    cfg = WorldConfig()
+    tok = ShapesTokenizer(cfg)
+    a = render(Scene((ShapeObject("star", "red", 0, 1),)), cfg)
+    b = render(Scene((ShapeObject("circle", "blue", 3, 3), ShapeObject("cross", "white", 2, 0))), cfg)
+    first = tok.encode([a, b])
+    assert len(tok._cache) == 2
+    again = tok.encode([b, a, a])  # served from the cache: same codes as parsing
+    assert torch.equal(again, torch.stack([first[1], first[0], first[0]]))
+    assert len(tok._cache) == 2
+    assert torch.equal(tok.encode(torch.stack([tok.decode(first)[0]])), first[:1])  # tensor input, same key space
+    with pytest.raises(NotAShapesWorldImage, match=r"image 1 of 2: image is 32x32"):
+        tok.encode([a, a.resize((32, 32))])

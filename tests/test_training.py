@@ -666,3 +666,58 @@ def test_bench_pretrain_reports_consistent_figures(tiny_shapes_world, tmp_path):
     assert out["fraction_of_matmul_peak"] == pytest.approx(
         out["achieved_flops_per_s"] / out["matmul_peak_flops_per_s"], rel=0.01)
     assert out["kept_beside_a_busy_process"] > 0 and out["torch_threads"] == 1
+
+
+# ---- the mixture's epoch order (data.batching, data.task_weights) -------------------------------
+def test_mixture_sampler_by_task_batches_hold_one_task_and_follow_the_weights():
+    from unicon.training.datamodule import MixtureSampler
+
+    tasks = ["vqa"] * 50 + ["caption"] * 30 + ["reason"] * 20
+    s = MixtureSampler(tasks, seed=3, weights={"reason": 0.5, "caption": 2.0}, by_task=True, chunk=8)
+    order = list(s)
+    assert len(order) == len(s)
+    batches = [order[i: i + 8] for i in range(0, len(order), 8)]
+    assert all(len({tasks[i] for i in b}) == 1 for b in batches)
+    per_task = {t: sum(tasks[i] == t for i in order) for t in ("vqa", "caption", "reason")}
+    # round(w * n) rows, each task's last chunk filled up from its own rows
+    assert per_task == {"vqa": 56, "caption": 64, "reason": 16}
+    assert sorted(set(i for i in order if tasks[i] == "vqa")) == list(range(50))  # w = 1: every row once
+    again = list(MixtureSampler(tasks, seed=3, weights={"reason": 0.5, "caption": 2.0}, by_task=True, chunk=8))
+    assert again == order
+    s.set_epoch(1)
+    assert list(s) != order
+
+
+def test_mixture_sampler_chunks_span_every_rank_under_ddp():
+    """DDP deals positions to ranks in turn (rank r takes r, r + W, ...): with chunk = batch * W, every
+    rank's batch still holds one task."""
+    from unicon.training.datamodule import MixtureSampler
+
+    tasks = ["vqa"] * 37 + ["t2i"] * 11
+    W, B = 2, 4
+    order = list(MixtureSampler(tasks, seed=0, by_task=True, chunk=B * W))
+    for rank in range(W):
+        mine = order[rank::W]
+        assert all(len({tasks[i] for i in mine[k: k + B]}) == 1 for k in range(0, len(mine), B))
+
+
+def test_mixture_sampler_mixed_order_and_bad_weights():
+    from unicon.errors import UserError
+    from unicon.training.datamodule import MixtureSampler
+
+    tasks = ["vqa"] * 10 + ["caption"] * 10
+    order = list(MixtureSampler(tasks, seed=0, weights={"caption": 0.0}))
+    assert sorted(order) == list(range(10))
+    with pytest.raises(UserError, match="leave no mixture row"):
+        MixtureSampler(tasks, weights={"caption": 0.0, "vqa": 0.0})
+
+
+def test_task_weights_and_batching_are_validated_with_their_key():
+    from unicon.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=r"command line: data.task_weights.captions=2.0 names no mixture task"):
+        compose(["data.task_weights.captions=2"])
+    with pytest.raises(ConfigError, match=r"data.task_weights.vqa=-1.0 must be a number >= 0"):
+        compose(["data.task_weights.vqa=-1"])
+    with pytest.raises(ConfigError, match=r"data.batching='per_task' is not one of: mixed, by_task"):
+        compose(["data.batching=per_task"])

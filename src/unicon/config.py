@@ -95,6 +95,11 @@ class DataConfig:
     max_contrast: int = bounded(5, 1)
     num_workers: int = bounded(0, 0)
     tasks: list[str] = choice(list(MIXTURE_TASKS), MIXTURE_TASKS, each=True)
+    # "by_task": every mixture batch holds one task (one encoder/decoder call per step instead of
+    # one per task; training.datamodule.TaskGroupedSampler); "mixed": batches mix tasks
+    batching: str = choice("mixed", ("mixed", "by_task"))
+    # rows of task t seen per epoch = round(weight_t * #rows_t) (default 1; e.g. {reason: 2.0})
+    task_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -452,6 +457,11 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
         items = list(OmegaConf.select(cfg, key))
         if len(set(items)) != len(items):
             fail(key, items, "lists a value twice")
+    for task, weight in dict(cfg.data.task_weights).items():
+        if task not in MIXTURE_TASKS:
+            fail(f"data.task_weights.{task}", weight, f"names no mixture task: use one of {', '.join(MIXTURE_TASKS)}")
+        if not isinstance(weight, (int, float)) or not math.isfinite(float(weight)) or weight < 0:
+            fail(f"data.task_weights.{task}", weight, "must be a number >= 0")
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         fail("optim.betas", betas, "must be two numbers in [0, 1)")

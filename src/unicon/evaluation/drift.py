@@ -71,6 +71,7 @@ import os
 import shutil
 import tempfile
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -358,7 +359,7 @@ class ChainRunner:
             result = {i: str(c) for i, c in zip(ids, captions)}
         else:
             prompts = [prev_texts[i] for i in ids]
-            cfg = ImageGenerationConfig(**asdict(self.image_config or ImageGenerationConfig()))
+            cfg = dataclasses.replace(self.image_config or self.model.image_generation_config)
             if cfg.seed is not None or cfg.do_sample:  # one fixed seed per (chain, generation, batch)
                 cfg.seed = (cfg.seed or 0) + self._batch_seed(chain, g, b)
             images = self.model.generate_image(prompts, config=cfg)

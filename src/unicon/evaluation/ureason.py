@@ -44,6 +44,7 @@ import argparse
 import json
 import logging
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -641,7 +642,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
                         device=args.device, dtype=args.judge_dtype,
                         trust_remote_code=args.trust_remote_code, max_new_tokens=args.judge_max_new_tokens)
     model = load_model_for(args)
-    config = ImageGenerationConfig(seed=args.seed)
+    config = dataclasses.replace(model.image_generation_config, seed=args.seed)
     info = {"ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
             "model_fingerprint": weights_fingerprint(model), "data": str(args.data), "split": args.split,
             "max_new_tokens": args.max_new_tokens, "chain_judge": args.chain_judge}

@@ -202,6 +202,13 @@ class UnifiedModel(nn.Module, abc.ABC):
     def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:
         """``[B, 4]`` boxes ``[x, y, w, h]`` in pixels of each input image."""
 
+    @property
+    def image_generation_config(self) -> ImageGenerationConfig:
+        """The model's default image-generation settings (used when ``generate_image`` gets no
+        ``config``; callers that set a seed start from a copy of it). Greedy unless a backend's
+        saved settings say otherwise."""
+        return ImageGenerationConfig()
+
     @abc.abstractmethod
     def generate_image(
         self,
@@ -212,7 +219,8 @@ class UnifiedModel(nn.Module, abc.ABC):
         """Text-to-image through image tokens and ``image_tokenizer.decode``.
 
         ``context[b]``, when given, is extra conditioning text (e.g. a reasoning
-        trace) placed before the prompt -- UReason's setting 2.
+        trace) placed before the prompt -- UReason's setting 2. ``config`` None means
+        :attr:`image_generation_config`.
         """
 
     @abc.abstractmethod

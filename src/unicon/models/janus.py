@@ -887,7 +887,7 @@ class JanusUnifiedModel(UnifiedModel):
         """
         from transformers import LogitsProcessorList
 
-        config = config or ImageGenerationConfig()
+        config = config or self.image_generation_config
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
         ids = [self._generation_prompt_ids(p, context[i] if context else None) for i, p in enumerate(prompts)]

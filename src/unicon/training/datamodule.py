@@ -11,7 +11,9 @@ randomness in what a step does, identical on every rank.
   contrast sets each. :func:`collate_contrast` drops samples without any contrast set
   (counted in ``num_skipped``) and pads the ragged candidate lists ``[gold] + contrasts``
   to ``K = 1 + max_b(#contrasts)`` with a bool ``candidate_mask`` (real candidates first).
-* mixture batches -- :class:`unicon.data.mixture.MixtureDataset` of ``mixture_train.jsonl``.
+* mixture batches -- :class:`unicon.data.mixture.MixtureDataset` of ``mixture_train.jsonl`` in
+  the order of :class:`MixtureSampler`: ``data.task_weights`` sets how many rows of each task an
+  epoch holds, and ``data.batching=by_task`` makes every batch hold a single task.
 
 Images are decoded in the loader workers (``data.num_workers``) and kept as PIL.
 """
@@ -97,6 +99,52 @@ class EpochShuffleSampler(Sampler[int]):
         return iter(torch.randperm(self.n, generator=g).tolist()[skip:])
 
 
+class MixtureSampler(EpochShuffleSampler):
+    """The mixture's epoch order, a function of ``(seed, epoch)`` only.
+
+    Each epoch holds ``m_t = round(w_t · n_t)`` rows of task ``t`` (``w_t`` from
+    ``data.task_weights``, default 1): a fresh permutation of the task's rows, repeated when
+    ``w_t > 1`` and cut when ``w_t < 1``. With ``by_task`` the rows of each task are cut into
+    chunks of ``chunk`` rows (the batch size times the number of ranks; the last chunk of a task
+    wraps around to the task's first rows), and the chunks are shuffled: consecutive batches --
+    and, as DDP's sampler deals positions to ranks in turn, every rank's batch -- hold one task,
+    so a step runs one encoder and one decoder call instead of one per task. Otherwise all rows
+    are shuffled together (batches mix tasks)."""
+
+    def __init__(self, tasks: list[str], seed: int = 0, weights: dict[str, float] | None = None,
+                 by_task: bool = False, chunk: int = 1):
+        self.weights = {t: float((weights or {}).get(t, 1.0)) for t in dict.fromkeys(tasks)}
+        self.rows = {t: [i for i, task in enumerate(tasks) if task == t] for t in self.weights}
+        self.counts = {t: round(self.weights[t] * len(idx)) for t, idx in self.rows.items()}
+        if not any(self.counts.values()):
+            raise UserError(f"data.task_weights {dict(weights or {})} leave no mixture row to train on")
+        self.by_task, self.chunk = by_task, max(1, int(chunk))
+        n = sum(-(-m // self.chunk) * self.chunk for m in self.counts.values()) if by_task else sum(self.counts.values())
+        super().__init__(n, seed)
+
+    def _task_order(self, task: str, g: torch.Generator) -> list[int]:
+        rows, m = self.rows[task], self.counts[task]
+        order: list[int] = []
+        while len(order) < m:
+            order += [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+        return order[:m]
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        skip, self.skip = self.skip, 0
+        orders = {t: self._task_order(t, g) for t in self.rows if self.counts[t]}
+        if not self.by_task:
+            flat = [i for order in orders.values() for i in order]
+            return iter([flat[i] for i in torch.randperm(len(flat), generator=g).tolist()][skip:])
+        chunks = []
+        for order in orders.values():
+            size = -(-len(order) // self.chunk) * self.chunk
+            padded = (order * (-(-size // len(order))))[:size]
+            chunks += [padded[i: i + self.chunk] for i in range(0, size, self.chunk)]
+        flat = [i for c in torch.randperm(len(chunks), generator=g).tolist() for i in chunks[c]]
+        return iter(flat[skip:])
+
+
 class ConsistencyDataModule(L.LightningDataModule):
     """Contrast sets + pretraining mixture for :class:`~unicon.training.module.ConsistencyModule`."""
 
@@ -132,12 +180,12 @@ class ConsistencyDataModule(L.LightningDataModule):
         except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from None
 
-    def _loader(self, dataset: Dataset, batch_size: int, collate) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_size: int, collate, sampler: Sampler | None = None) -> DataLoader:
         workers = int(self.cfg.num_workers)
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=EpochShuffleSampler(len(dataset), self.seed),
+            sampler=sampler or EpochShuffleSampler(len(dataset), self.seed),
             collate_fn=collate,
             num_workers=workers,
             persistent_workers=workers > 0,
@@ -146,7 +194,11 @@ class ConsistencyDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> CombinedLoader:
         self.setup("fit")
-        loaders = {"mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture)}
+        batch = int(self.cfg.batch_size)
+        ranks = self.trainer.world_size if self.trainer is not None else 1
+        sampler = MixtureSampler([r["task"] for r in self.mixture.rows], self.seed, dict(self.cfg.task_weights),
+                                 by_task=self.cfg.batching == "by_task", chunk=batch * ranks)
+        loaders = {"mixture": self._loader(self.mixture, batch, collate_mixture, sampler)}
         if self.with_contrast:
             loaders["contrast"] = self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast)
         for loader in loaders.values():  # a run resumed mid-epoch continues the epoch's order

@@ -184,8 +184,9 @@ class ConsistencyModule(L.LightningModule):
         return out
 
     def standard_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Token-weighted CE of the mixture batch's gold targets (see :func:`token_weighted_ce`)."""
-        sums, tokens = [], []
+        """Token-weighted CE of the mixture batch's gold targets (see :func:`token_weighted_ce`);
+        ``task_ce[t]`` is task t's own per-token CE in this batch (logged as ``train/ce_<t>``)."""
+        sums, tokens, per_task = [], [], {}
         for task in MIXTURE_TASKS:
             rows = [b for b, t in enumerate(batch["tasks"]) if t == task]
             if not rows:
@@ -206,8 +207,10 @@ class ConsistencyModule(L.LightningModule):
             sc = self._count(sc)
             sums.append(sc.sum_nll[:, 0])
             tokens.append(sc.num_tokens[:, 0])
+            per_task[task] = (sums[-1].detach().sum() / tokens[-1].sum().clamp(min=1)).float()
         loss = token_weighted_ce(sums, tokens, self._token_all_reduce())
-        return {"loss": loss, "loss_ce": loss.detach(), "num_sequences": torch.tensor(len(batch["tasks"]))}
+        return {"loss": loss, "loss_ce": loss.detach(), "num_sequences": torch.tensor(len(batch["tasks"])),
+                "task_ce": per_task}
 
     def _token_all_reduce(self):
         """Sum over ranks (for global token and example counts) under a multi-process strategy, else None."""
@@ -254,6 +257,8 @@ class ConsistencyModule(L.LightningModule):
             for key, name in (("rho_hard", "train/rank_rho_hard"), ("soft_hard_gap", "train/soft_hard_gap")):
                 if key in out and math.isfinite(out[key]):
                     self.log(name, out[key], batch_size=bs)
+        for task, value in out.get("task_ce", {}).items():  # per-task CE on this rank's batch
+            self.log(f"train/ce_{task}", value, batch_size=bs, sync_dist=False)
         self._log_counts()
         return loss
 

@@ -29,8 +29,10 @@ iff ``a.row < b.row`` (rows grow downwards, as in image coordinates).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -522,8 +524,33 @@ class ShapesTokenizer(ImageTokenizer):
             items = list(images)
         else:
             items = list(images)
-        return torch.stack([torch.from_numpy(scene_to_codes(parse(im, self.cfg), self.cfg)) for im in items]) \
-            if items else torch.zeros(0, *self.grid_size, dtype=torch.long)
+        if not items:
+            return torch.zeros(0, *self.grid_size, dtype=torch.long)
+        codes = []
+        for i, im in enumerate(items):
+            try:
+                codes.append(self._codes(_as_uint8_array(im, self.cfg)))
+            except NotAShapesWorldImage as e:
+                raise NotAShapesWorldImage(f"image {i} of {len(items)}: {e}") from None
+        return torch.from_numpy(np.stack(codes))
+
+    #: parsed images remembered by content (training re-encodes the same T2I targets every epoch)
+    CACHE_SIZE = 1 << 16
+
+    def _codes(self, arr: np.ndarray) -> np.ndarray:
+        """Codes of one image; a parse costs ~1 ms, so results are cached by the pixels' BLAKE2b digest."""
+        if not hasattr(self, "_cache"):
+            self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        key = hashlib.blake2b(np.ascontiguousarray(arr, dtype=np.uint8).tobytes(), digest_size=16).digest()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        codes = scene_to_codes(parse(arr, self.cfg), self.cfg)
+        self._cache[key] = codes
+        if len(self._cache) > self.CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return codes
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         codes = torch.as_tensor(codes, dtype=torch.long)

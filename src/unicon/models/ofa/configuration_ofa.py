@@ -10,7 +10,9 @@ reproduce the reference exactly:
 * ``resnet_layers`` (None): explicit Bottleneck counts of the three stages, overriding
   ``resnet_type`` (ShapesWorld uses ``[1, 1, 1]`` to stay fast on CPU);
 * ``patch_image_size`` (None): the image side the checkpoint expects (used by the
-  wrapper's preprocessing; not part of the network).
+  wrapper's preprocessing; not part of the network);
+* ``image_stem`` ("resnet"): ``"patch"`` replaces the ResNet by two patchifying convolutions
+  (``modeling_ofa.PatchStem``, one token per 16-pixel cell; ShapesWorld's preset).
 
 A ``config.json`` of another architecture is refused by :func:`check_config_dict`, which
 names the field that gave it away (``model_type`` or a missing OFA key).
@@ -33,6 +35,9 @@ RESNET_LAYERS = {
     "resnet101": [3, 4, 23],
     "resnet152": [3, 8, 36],
 }
+
+#: Image stems: OFA's ResNet (every published checkpoint) or ShapesWorld's per-cell patch stem.
+IMAGE_STEMS = ("resnet", "patch")
 
 #: Keys an OFA ``config.json`` must carry (``resnet_type`` is the one BART-style configs lack).
 #: Other OFA keys (bucket sizes, ``code_image_size``, ...) fall back to the reference defaults.
@@ -122,6 +127,7 @@ class OFAConfig(PretrainedConfig):
     resnet_width: int = 64
     resnet_layers: list[int] | None = None
     patch_image_size: int | None = None
+    image_stem: str = "resnet"
     # special tokens (BART convention)
     pad_token_id: int | None = 1
     bos_token_id: int | None = 0
@@ -139,6 +145,8 @@ class OFAConfig(PretrainedConfig):
             raise OFAConfigError(
                 "OFAConfig: only normformer=True with pre-LN (the OFA-Sys checkpoints) is implemented"
             )
+        if self.image_stem not in IMAGE_STEMS:
+            raise OFAConfigError(f"OFAConfig: image_stem {self.image_stem!r} is not one of {list(IMAGE_STEMS)}")
         if not self.share_decoder_input_output_embed:
             raise OFAConfigError("OFAConfig: share_decoder_input_output_embed=False is not implemented")
 
@@ -217,9 +225,10 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
     "ofa-base": _size(768, 6, 6, 12, 3072, "resnet101", 384),
     "ofa-large": _size(1024, 12, 12, 16, 4096, "resnet152", 480),
     "ofa-huge": _size(1280, 24, 12, 16, 5120, "resnet152", 480),
-    # ShapesWorld: 64x64 images -> 4x4 encoder patches; code_image_size 32 -> 4x4 decoder
-    # code grid (window = code_image_size // 8). vocab_size is set at build time from the
-    # world tokenizer (+ codes + bins) by the OFA-unified wrapper.
+    # ShapesWorld: 64x64 images -> 4x4 encoder patches, one per 16-px cell (the patch stem: every
+    # object lives in one cell, so a per-cell embedding is exact and cheaper than OFA's ResNet);
+    # code_image_size 32 -> 4x4 decoder code grid (window = code_image_size // 8). vocab_size is set
+    # at build time from the world tokenizer (+ codes + bins) by the OFA-unified wrapper.
     "shapes-tiny": dict(
         vocab_size=1024,
         max_position_embeddings=192,  # think-then-draw prompts reach ~140 tokens
@@ -233,9 +242,10 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
         dropout=0.0,
         attention_dropout=0.0,
         activation_dropout=0.0,
-        resnet_type="resnet18",
-        resnet_width=16,
+        resnet_type="resnet18",  # unused by the patch stem; kept so that config.json stays OFA-shaped
+        resnet_width=32,  # the patch stem's hidden channels (its output: 16 * 32 = 512 -> image_proj)
         resnet_layers=[1, 1, 1],
+        image_stem="patch",
         token_bucket_size=256,
         image_bucket_size=42,
         code_image_size=32,

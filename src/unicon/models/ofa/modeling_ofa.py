@@ -220,6 +220,32 @@ class ResNet(nn.Module):
         return self.layer3(self.layer2(self.layer1(x)))
 
 
+class PatchStem(nn.Module):
+    """A stem for images made of 16 x 16-pixel cells (ShapesWorld): two non-overlapping
+    patchifying convolutions, 4x4/4 (3 -> ``width``) then GELU and 4x4/4 (``width`` -> ``out``),
+    so every output position sees exactly one 16-pixel cell and nothing else.
+
+    OFA's ResNet stem (7x7/2 conv, max-pool, Bottlenecks) mixes neighbouring cells through
+    overlapping receptive fields and spends most of its FLOPs at 32x32 and 16x16 resolution;
+    for a world whose objects never leave their cell, a per-cell embedding is both exact and
+    cheaper (``unicon bench pretrain``). Not part of any published OFA checkpoint."""
+
+    def __init__(self, width: int, out_channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 4, stride=4)
+        self.conv2 = nn.Conv2d(width, out_channels, 4, stride=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(F.gelu(self.conv1(x)))
+
+
+def build_image_stem(config: OFAConfig) -> nn.Module:
+    """The image stem named by ``config.image_stem`` (stride 16, ``config.image_feature_dim`` channels)."""
+    if config.image_stem == "patch":
+        return PatchStem(config.resnet_width, config.image_feature_dim)
+    return ResNet(config.stage_layers, config.resnet_width, config.resnet_drop_path_rate)
+
+
 # ---------------------------------------------------------------------------------------------
 # attention and layers
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +454,7 @@ class OFAEncoder(_RelPosTables):
         self.layernorm_embedding = nn.LayerNorm(d) if config.layernorm_embedding else None
         self.embed_tokens = embed_tokens
         self.type_embedding = nn.Embedding(2, d) if config.add_type_embedding else None
-        self.embed_images = ResNet(config.stage_layers, config.resnet_width, config.resnet_drop_path_rate)
+        self.embed_images = build_image_stem(config)
         self.image_proj = nn.Linear(config.image_feature_dim, d)
         self.patch_layernorm_embedding = nn.LayerNorm(d) if config.patch_layernorm_embedding else None
         self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d)

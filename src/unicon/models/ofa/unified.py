@@ -81,6 +81,15 @@ class OFAWrapperConfig:
     t2i_prompt: str = " what is the complete image? caption: {}"
     # {"type": "shapes", "world": <WorldConfig dict>} | {"type": "vqgan", "path": dir} | None
     image_tokenizer: dict[str, Any] | None = None
+    # default ImageGenerationConfig fields of generate_image (None: greedy)
+    image_generation: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_generation is not None:
+            known = set(ImageGenerationConfig.__dataclass_fields__)
+            unknown = sorted(set(self.image_generation) - known)
+            if unknown:
+                raise ValueError(f"image_generation: unknown setting(s) {unknown}; known: {sorted(known)}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "OFAWrapperConfig":
@@ -141,6 +150,10 @@ class OFAUnifiedModel(UnifiedModel):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    @property
+    def image_generation_config(self) -> ImageGenerationConfig:
+        return ImageGenerationConfig(**(self.settings.image_generation or {}))
 
     # ======================================================================================
     # inputs
@@ -401,7 +414,7 @@ class OFAUnifiedModel(UnifiedModel):
         classifier-free guidance ``l_u + s (l_c - l_u)`` against the empty prompt when s != 1."""
         if self.image_tokenizer is None:
             raise ValueError("this OFA model has no image tokenizer; text-to-image is unavailable")
-        cfg = config or ImageGenerationConfig()
+        cfg = config or self.image_generation_config
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(context)} contexts")
         texts = [self.settings.t2i_prompt.format(p) for p in prompts]
