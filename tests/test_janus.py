@@ -107,8 +107,8 @@ def test_prompt_layout_is_the_janus_pro_format(model):
     assert decode(rest) == "\nWhat is it?\n\n<|Assistant|>:"
     expected = f"{bos}<|User|>: draw a cat\n\n<|Assistant|>:{boi}"
     assert decode(model._generation_prompt_ids("draw a cat")) == expected
-    assert decode(model._generation_prompt_ids("draw a cat", "think first")) == (
-        f"{bos}<|User|>: think first\ndraw a cat\n\n<|Assistant|>:{boi}"
+    assert decode(model._generation_prompt_ids("draw a cat", "so a cat")) == (  # UReason's [P, R]
+        f"{bos}<|User|>: draw a cat\nso a cat\n\n<|Assistant|>:{boi}"
     )
     target, cut = model._target_ids("red")
     assert decode(target) == " red<｜end▁of▁sentence｜>" and not cut
@@ -292,8 +292,8 @@ def test_generate_image_seed_and_context(model):
     assert all(list(x.getdata()) == list(y.getdata()) for x, y in zip(a, b))
     seeded = ImageGenerationConfig(seed=1)
     c1 = model.generate_image_codes(["a red square"], context=["think: red"], config=seeded)
-    c2 = model.generate_image_codes(["think: red\na red square"], config=seeded)
-    assert torch.equal(c1, c2)  # context is placed before the prompt in the user turn
+    c2 = model.generate_image_codes(["a red square\nthink: red"], config=seeded)
+    assert torch.equal(c1, c2)  # the context follows the prompt in the user turn (UReason's [P, R])
     with pytest.raises(ValueError, match="bogus"):
         model.generate_image_codes(["x"], config=ImageGenerationConfig(extra={"bogus": 1}))
 

@@ -720,3 +720,21 @@ def test_saved_image_generation_settings_are_the_default_and_bad_keys_are_named(
     assert len(greedy) == 4
     with pytest.raises(ValueError, match=r"image_generation: unknown setting\(s\) \['temprature'\]"):
         OFAWrapperConfig(image_generation={"temprature": 0.5})
+
+
+def test_setting_two_input_is_prompt_then_trace_cut_from_the_left(monkeypatch):
+    """UReason's Eq. 2 is M([P, R]): the prompt first; when the input is too long, R loses its
+    beginning (its conclusion, the refined prompt, survives) and the cut is counted."""
+    model = _tiny_model(max_source_length=128)
+    assert model._t2i_text("a red star", "so draw it") == model.settings.t2i_prompt.format("a red star so draw it")
+    trace = " ".join(f"w{i}" for i in range(100)) + " refined prompt: a red star"
+    kept, cut = model.fit_context(["a red star", "x"], [trace, "short"])
+    assert cut[0] > 0 and kept[0].endswith("refined prompt: a red star") and trace.endswith(kept[0])
+    assert (kept[1], cut[1]) == ("short", 0)
+    ids, over = model.tokenizer.encode_text(" " + model._t2i_text("a red star", kept[0]).lstrip(), 128)
+    assert not over
+    seen = []
+    monkeypatch.setattr(model, "_source_ids", lambda texts: seen.extend(texts) or OFAUnifiedModel._source_ids(model, texts))
+    with torch.no_grad():
+        model.generate_image(["a red star"], context=[kept[0]], config=ImageGenerationConfig())
+    assert seen[0].index("a red star") < seen[0].index(kept[0])

@@ -21,7 +21,9 @@ Metrics (sec. 3.2), over the N instances evaluated, in percent:
   (Table 3), when the judge can judge chains.
 * ``fallback_rate = 100 * #(no marker, last paragraph used) / N`` and ``empty_refined_rate``.
 * counts: ``missing_s{k}``, ``unparseable_s{k}``, ``judge_truncated_s{k}``, ``trace_truncated``,
-  ``chain_unparseable``.
+  ``chain_unparseable``, ``context_cut_s2`` (setting-2 inputs ``[P, R]`` too long for the model,
+  whose trace was cut from the left with ``UnifiedModel.fit_context``; the words cut are in each
+  sample's ``context_words_cut``).
 
 Refined-prompt extraction (:func:`extract_refined_prompt`): think tags (``<think>``,
 ``</think>``, ``<thinking>``, ``<reasoning>`` ...) and markdown emphasis/headings are removed, then
@@ -142,6 +144,7 @@ class Sample:
     trace: str = ""
     trace_truncated: bool = False
     trace_tokens: int = 0
+    context_words_cut: int = 0  # words cut from the left of R to fit [P, R] (setting 2)
     refined: Extraction = field(default_factory=lambda: Extraction("", EMPTY_RULE))
     images: dict[int, Image.Image | None] = field(default_factory=dict)
     errors: dict[int, str | None] = field(default_factory=dict)
@@ -205,8 +208,12 @@ def generate_samples(
         for s, g in zip(batch, gens):
             s.trace, s.trace_truncated, s.trace_tokens = g.text, bool(g.truncated), int(g.num_tokens)
             s.refined = extract_refined_prompt(g.text)
-        # setting 2: prompt + R
-        ims, errs = _generate_safely(model, [s.instance.prompt for s in batch], [s.trace for s in batch], image_config)
+        # setting 2: M([P, R]) -- the trace follows the prompt; an over-long input loses R's beginning
+        prompts2 = [s.instance.prompt for s in batch]
+        contexts, cut = model.fit_context(prompts2, [s.trace for s in batch])
+        for s, n in zip(batch, cut):
+            s.context_words_cut = int(n)
+        ims, errs = _generate_safely(model, prompts2, contexts, image_config)
         for s, im, err in zip(batch, ims, errs):
             s.images[2], s.errors[2] = im, err
         # setting 3: R_p alone (no image for an empty R_p)
@@ -251,6 +258,7 @@ COUNT_FIELDS = (
     "fallback",
     "empty_refined",
     "trace_truncated",
+    "context_cut_s2",
 )
 
 
@@ -275,6 +283,7 @@ def count_matrix(samples: Sequence[Sample], categories: Sequence[str]) -> torch.
         counts[r, col["fallback"]] += float(s.refined.fallback)
         counts[r, col["empty_refined"]] += float(s.refined.rule == EMPTY_RULE)
         counts[r, col["trace_truncated"]] += float(s.trace_truncated)
+        counts[r, col["context_cut_s2"]] += float(s.context_words_cut > 0)
     return counts
 
 
@@ -308,6 +317,7 @@ def metrics_from_counts(counts: torch.Tensor, categories: Sequence[str]) -> dict
     m["fallback_rate"] = _pct(float(total[col["fallback"]]), n)
     m["empty_refined_rate"] = _pct(float(total[col["empty_refined"]]), n)
     m["trace_truncated"] = float(total[col["trace_truncated"]])
+    m["context_cut_s2"] = float(total[col["context_cut_s2"]])
     if float(total[col["chain_judged"]]):
         m["chain_unparseable"] = float(total[col["chain_unparseable"]])
     for i, cat in enumerate(categories):
@@ -356,7 +366,8 @@ def markdown_table(metrics: dict[str, float], categories: Sequence[str]) -> str:
     cut = "/".join(f"{metrics[f'judge_truncated_s{k}']:.0f}" for k in SETTINGS)
     lines.append(
         f"Unparseable judge replies s1/s2/s3: {per_setting} (failures); truncated judge replies: {cut}; "
-        f"truncated reasoning traces: {metrics['trace_truncated']:.0f}."
+        f"truncated reasoning traces: {metrics['trace_truncated']:.0f}; setting-2 inputs [P, R] cut to fit: "
+        f"{metrics.get('context_cut_s2', 0):.0f}."
     )
     return "\n".join(lines) + "\n"
 
@@ -376,6 +387,7 @@ def sample_record(s: Sample, image_paths: dict[int, str | None]) -> dict[str, An
         "trace": s.trace,
         "trace_truncated": s.trace_truncated,
         "trace_tokens": s.trace_tokens,
+        "context_words_cut": s.context_words_cut,
         "refined_prompt": s.refined.text,
         "extraction_rule": s.refined.rule,
     }

@@ -218,10 +218,18 @@ class UnifiedModel(nn.Module, abc.ABC):
     ) -> list[Image.Image]:
         """Text-to-image through image tokens and ``image_tokenizer.decode``.
 
-        ``context[b]``, when given, is extra conditioning text (e.g. a reasoning
-        trace) placed before the prompt -- UReason's setting 2. ``config`` None means
+        ``context[b]``, when given, is extra conditioning text (a reasoning trace) placed
+        *after* the prompt -- UReason's setting 2, ``M([P, R])`` (its Eq. 2). Callers that may
+        exceed the model's input first cut it with :meth:`fit_context`. ``config`` None means
         :attr:`image_generation_config`.
         """
+
+    def fit_context(self, prompts: Sequence[str], contexts: Sequence[str]) -> tuple[list[str], list[int]]:
+        """Cut each ``contexts[b]`` from the left, a word at a time, until ``[prompts[b], contexts[b]]``
+        fits the model's text-to-image input; returns the kept contexts and the number of words cut
+        from each (0 = kept whole). The end of a trace (its conclusion) is what survives. Default: the
+        backend has no input limit to respect."""
+        return list(contexts), [0] * len(contexts)
 
     @abc.abstractmethod
     def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:

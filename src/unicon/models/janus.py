@@ -648,7 +648,7 @@ class JanusUnifiedModel(UnifiedModel):
         return ids, False
 
     def _generation_prompt_ids(self, prompt: str, context: str | None = None) -> list[int]:
-        text = prompt.strip() if not context else f"{context.strip()}\n{prompt.strip()}"
+        text = prompt.strip() if not context else f"{prompt.strip()}\n{context.strip()}"  # UReason's [P, R]
         chat = self._chat([{"type": "text", "text": text}]) + self.tokenizer.boi_token
         return self.tokenizer(chat, add_special_tokens=True)["input_ids"]
 

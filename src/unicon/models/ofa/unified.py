@@ -417,9 +417,7 @@ class OFAUnifiedModel(UnifiedModel):
         cfg = config or self.image_generation_config
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(context)} contexts")
-        texts = [self.settings.t2i_prompt.format(p) for p in prompts]
-        if context is not None:
-            texts = [f" {c.strip()}{t}" for c, t in zip(context, texts)]
+        texts = [self._t2i_text(p, None if context is None else context[i]) for i, p in enumerate(prompts)]
         B = len(texts)
         guided = cfg.guidance_scale != 1.0
         if guided:
@@ -446,6 +444,28 @@ class OFAUnifiedModel(UnifiedModel):
             seqs = torch.cat([seqs, code.unsqueeze(1)], dim=1)
         codes = (seqs[:B, 1:] - lo).view(B, h, w)
         return self.image_tokenizer.decode_to_pil(codes.cpu())
+
+    def _t2i_text(self, prompt: str, context: str | None = None) -> str:
+        """T2I source text: the prompt, then the context (UReason's [P, R]), in the t2i template."""
+        text = prompt.strip() if not context else f"{prompt.strip()} {context.strip()}"
+        return self.settings.t2i_prompt.format(text)
+
+    def fit_context(self, prompts: Sequence[str], contexts: Sequence[str]) -> tuple[list[str], list[int]]:
+        if len(prompts) != len(contexts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(contexts)} contexts")
+        limit = self.settings.max_source_length
+        kept, cut = [], []
+        for p, c in zip(prompts, contexts):
+            words = c.split()
+            n = 0
+            while n < len(words):  # the encoder text gets one leading space (_source_ids)
+                ids, over = self.tokenizer.encode_text(" " + self._t2i_text(p, " ".join(words[n:])).lstrip(), limit)
+                if not over:
+                    break
+                n += 1
+            kept.append(" ".join(words[n:]))
+            cut.append(n)
+        return kept, cut
 
     @staticmethod
     def _sample(logits: torch.Tensor, cfg: ImageGenerationConfig, gen: torch.Generator) -> torch.Tensor:
