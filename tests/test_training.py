@@ -570,7 +570,8 @@ def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world, fork_
 
     def make_model():
         torch.manual_seed(0)
-        return build_model(compose(["model=ofa_shapes_tiny", "model.freeze_batchnorm=true"]).model,
+        return build_model(compose(["model=ofa_shapes_tiny", "model.freeze_batchnorm=true",
+                                    "model.arch.image_stem=resnet"]).model,
                            tiny_shapes_world)
 
     # one step = the whole dataset in both settings: 8 mixture rows, 8 contrast samples (all with contrasts)
@@ -602,7 +603,8 @@ def test_ddp_real_tiny_ofa_two_gloo_processes(tmp_path, tiny_shapes_world, fork_
 
 
 def test_freeze_batchnorm_survives_train_mode_also_from_init_from(tiny_shapes_world, tmp_path):
-    overrides = ["model=ofa_shapes_tiny", "model.freeze_batchnorm=true", f"data.root={tiny_shapes_world}"]
+    overrides = ["model=ofa_shapes_tiny", "model.freeze_batchnorm=true", "model.arch.image_stem=resnet",
+                 f"data.root={tiny_shapes_world}"]  # OFA's ResNet stem (the shapes preset's patch stem has no BN)
     built = build_model(compose(overrides).model, tiny_shapes_world)
     built.save_pretrained(str(tmp_path / "export"))
     started = build_training_model(compose(overrides + [f"init_from={tmp_path / 'export'}"]))

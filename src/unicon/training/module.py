@@ -185,7 +185,8 @@ class ConsistencyModule(L.LightningModule):
 
     def standard_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Token-weighted CE of the mixture batch's gold targets (see :func:`token_weighted_ce`);
-        ``task_ce[t]`` is task t's own per-token CE in this batch (logged as ``train/ce_<t>``)."""
+        ``task_ce[t]`` is task t's own per-token CE in this batch (for studies; not logged: a key
+        logged only on some steps makes a resumed run's metrics rows differ)."""
         sums, tokens, per_task = [], [], {}
         for task in MIXTURE_TASKS:
             rows = [b for b, t in enumerate(batch["tasks"]) if t == task]
@@ -257,8 +258,6 @@ class ConsistencyModule(L.LightningModule):
             for key, name in (("rho_hard", "train/rank_rho_hard"), ("soft_hard_gap", "train/soft_hard_gap")):
                 if key in out and math.isfinite(out[key]):
                     self.log(name, out[key], batch_size=bs)
-        for task, value in out.get("task_ce", {}).items():  # per-task CE on this rank's batch
-            self.log(f"train/ce_{task}", value, batch_size=bs, sync_dist=False)
         self._log_counts()
         return loss
 
