@@ -93,9 +93,13 @@ class EpochShuffleSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.n
 
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+    def _start_pass(self) -> tuple[torch.Generator, int]:
+        """The pass's generator (a function of ``(seed, epoch)``) and the examples to skip (consumed once)."""
         skip, self.skip = self.skip, 0
+        return torch.Generator().manual_seed(self.seed * 100_003 + self.epoch), skip
+
+    def __iter__(self):
+        g, skip = self._start_pass()
         return iter(torch.randperm(self.n, generator=g).tolist()[skip:])
 
 
@@ -130,8 +134,7 @@ class MixtureSampler(EpochShuffleSampler):
         return order[:m]
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        skip, self.skip = self.skip, 0
+        g, skip = self._start_pass()
         orders = {t: self._task_order(t, g) for t in self.rows if self.counts[t]}
         if not self.by_task:
             flat = [i for order in orders.values() for i in order]
