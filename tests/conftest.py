@@ -108,3 +108,17 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
         "--limit", "100", "--logger", "none")
     (runs / "recipe" / "competence.json").write_text((root / "eval" / "shapes_eval.json").read_text())
     return export, world
+
+
+@pytest.fixture(scope="session")
+def tiny_shapes_world(tmp_path_factory) -> Path:
+    """A 12-scene ShapesWorld built by the real builder (tokenizer, mixture, CocoCon files)."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from data_builders.shapes import main as build_shapes
+    root = tmp_path_factory.mktemp("shapes")
+    build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
+                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
+                  "--num-reason-train", "0"])
+    return root

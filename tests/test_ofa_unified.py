@@ -708,6 +708,31 @@ def test_patch_stem_gives_one_token_per_cell_that_sees_only_its_cell():
         preset_config("shapes-tiny", image_stem="vit")
 
 
+def test_token_embedding_init_std_sets_the_shared_embedding_and_output_projection(tmp_path):
+    """shapes-tiny draws its tied token embedding from N(0, 1); presets without the key keep
+    N(0, init_std) (the reference init); the padding row is zero; a saved model reloads unchanged."""
+    from unicon.models.ofa.configuration_ofa import OFAConfig, preset_config
+    from unicon.models.ofa.modeling_ofa import OFAModel
+
+    torch.manual_seed(0)
+    model = OFAModel(preset_config("shapes-tiny", vocab_size=4000))
+    weight = model.encoder.embed_tokens.weight
+    assert model.decoder.output_projection.weight is weight
+    rows = torch.cat([weight[:1], weight[2:]]).detach()
+    # the sample std of 4000 x 128 N(0, 1) draws is within 1 +- 5 / sqrt(2 n) (5 sigma)
+    assert abs(float(rows.std()) - 1.0) < 5 / (2 * rows.numel()) ** 0.5
+    assert not weight[model.config.pad_token_id].any()
+    assert float(model.encoder.layers[0].fc1.weight.std()) < 0.05  # the other layers keep init_std
+    reference = OFAModel(preset_config("reference-tiny"))
+    assert reference.config.token_embedding_init_std is None
+    ref_std = float(reference.encoder.embed_tokens.weight.std())
+    assert abs(ref_std - reference.config.init_std) < 0.1 * reference.config.init_std
+    model.save_pretrained(tmp_path)
+    reloaded = OFAModel.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.encoder.embed_tokens.weight, weight)
+    assert OFAConfig.from_dict(model.config.to_dict()).token_embedding_init_std == 1.0
+
+
 def test_saved_image_generation_settings_are_the_default_and_bad_keys_are_named(tmp_path):
     import numpy as np
 

@@ -237,20 +237,6 @@ def config_root(tmp_path_factory):
         os.environ["UNICON_CONFIG_DIR"] = old
 
 
-@pytest.fixture(scope="module")
-def tiny_shapes_world(tmp_path_factory) -> Path:
-    """A 12-scene ShapesWorld built by the real builder (tokenizer, mixture, CocoCon files)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from data_builders.shapes import main as build_shapes
-    root = tmp_path_factory.mktemp("shapes")
-    build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
-                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
-                  "--num-reason-train", "0"])
-    return root
-
-
 @pytest.fixture()
 def world(tmp_path):
     return make_world(tmp_path / "world")
@@ -302,6 +288,39 @@ def test_mixture_tasks_select_rows_and_reason_rows_have_no_image(world):
     assert reason and all(e["image"] is None and e["target"].endswith("square") for e in reason)
     with pytest.raises(ValueError, match="unknown task"):
         MixtureDataset(world, tasks=["reasoning"])
+
+
+def test_mixture_images_are_decoded_once_within_the_cache_budget(world, monkeypatch):
+    """data.image_cache_mb: an image shared by several rows is decoded once; a budget smaller than
+    the split evicts the least recently used images; 0 decodes every time; < 0 is refused."""
+    import PIL.Image
+
+    from unicon.data.mixture import MixtureDataset
+
+    opened = []
+    real_open = PIL.Image.open
+    monkeypatch.setattr(PIL.Image, "open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
+    data = MixtureDataset(world, tasks=["caption", "vqa", "grounding", "t2i"])
+    rows = range(len(data))
+    first = [data[i]["image"] for i in rows]
+    again = [data[i]["image"] for i in rows]
+    paths = {r["image"] for r in data.rows}
+    assert len(opened) == len(paths)  # each image once, though every row was read twice
+    assert all(a is b for a, b in zip(first, again))
+    one_image = first[0].width * first[0].height * 3  # bytes of one decoded RGB image
+    small = MixtureDataset(world, tasks=["caption"], image_cache_mb=1.5 * one_image / 2**20)
+    opened.clear()
+    for i in range(len(small)):
+        small[i]
+    assert len(small) == 2 and len(small._cache) == 1 and small._cached_bytes == one_image
+    small[0]  # evicted long ago: decoded again
+    assert len(opened) == len(small) + 1
+    none = MixtureDataset(world, tasks=["caption"], image_cache_mb=0)
+    opened.clear()
+    none[0], none[0]
+    assert len(opened) == 2 and not none._cache
+    with pytest.raises(ValueError, match="image_cache_mb"):
+        MixtureDataset(world, image_cache_mb=-1)
 
 
 def test_standard_loss_trains_reason_rows_text_only(world):

@@ -9,6 +9,7 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli``
 ``unicon evaluate shapes``  ``unicon.evaluation.shapes.cli``
 ``unicon build-data shapes`` ``data_builders/shapes.py: main``
+``unicon experiment table2`` ``unicon.experiments.table2.cli``
 ``unicon report``          ``unicon.report.cli``
 ``unicon bench scoring``   ``unicon.models.bench.cli``
 ``unicon bench train``     ``unicon.training.bench.cli``
@@ -48,6 +49,9 @@ COMMANDS: dict = {
     },
     "build-data": {
         "shapes": ("data_builders/shapes.py", "main", "build the embedded ShapesWorld datasets"),
+    },
+    "experiment": {
+        "table2": ("unicon.experiments.table2", "cli", "CocoCon Table 2: K vs M vs hinge across seeds, paired CIs"),
     },
     "report": ("unicon.report", "cli", "summarise a run directory (metrics.jsonl + evaluation outputs)"),
     "bench": {

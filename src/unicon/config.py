@@ -94,6 +94,7 @@ class DataConfig:
     contrast_batch_size: int = bounded(8, 1)  # contrast samples per consistency step
     max_contrast: int = bounded(5, 1)
     num_workers: int = bounded(0, 0)
+    image_cache_mb: float = bounded(256.0, 0.0)  # decoded mixture images kept per process (0: decode every time)
     tasks: list[str] = choice(list(MIXTURE_TASKS), MIXTURE_TASKS, each=True)
     # "by_task": every mixture batch holds one task (one encoder/decoder call per step instead of
     # one per task; training.datamodule.TaskGroupedSampler); "mixed": batches mix tasks

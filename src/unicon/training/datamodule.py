@@ -179,7 +179,8 @@ class ConsistencyDataModule(L.LightningDataModule):
             data = load_cococon(self.contrast_file, images_root=self.cfg.images_root)
             self.contrast = ContrastDataset(data, self.cfg.max_contrast)
         try:
-            self.mixture = MixtureDataset(self.root, "train", tasks=list(self.cfg.tasks))
+            self.mixture = MixtureDataset(self.root, "train", tasks=list(self.cfg.tasks),
+                                          image_cache_mb=float(self.cfg.image_cache_mb))
         except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from None
 

@@ -52,6 +52,13 @@ from unicon.models.base import Scores, UnifiedModel
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
 
 
+#: Mixture tasks scored by one encoder/decoder call per standard step: caption and VQA rows are
+#: both "image + prompt -> text" (the caption prompt is the model's own), so they share one call.
+SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",))
+if sorted(t for g in SCORING_GROUPS for t in g) != sorted(MIXTURE_TASKS):  # pragma: no cover
+    raise ImportError(f"SCORING_GROUPS {SCORING_GROUPS} must cover the mixture tasks {MIXTURE_TASKS}")
+
+
 def token_weighted_ce(sums: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
                       all_reduce: Any = None) -> torch.Tensor:
     """``Σ summed NLL / Σ target tokens`` over every gold target: each token weighs the same, as in
@@ -188,27 +195,31 @@ class ConsistencyModule(L.LightningModule):
         ``task_ce[t]`` is task t's own per-token CE in this batch (for studies; not logged: a key
         logged only on some steps makes a resumed run's metrics rows differ)."""
         sums, tokens, per_task = [], [], {}
-        for task in MIXTURE_TASKS:
-            rows = [b for b, t in enumerate(batch["tasks"]) if t == task]
+        for group in SCORING_GROUPS:
+            rows = [b for b, t in enumerate(batch["tasks"]) if t in group]
             if not rows:
                 continue
             imgs = [batch["images"][b] for b in rows]
             texts = [batch["texts"][b] for b in rows]
             targets = [batch["targets"][b] for b in rows]
-            if task == "caption":
-                sc = self.model.score_text(imgs, [self.model.caption_prompt] * len(rows), [[t] for t in targets])
-            elif task == "vqa":
-                sc = self.model.score_text(imgs, texts, [[t] for t in targets])
-            elif task == "reason":  # think prompt -> trace, text only (the format reason() generates in)
+            if group[0] == "caption":
+                prompts = [self.model.caption_prompt if batch["tasks"][b] == "caption" else texts[i]
+                           for i, b in enumerate(rows)]
+                sc = self.model.score_text(imgs, prompts, [[t] for t in targets])
+            elif group[0] == "reason":  # think prompt -> trace, text only (the format reason() generates in)
                 sc = self.model.score_text(None, texts, [[t] for t in targets])
-            elif task == "grounding":
+            elif group[0] == "grounding":
                 sc = self.model.score_boxes(imgs, [[t] for t in texts], targets)
             else:
                 sc = self.model.score_image([[t] for t in texts], imgs)
             sc = self._count(sc)
             sums.append(sc.sum_nll[:, 0])
             tokens.append(sc.num_tokens[:, 0])
-            per_task[task] = (sums[-1].detach().sum() / tokens[-1].sum().clamp(min=1)).float()
+            for task in group:
+                idx = [i for i, b in enumerate(rows) if batch["tasks"][b] == task]
+                if idx:
+                    total = sums[-1].detach()[idx].sum() / tokens[-1][idx].sum().clamp(min=1)
+                    per_task[task] = total.float()
         loss = token_weighted_ce(sums, tokens, self._token_all_reduce())
         return {"loss": loss, "loss_ce": loss.detach(), "num_sequences": torch.tensor(len(batch["tasks"])),
                 "task_ce": per_task}

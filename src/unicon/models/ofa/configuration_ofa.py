@@ -2,7 +2,7 @@
 
 The key names are those of the OFA-Sys Hugging Face port (``config.json`` of its
 checkpoints and of ``../shared/fixtures/ofa-reference-tiny``), so a real checkpoint's
-``config.json`` loads unchanged. Three keys are unicon extensions with defaults that
+``config.json`` loads unchanged. Five keys are unicon extensions with defaults that
 reproduce the reference exactly:
 
 * ``resnet_width`` (64): planes of the first ResNet stage (stages use w, 2w, 4w planes,
@@ -12,7 +12,10 @@ reproduce the reference exactly:
 * ``patch_image_size`` (None): the image side the checkpoint expects (used by the
   wrapper's preprocessing; not part of the network);
 * ``image_stem`` ("resnet"): ``"patch"`` replaces the ResNet by two patchifying convolutions
-  (``modeling_ofa.PatchStem``, one token per 16-pixel cell; ShapesWorld's preset).
+  (``modeling_ofa.PatchStem``, one token per 16-pixel cell; ShapesWorld's preset);
+* ``token_embedding_init_std`` (None = ``init_std``): the std of the shared token embedding at
+  initialisation (it is also the output projection, so it sets the initial logit scale);
+  only read when a model is built from scratch.
 
 A ``config.json`` of another architecture is refused by :func:`check_config_dict`, which
 names the field that gave it away (``model_type`` or a missing OFA key).
@@ -128,6 +131,7 @@ class OFAConfig(PretrainedConfig):
     resnet_layers: list[int] | None = None
     patch_image_size: int | None = None
     image_stem: str = "resnet"
+    token_embedding_init_std: float | None = None
     # special tokens (BART convention)
     pad_token_id: int | None = 1
     bos_token_id: int | None = 0
@@ -246,6 +250,11 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
         resnet_width=32,  # the patch stem's hidden channels (its output: 16 * 32 = 512 -> image_proj)
         resnet_layers=[1, 1, 1],
         image_stem="patch",
+        # N(0, 1) token embeddings (= output projection) instead of N(0, init_std): trained from
+        # scratch, the model then leaves the language-prior plateau (VQA loss ~0.6 nats/token,
+        # answers from the question alone) in a few hundred steps; with 0.1 it stayed there for
+        # 1,600 steps (issue 16; /results/shapes_consistency.md)
+        token_embedding_init_std=1.0,
         token_bucket_size=256,
         image_bucket_size=42,
         code_image_size=32,

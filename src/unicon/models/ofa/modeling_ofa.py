@@ -675,7 +675,14 @@ class OFAPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         """Reference init: N(0, init_std) Linear/Embedding, identity LayerNorm, ``c_attn`` = 1,
-        zero rel-pos tables; Kaiming convs and identity BatchNorm in the ResNet."""
+        zero rel-pos tables; Kaiming convs and identity BatchNorm in the ResNet. The shared token
+        embedding (also the output projection) is N(0, ``token_embedding_init_std``) when that is set."""
+        std = self.config.token_embedding_init_std
+        if getattr(module, "is_token_embedding", False) and std is not None:  # embedding or tied output
+            init.normal_(module.weight, mean=0.0, std=std)
+            if self.config.pad_token_id is not None:
+                init.zeros_(module.weight[self.config.pad_token_id])
+            return
         super()._init_weights(module)  # Linear, Embedding, LayerNorm, BatchNorm
         if isinstance(module, nn.Conv2d):
             init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
@@ -716,6 +723,8 @@ class OFAModel(OFAPreTrainedModel, GenerationMixin):
         shared = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
         self.encoder = OFAEncoder(config, shared)
         self.decoder = OFADecoder(config, shared)
+        for module in (shared, self.decoder.output_projection):  # one tensor, two modules to initialise
+            module.is_token_embedding = True  # _init_weights: config.token_embedding_init_std
         self.post_init()
         self.generation_config.update(**OFA_GENERATION_DEFAULTS)
 

@@ -1,0 +1,249 @@
+"""``unicon experiment table2``: the CocoCon paper's Table 2 comparison, K vs M (vs hinge), across seeds.
+
+From one pretrained checkpoint, every (method, seed) pair runs ``unicon train`` with the same
+``init_from``, data, steps and γ draws (the seed fixes both the data order and the draws, and is
+shared by the methods), then its last epoch-end CocoCon evaluation is read from the run's
+``metrics.jsonl``. The methods are the paper's rows:
+
+* ``K``     -- "+ Cont. Pretrain": ``experiment=shapes_consistency_control`` (``loss.type=none``, λ = 0);
+* ``M``     -- soft-rank Spearman (Eq. 3): ``experiment=shapes_consistency``;
+* ``hinge`` -- "+ Hinge Loss": ``experiment=shapes_consistency loss=hinge``.
+
+Extra ``key=value`` overrides after ``--`` go to every run (e.g. ``init_from=...``,
+``trainer.limit_train_batches=50``). Each finished run is recorded in ``<out>/runs/<method>-seed<s>.json``
+and skipped when the command is run again, so an interrupted experiment resumes.
+
+Reported per method (mean ± sample std over seeds): C_1...C_5, ρ and acc@1 per task (VQA,
+localization, T2I), their mean C_1, the caption ranking accuracy (caption acc@1: the gold caption
+scored above the hardest contrast), and the generative task accuracies. For a method X against K,
+the paired difference d_s = X_s − K_s per seed has the 95 % interval
+
+    mean(d) ± t_{0.975, n−1} · sd(d) / √n        (Student t, n seeds; undefined for n < 2).
+
+Writes ``<out>/table2.json`` (every run and the summary), ``<out>/table2.md`` and ``<out>/table2.png``
+(C_1 and accuracy per task and method, with ±std error bars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from unicon.errors import UserError
+
+METHODS: dict[str, list[str]] = {
+    "K": ["experiment=shapes_consistency_control"],
+    "M": ["experiment=shapes_consistency"],
+    "hinge": ["experiment=shapes_consistency", "loss=hinge"],
+}
+TASKS = ("vqa", "localization", "t2i")
+TASK_LABELS = {"vqa": "VQA", "localization": "Loc", "t2i": "T2I"}
+MAX_K = 5
+#: generative accuracy reported for each task (``cococon/generative/<key>``)
+GENERATIVE = {"vqa": "vqa_accuracy", "localization": "localization_acc@0.5", "t2i": "t2i_scene_match"}
+
+
+def run_metrics(metrics_file: Path) -> dict[str, float]:
+    """The last row of ``metrics.jsonl`` holding CocoCon results (the final epoch-end evaluation)."""
+    if not metrics_file.is_file():
+        raise UserError(f"{metrics_file} not found: the run wrote no metrics")
+    last = None
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        if any(k.startswith("cococon/") and k.endswith("/C_1") for k in row):
+            last = row
+    if last is None:
+        raise UserError(f"{metrics_file}: no CocoCon evaluation was logged (is eval.cococon.enabled true?)")
+    return {k: v for k, v in last.items() if k.startswith("cococon/")}
+
+
+def summarize_run(flat: dict[str, float]) -> dict[str, float]:
+    """The Table-2 columns of one run from its flat ``cococon/...`` metrics (NaN where absent)."""
+    get = lambda key: float(flat.get(key, math.nan))  # noqa: E731
+    out: dict[str, float] = {}
+    for t in TASKS:
+        for k in range(1, MAX_K + 1):
+            out[f"{t}/C_{k}"] = get(f"cococon/{t}/C_{k}")
+        out[f"{t}/rho"] = get(f"cococon/{t}/rho")
+        out[f"{t}/acc@1"] = get(f"cococon/{t}/acc@1")
+        out[f"{t}/generative"] = get(f"cococon/generative/{GENERATIVE[t]}")
+    c1 = [out[f"{t}/C_1"] for t in TASKS if not math.isnan(out[f"{t}/C_1"])]
+    out["mean/C_1"] = float(np.mean(c1)) if c1 else math.nan
+    out["caption/acc@1"] = get("cococon/caption/acc@1")
+    return out
+
+
+def paired_interval(diffs: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """Mean of paired differences and its Student-t interval (see the module docstring)."""
+    from scipy import stats
+
+    d = np.asarray([x for x in diffs if not math.isnan(x)], dtype=float)
+    n = int(d.size)
+    if n == 0:
+        return {"mean": math.nan, "low": math.nan, "high": math.nan, "n": 0}
+    mean = float(d.mean())
+    if n < 2:
+        return {"mean": mean, "low": math.nan, "high": math.nan, "n": n}
+    half = float(stats.t.ppf((1 + level) / 2, n - 1) * d.std(ddof=1) / math.sqrt(n))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+
+
+def summarize(runs: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
+    """Per-method mean/std over seeds and paired differences against K (seeds both methods ran)."""
+    summary: dict[str, Any] = {"methods": {}, "paired_vs_K": {}}
+    for method, by_seed in runs.items():
+        cols = sorted({c for r in by_seed.values() for c in r})
+        summary["methods"][method] = {
+            c: {"mean": float(np.nanmean(v)) if not np.all(np.isnan(v)) else math.nan,
+                "std": float(np.nanstd(v, ddof=1)) if np.sum(~np.isnan(v)) > 1 else math.nan,
+                "n": int(np.sum(~np.isnan(v)))}
+            for c in cols for v in [np.array([by_seed[s].get(c, math.nan) for s in sorted(by_seed)], dtype=float)]
+        }
+    base = runs.get("K", {})
+    for method, by_seed in runs.items():
+        if method == "K":
+            continue
+        seeds = sorted(set(by_seed) & set(base))
+        cols = sorted({c for s in seeds for c in by_seed[s]})
+        summary["paired_vs_K"][method] = {
+            c: paired_interval([by_seed[s].get(c, math.nan) - base[s].get(c, math.nan) for s in seeds]) for c in cols
+        }
+    return summary
+
+
+def _fmt(stat: dict[str, float], digits: int) -> str:
+    if math.isnan(stat["mean"]):
+        return "–"
+    std = "" if math.isnan(stat["std"]) else f" ± {stat['std']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f}{std}"
+
+
+def _fmt_diff(stat: dict[str, float], digits: int) -> str:
+    if math.isnan(stat["mean"]):
+        return "–"
+    if math.isnan(stat["low"]):
+        return f"{stat['mean']:+.{digits}f}"
+    return f"{stat['mean']:+.{digits}f} [{stat['low']:+.{digits}f}, {stat['high']:+.{digits}f}]"
+
+
+def markdown(summary: dict[str, Any], seeds: Sequence[int], overrides: Sequence[str]) -> str:
+    cols = [("mean/C_1", "mean C₁", 1)]
+    for t in TASKS:
+        cols += [(f"{t}/C_1", f"{TASK_LABELS[t]} C₁", 1), (f"{t}/rho", f"{TASK_LABELS[t]} ρ", 3),
+                 (f"{t}/acc@1", f"{TASK_LABELS[t]} acc@1", 1), (f"{t}/generative", f"{TASK_LABELS[t]} gen. acc", 1)]
+    cols.append(("caption/acc@1", "caption acc@1", 1))
+    lines = [
+        "# CocoCon Table 2 on this setup: K vs M" + (" vs hinge" if "hinge" in summary["methods"] else ""),
+        "",
+        f"Seeds {list(seeds)}; common overrides: `{' '.join(overrides) or '(none)'}`. "
+        "Mean ± std over seeds; C₁, acc in %. Paired differences against K: mean [95% t-interval].",
+        "",
+        "| method | " + " | ".join(label for _, label, _ in cols) + " |",
+        "| --- | " + " | ".join("---:" for _ in cols) + " |",
+    ]
+    for method, stats_ in summary["methods"].items():
+        cells = [_fmt(stats_.get(c, {"mean": math.nan, "std": math.nan}), d) for c, _, d in cols]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    for method, diffs in summary["paired_vs_K"].items():
+        cells = [_fmt_diff(diffs.get(c, {"mean": math.nan, "low": math.nan}), d) for c, _, d in cols]
+        lines.append(f"| {method} − K | " + " | ".join(cells) + " |")
+    lines += ["", "C_k per task (mean over seeds):", "",
+              "| method | task | " + " | ".join(f"C_{k}" for k in range(1, MAX_K + 1)) + " |",
+              "| --- | --- | " + " | ".join("---:" for _ in range(MAX_K)) + " |"]
+    for method, stats_ in summary["methods"].items():
+        for t in TASKS:
+            cells = [_fmt(stats_.get(f"{t}/C_{k}", {"mean": math.nan, "std": math.nan}), 1) for k in range(1, MAX_K + 1)]
+            lines.append(f"| {method} | {TASK_LABELS[t]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Two panels: C_1 and acc@1 per task, one bar per method, ±std error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(summary["methods"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / max(len(methods), 1)
+    x = np.arange(len(TASKS))
+    for ax, (metric, title) in zip(axes, (("C_1", "C₁ (%)"), ("acc@1", "task acc@1 (%)"))):
+        for i, method in enumerate(methods):
+            stats_ = summary["methods"][method]
+            means = [stats_.get(f"{t}/{metric}", {}).get("mean", math.nan) for t in TASKS]
+            stds = [np.nan_to_num(stats_.get(f"{t}/{metric}", {}).get("std", math.nan)) for t in TASKS]
+            ax.bar(x + (i - (len(methods) - 1) / 2) * width, means, width, yerr=stds, capsize=3, label=method)
+        ax.set_xticks(x, [TASK_LABELS[t] for t in TASKS])
+        ax.set_title(title)
+        ax.set_ylim(0, 100)
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], overrides: Sequence[str],
+                   train_fn=None) -> dict[str, Any]:
+    """Train (or reuse) every (method, seed) run, then write table2.json / .md / .png under ``out``."""
+    from unicon.training.run import train_from_overrides
+
+    train_fn = train_fn or train_from_overrides
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if not seeds:
+        raise UserError("give at least one seed (--seeds 0 1 2)")
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict[int, dict[str, float]]] = {m: {} for m in methods}
+    records = []
+    for seed in seeds:
+        for method in methods:
+            record_file = out / "runs" / f"{method}-seed{seed}.json"
+            if record_file.is_file():
+                record = json.loads(record_file.read_text())
+            else:
+                name = f"{out.name}_{method}_seed{seed}"
+                args = [*METHODS[method], f"seed={seed}", f"name={name}", "overwrite=true", *overrides]
+                print(f"[table2] {method} seed {seed}: unicon train {' '.join(args)}", flush=True)
+                result = train_fn(args)
+                flat = run_metrics(Path(result["run_dir"]) / "metrics.jsonl")
+                record = {"method": method, "seed": seed, "args": args, "run_dir": result["run_dir"],
+                          "global_step": result.get("global_step"), "cococon": flat}
+                record_file.write_text(json.dumps(record, indent=2) + "\n")
+            runs[method][seed] = summarize_run(record["cococon"])
+            records.append(record)
+    summary = summarize(runs)
+    (out / "table2.json").write_text(json.dumps(
+        {"seeds": list(seeds), "methods": list(methods), "overrides": list(overrides), "runs": records,
+         "summary": summary}, indent=2, default=lambda v: None) + "\n")
+    (out / "table2.md").write_text(markdown(summary, seeds, overrides))
+    plot(summary, out / "table2.png")
+    return summary
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="unicon experiment table2",
+        description="CocoCon Table 2 rows K (continued pretraining), M (soft-rank Spearman) and hinge, "
+                    "from one checkpoint across seeds, with paired 95%% intervals against K.",
+        epilog="example: unicon experiment table2 --seeds 0 1 2 --out results/table2 -- "
+               "init_from=checkpoints/shapes_pretrain/export",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--out", type=Path, default=Path("results/table2"))
+    p.add_argument("overrides", nargs="*", help="key=value overrides for every run (after --)")
+    args = p.parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise UserError(f"override {bad[0]!r} is not key=value")
+    summary = run_experiment(args.out, args.seeds, args.methods, args.overrides)
+    print(json.dumps({m: {k: v for k, v in d.items() if k == "mean/C_1"} for m, d in summary["paired_vs_K"].items()}))
+    print(f"wrote {args.out / 'table2.md'}, {args.out / 'table2.json'}, {args.out / 'table2.png'}")
+    return 0

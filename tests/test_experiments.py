@@ -1,0 +1,88 @@
+"""``unicon experiment table2``: runs, resumption, and the paired statistics it reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from unicon.experiments import table2
+
+
+def test_paired_interval_is_scipys_paired_t_interval():
+    k = np.array([61.0, 58.5, 63.0, 60.0])
+    m = np.array([64.0, 60.5, 63.5, 65.0])
+    got = table2.paired_interval(m - k)
+    ci = stats.ttest_rel(m, k).confidence_interval(0.95)
+    assert got["n"] == 4
+    assert got["mean"] == pytest.approx(float(np.mean(m - k)), rel=1e-12)
+    assert got["low"] == pytest.approx(ci.low, rel=1e-9) and got["high"] == pytest.approx(ci.high, rel=1e-9)
+    one = table2.paired_interval([2.0])
+    assert one["mean"] == 2.0 and math.isnan(one["low"])  # no interval from one seed
+    assert table2.paired_interval([math.nan])["n"] == 0
+
+
+def test_run_metrics_reads_the_last_cococon_row_and_names_a_run_without_one(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "train/loss": 1.0},
+        {"step": 2, "cococon/vqa/C_1": 50.0, "cococon/vqa/rho": 0.1},
+        {"step": 3, "cococon/vqa/C_1": 70.0, "cococon/vqa/rho": 0.3},
+        {"step": 4, "train/loss": 0.5},
+    ]) + "\n")
+    assert table2.run_metrics(f) == {"cococon/vqa/C_1": 70.0, "cococon/vqa/rho": 0.3}
+    f.write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
+    with pytest.raises(Exception, match="no CocoCon evaluation"):
+        table2.run_metrics(f)
+
+
+def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_shapes_world, tmp_path):
+    """Real (tiny) runs of K and M for two seeds; the summary equals an independent computation
+    from the recorded metrics; a second call trains nothing."""
+    overrides = [
+        "trainer=cpu", "logger=csv", f"data.root={tiny_shapes_world}", f"output_dir={tmp_path / 'runs'}",
+        "init_from=null", "data.batch_size=4", "data.contrast_batch_size=2", "data.max_contrast=3",
+        "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.enable_progress_bar=false",
+        "eval.cococon.max_samples=4", "optim.lr=1e-3",
+    ]
+    out = tmp_path / "table2"
+    summary = table2.run_experiment(out, [0, 1], ["K", "M"], overrides)
+    records = {(r["method"], r["seed"]): r for r in json.loads((out / "table2.json").read_text())["runs"]}
+    assert set(records) == {("K", 0), ("M", 0), ("K", 1), ("M", 1)}
+    assert all(r["global_step"] == 2 for r in records.values())
+
+    def mean_c1(method, seed):
+        flat = records[(method, seed)]["cococon"]
+        return np.mean([flat[f"cococon/{t}/C_1"] for t in table2.TASKS])
+
+    k = np.array([mean_c1("K", s) for s in (0, 1)])
+    m = np.array([mean_c1("M", s) for s in (0, 1)])
+    assert summary["methods"]["K"]["mean/C_1"]["mean"] == pytest.approx(k.mean())
+    assert summary["methods"]["M"]["mean/C_1"]["std"] == pytest.approx(np.std(m, ddof=1))
+    diff = summary["paired_vs_K"]["M"]["mean/C_1"]
+    assert diff["mean"] == pytest.approx((m - k).mean())
+    if np.ptp(m - k) > 0:
+        ci = stats.ttest_rel(m, k).confidence_interval(0.95)
+        assert (diff["low"], diff["high"]) == pytest.approx((ci.low, ci.high))
+    md = (out / "table2.md").read_text()
+    assert "| K |" in md and "| M − K |" in md and "VQA C₁" in md
+    assert (out / "table2.png").stat().st_size > 0
+
+    def must_not_train(args):
+        raise AssertionError(f"a recorded run was trained again: {args}")
+
+    again = table2.run_experiment(out, [0, 1], ["K", "M"], overrides, train_fn=must_not_train)
+    assert again["paired_vs_K"]["M"]["mean/C_1"]["mean"] == pytest.approx(diff["mean"])
+
+
+def test_table2_cli_refuses_unknown_methods_and_bad_overrides(tmp_path):
+    from unicon.errors import UserError
+
+    with pytest.raises(UserError, match="not key=value"):
+        table2.cli(["--out", str(tmp_path), "--", "oops"])
+    with pytest.raises(UserError, match="unknown method 'Q'"):
+        table2.run_experiment(tmp_path, [0], ["Q"], [])
