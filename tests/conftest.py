@@ -78,7 +78,7 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
 
     ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name an existing one.
     Otherwise a world is built and the recipe is trained from scratch with test_competence.STEPS steps
-    (about 3 minutes on one core) through the real CLI; its ``unicon evaluate shapes`` accuracies
+    (about 4 minutes on one core) through the real CLI; its ``unicon evaluate shapes`` accuracies
     are written beside the export as ``competence.json`` (asserted by test_competence)."""
     import subprocess
     import sys
@@ -105,7 +105,7 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
         f"trainer.max_steps={STEPS}", "logger=csv", "trainer.enable_progress_bar=false")
     export = runs / "recipe" / "export"
     run("evaluate", "shapes", "--ckpt", str(export), "--world", str(world), "--out", str(root / "eval"),
-        "--limit", "100", "--logger", "none")
+        "--limit", "200", "--logger", "none")
     (runs / "recipe" / "competence.json").write_text((root / "eval" / "shapes_eval.json").read_text())
     return export, world
 

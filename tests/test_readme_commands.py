@@ -43,6 +43,9 @@ RUNS: dict[str, tuple[list[str], int]] = {
         [], 0 if torch.cuda.is_available() else 2),
     "unicon train resume=checkpoints/shapes_consistency/last.ckpt trainer.max_epochs=4": ([], 0),
     "unicon train experiment=shapes_reason": (["trainer.max_steps=2"], 0),
+    "unicon experiment table2 --seeds 0 1 2 --out results/table2": (
+        ["--seeds", "0", "--methods", "K", "M", "--", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
+         "eval.cococon.max_samples=4", "eval.drift.enabled=false", "eval.ureason.enabled=false"], 0),
     "unicon evaluate cococon --ckpt checkpoints/shapes_demo/export --data data/shapes/cococon_test.json --out outputs/cococon": (
         ["--logger", "none"], 0),
     "unicon evaluate cococon --ckpt checkpoints/pretrained/OFA-large --data ../shared/data/cococon/cococon.json --images /data/coco/val2014 --out outputs/cococon-coco": (

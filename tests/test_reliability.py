@@ -40,15 +40,9 @@ TINY_OFA = [
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(REPO))
-    from data_builders.shapes import main as build_shapes
-
-    root = tmp_path_factory.mktemp("shapes")
-    build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
-                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
-                  "--num-reason-train", "0"])
-    return root
+def world(tiny_shapes_world) -> Path:
+    """conftest's 12-scene world, built by the real builder (read-only here)."""
+    return tiny_shapes_world
 
 
 def run_args(world: Path, out: Path, *extra: str) -> list[str]:

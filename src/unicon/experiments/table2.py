@@ -181,8 +181,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax.bar(x + (i - (len(methods) - 1) / 2) * width, means, width, yerr=stds, capsize=3, label=method)
         ax.set_xticks(x, [TASK_LABELS[t] for t in TASKS])
         ax.set_title(title)
-        ax.set_ylim(0, 100)
-    axes[0].legend(loc="lower right")
+        ax.set_ylim(0, 115)  # headroom above 100 for the legend
+    axes[0].legend(loc="upper center", ncol=len(methods), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

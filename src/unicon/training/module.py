@@ -288,9 +288,12 @@ class ConsistencyModule(L.LightningModule):
                 (decay if p.ndim >= 2 else no_decay).append(p)
         if not decay and not no_decay:
             raise ValueError("no trainable parameters (check model.freeze / model.lora)")
+        # torch's fused AdamW kernel (CPU and CUDA): one pass over all tensors instead of one op per
+        # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update
+        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in decay + no_decay)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=ocfg.lr, betas=tuple(ocfg.betas),
+            lr=ocfg.lr, betas=tuple(ocfg.betas), fused=fused,
         )
         names = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
         if ocfg.scheduler not in names:
