@@ -77,6 +77,10 @@ def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_s
 
     again = table2.run_experiment(out, [0, 1], ["K", "M"], overrides, train_fn=must_not_train)
     assert again["paired_vs_K"]["M"]["mean/C_1"]["mean"] == pytest.approx(diff["mean"])
+    from unicon.errors import UserError
+
+    with pytest.raises(UserError, match="K-seed0.json was trained with other arguments"):
+        table2.run_experiment(out, [0], ["K"], [*overrides, "optim.lr=1e-2"], train_fn=must_not_train)
 
 
 def test_table2_cli_refuses_unknown_methods_and_bad_overrides(tmp_path):

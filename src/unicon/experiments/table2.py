@@ -11,7 +11,8 @@ shared by the methods), then its last epoch-end CocoCon evaluation is read from 
 
 Extra ``key=value`` overrides after ``--`` go to every run (e.g. ``init_from=...``,
 ``trainer.limit_train_batches=50``). Each finished run is recorded in ``<out>/runs/<method>-seed<s>.json``
-and skipped when the command is run again, so an interrupted experiment resumes.
+and skipped when the command is run again with the same arguments, so an interrupted experiment
+resumes; a record made with other arguments is refused (naming the file), never mixed in.
 
 Reported per method (mean ± sample std over seeds): C_1...C_5, ρ and acc@1 per task (VQA,
 localization, T2I), their mean C_1, the caption ranking accuracy (caption acc@1: the gold caption
@@ -205,11 +206,14 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
     for seed in seeds:
         for method in methods:
             record_file = out / "runs" / f"{method}-seed{seed}.json"
+            name = f"{out.name}_{method}_seed{seed}"
+            args = [*METHODS[method], f"seed={seed}", f"name={name}", "overwrite=true", *overrides]
             if record_file.is_file():
                 record = json.loads(record_file.read_text())
+                if record.get("args") != args:
+                    raise UserError(f"{record_file} was trained with other arguments ({' '.join(record.get('args', []))}); "
+                                    f"delete it to retrain, or give another --out")
             else:
-                name = f"{out.name}_{method}_seed{seed}"
-                args = [*METHODS[method], f"seed={seed}", f"name={name}", "overwrite=true", *overrides]
                 print(f"[table2] {method} seed {seed}: unicon train {' '.join(args)}", flush=True)
                 result = train_fn(args)
                 flat = run_metrics(Path(result["run_dir"]) / "metrics.jsonl")
@@ -231,13 +235,16 @@ def cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="unicon experiment table2",
         description="CocoCon Table 2 rows K (continued pretraining), M (soft-rank Spearman) and hinge, "
-                    "from one checkpoint across seeds, with paired 95%% intervals against K.",
+                    "from one checkpoint across seeds, with paired 95% intervals against K.",
         epilog="example: unicon experiment table2 --seeds 0 1 2 --out results/table2 -- "
                "init_from=checkpoints/shapes_pretrain/export",
     )
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--out", type=Path, default=Path("results/table2"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="seeds; each one is shared by every method (data order and gamma draws)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                   help="rows to run (K is the baseline of the paired differences)")
+    p.add_argument("--out", type=Path, default=Path("results/table2"),
+                   help="folder for runs/<method>-seed<s>.json and table2.json/.md/.png (finished runs are reused)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run (after --)")
     args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
