@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from unicon.data.jsonl import read_json, read_jsonl
 from unicon.errors import UserError
 
 METHODS: dict[str, list[str]] = {
@@ -51,11 +52,8 @@ GENERATIVE = {"vqa": "vqa_accuracy", "localization": "localization_acc@0.5", "t2
 
 def run_metrics(metrics_file: Path) -> dict[str, float]:
     """The last row of ``metrics.jsonl`` holding CocoCon results (the final epoch-end evaluation)."""
-    if not metrics_file.is_file():
-        raise UserError(f"{metrics_file} not found: the run wrote no metrics")
     last = None
-    for line in metrics_file.read_text().splitlines():
-        row = json.loads(line)
+    for _, row in read_jsonl(metrics_file, what="metrics file"):
         if any(k.startswith("cococon/") and k.endswith("/C_1") for k in row):
             last = row
     if last is None:
@@ -94,17 +92,19 @@ def paired_interval(diffs: Sequence[float], level: float = 0.95) -> dict[str, fl
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
 
 
+def _mean_std(values: Sequence[float]) -> dict[str, float]:
+    """Mean and sample std (ddof 1) of the non-NaN values; NaN where too few are left."""
+    v = np.asarray([x for x in values if not math.isnan(x)], dtype=float)
+    return {"mean": float(v.mean()) if v.size else math.nan,
+            "std": float(v.std(ddof=1)) if v.size > 1 else math.nan, "n": int(v.size)}
+
+
 def summarize(runs: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
     """Per-method mean/std over seeds and paired differences against K (seeds both methods ran)."""
     summary: dict[str, Any] = {"methods": {}, "paired_vs_K": {}}
     for method, by_seed in runs.items():
         cols = sorted({c for r in by_seed.values() for c in r})
-        summary["methods"][method] = {
-            c: {"mean": float(np.nanmean(v)) if not np.all(np.isnan(v)) else math.nan,
-                "std": float(np.nanstd(v, ddof=1)) if np.sum(~np.isnan(v)) > 1 else math.nan,
-                "n": int(np.sum(~np.isnan(v)))}
-            for c in cols for v in [np.array([by_seed[s].get(c, math.nan) for s in sorted(by_seed)], dtype=float)]
-        }
+        summary["methods"][method] = {c: _mean_std([r.get(c, math.nan) for r in by_seed.values()]) for c in cols}
     base = runs.get("K", {})
     for method, by_seed in runs.items():
         if method == "K":
@@ -209,7 +209,7 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
             name = f"{out.name}_{method}_seed{seed}"
             args = [*METHODS[method], f"seed={seed}", f"name={name}", "overwrite=true", *overrides]
             if record_file.is_file():
-                record = json.loads(record_file.read_text())
+                record = read_json(record_file, what="table2 run record")
                 if record.get("args") != args:
                     raise UserError(f"{record_file} was trained with other arguments ({' '.join(record.get('args', []))}); "
                                     f"delete it to retrain, or give another --out")
