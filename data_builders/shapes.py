@@ -8,7 +8,9 @@ Writes (see the team brief for the schemas)::
     mixture_<split>.jsonl           caption / vqa / grounding / t2i rows; the train split also has the
                                     think-then-draw rows, task "reason" (no image; text = think prompt,
                                     target = gold trace ending "refined prompt: ..."), trained on when
-                                    data.tasks lists "reason"
+                                    data.tasks lists "reason", and their [P, R] -> image rows, task
+                                    "reason_t2i" (text = think prompt, context = trace, image =
+                                    images/reason/<k>.png, a scene satisfying the target)
     cococon_<split>.json            CocoCon schema + "category" + "scene" per annotation
     drift_seeds.jsonl               (image, caption) pairs from the test split
     geneval_metadata.jsonl          GenEval schema with ShapesWorld classes and colours
@@ -57,11 +59,13 @@ from unicon.worlds.shapes_text import (
     candidate_questions,
     describe_scene,
     make_contrast_sample,
+    mentions_concept,
     mentions_kind,
     number_word,
     answer_question,
     plural,
     question_type,
+    realize_pattern,
     referring_expressions,
 )
 
@@ -89,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="render processes (0 = auto: 1 for small worlds)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing world in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--coco-format", action="store_true",
+                   help="also write each split in COCO / VQAv2 / RefCOCO formats to <out>/coco "
+                        "(unicon.data.shapes_coco; input for `unicon build-data cococon`)")
     w = p.add_argument_group("world")
     w.add_argument("--grid", type=int, default=4)
     w.add_argument("--canvas", type=int, default=64)
@@ -107,6 +114,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--min-contrast-sets", type=int, default=1)
     t.add_argument("--max-contrast-sets", type=int, default=5)
     t.add_argument("--num-reason-train", type=int, default=6000, help="think-then-draw rows in the train mixture")
+    t.add_argument("--reason-images", type=int, default=None,
+                   help="[P, R] -> image rows (task reason_t2i) made from the first N think-then-draw rows "
+                        "(default: all of them; 0 = none)")
+    g = p.add_argument_group("knowledge gap (issue 17: a concept captioning rarely sees but VQA does)")
+    g.add_argument("--caption-gap", default=None, metavar="CONCEPT",
+                   help="a colour or shape of the world that the train split's caption rows rarely name; "
+                        "VQA, grounding and text-to-image rows keep it (default: no gap)")
+    g.add_argument("--caption-gap-keep", type=float, default=0.05,
+                   help="fraction of the train caption rows naming --caption-gap that are kept")
     t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
     t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
     t.add_argument("--num-drift-seeds", type=int, default=64)
@@ -155,6 +171,13 @@ def validate(args: argparse.Namespace, cfg: WorldConfig) -> None:
         raise ValueError(f"--num-drift-seeds={args.num_drift_seeds} exceeds --num-test={args.num_test}")
     if args.vocab_size < 300:
         raise ValueError("--vocab-size must be >= 300 (256 byte symbols + specials + merges)")
+    if args.reason_images is not None and not 0 <= args.reason_images <= args.num_reason_train:
+        raise ValueError(f"--reason-images={args.reason_images} must be in 0..--num-reason-train ({args.num_reason_train})")
+    if args.caption_gap is not None and args.caption_gap not in (*cfg.color_names, *cfg.shapes):
+        raise ValueError(f"--caption-gap={args.caption_gap!r} is neither a colour ({', '.join(cfg.color_names)}) "
+                         f"nor a shape ({', '.join(cfg.shapes)}) of the world")
+    if not 0.0 <= args.caption_gap_keep <= 1.0:
+        raise ValueError(f"--caption-gap-keep={args.caption_gap_keep} must be in [0, 1]")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,9 +277,15 @@ def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
 
     rows = []
     captions = []
+    # the knowledge gap: a train caption naming the gap concept is kept with probability keep (its
+    # own RNG stream, so a world without a gap is unchanged by the option)
+    gap, keep = args["caption_gap"], args["caption_gap_keep"]
+    gap_rng = np.random.default_rng([args["seed"], SPLITS.index(split), index, 2])
     for k in range(args["captions_per_scene"]):
         cap = describe_scene(scene, rng)
         captions.append(cap)
+        if split == "train" and gap is not None and mentions_concept(cap, gap) and gap_rng.random() >= keep:
+            continue
         rows.append(row("caption", k, None, cap))
     questions = candidate_questions(scene, cfg, rng)
     types = [t for t in QTYPES if any(ok(q) for q in questions[t])]
@@ -276,13 +305,18 @@ def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
 
     # One contrast sample per scene. Categories take turns by scene index; when the scene cannot
     # host its turn's category, a random feasible one is used (so no category absorbs the misses).
+    # With a caption gap, a scene holding the gap concept gets a sample about it (gold answer = the
+    # concept: attribute for a colour, object for a shape), so the contrast sets probe it.
     ann = None
     cats = list(args["categories"])
     preferred = cats[index % len(cats)]
+    if gap is not None and any(gap in (o.color, o.shape) for o in scene.objects):
+        gap_category = "attribute" if gap in cfg.colors else "object"
+        preferred = gap_category if gap_category in cats else preferred
     others = [c for c in cats if c != preferred]
     for cat in [preferred] + [others[k] for k in rng.permutation(len(others))]:
         sample = make_contrast_sample(scene, cat, cfg, rng, args["min_contrast_sets"], args["max_contrast_sets"],
-                                      forbidden=forbidden, boxes=boxes)
+                                      forbidden=forbidden, boxes=boxes, concept=gap)
         if sample is not None:
             ann = {"id": scene_id, "image_id": scene_id, "question_id": scene_id * 1000, **sample, "scene": sd}
             break
@@ -366,6 +400,32 @@ def reasoning_items(cfg: WorldConfig, args: argparse.Namespace, held_out) -> tup
     return evals, train
 
 
+def reason_image_rows(cfg: WorldConfig, reason_rows: list[dict], out: Path, seed: int,
+                      avoid: set[tuple]) -> Iterator[dict]:
+    """Think-then-draw rows as text-to-image rows: ``[P, R] -> image`` (task ``reason_t2i``; text = the
+    think prompt P, context = the gold trace R, image = a rendered scene satisfying the target), the
+    input UReason's setting 2 gives the model (``generate_image(P, context=R)``). Images go to
+    ``images/reason/``; each scene is drawn from the target pattern with its own RNG and is never
+    one of the ``avoid`` scene keys (the val/test scenes)."""
+    (out / "images" / "reason").mkdir(parents=True, exist_ok=True)
+    width = max(5, len(str(max(len(reason_rows) - 1, 0))))
+    for k, r in enumerate(reason_rows):
+        rng = np.random.default_rng([seed, 23, k])
+        scene = realize_pattern(r["target_scene"], cfg, rng)
+        for _ in range(100):
+            if scene.key() not in avoid:
+                break
+            scene = realize_pattern(r["target_scene"], cfg, rng)
+        else:
+            raise ValueError(f"think-then-draw row {k}: every scene satisfying its target is an evaluation scene")
+        rel = f"images/reason/{k:0{width}d}.png"
+        img_seed = int(np.random.SeedSequence([seed, 23, k, 1]).generate_state(1)[0])
+        render(scene, cfg, seed=img_seed).save(out / rel)
+        yield {"id": f"train-reason-image-{k}", "scene_id": None, "image": rel, "task": "reason_t2i",
+               "text": r["text"], "context": r["target"], "target": None, "qtype": r["qtype"],
+               "scene": scene.to_dict()}
+
+
 def train_tokenizer(texts: Iterator[str], vocab_size: int, path: Path) -> int:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -388,6 +448,8 @@ def _world_texts(out: Path) -> Iterator[str]:
         yield from TASK_PROMPTS
     for name in [f"mixture_{s}.jsonl" for s in SPLITS]:
         for _, r in read_jsonl(out / name):
+            if r["task"] == "reason_t2i":  # the think prompt and trace of a "reason" row, again
+                continue
             yield from (v for v in (r["text"], r["target"]) if isinstance(v, str))
     for split in SPLITS:
         for a in _stream_annotations(out / f"cococon_{split}.json"):
@@ -437,6 +499,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     try:
         info = write_world(args, cfg, out)
+        if args.coco_format:
+            from unicon.data.shapes_coco import export_world
+
+            export_world(out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -461,11 +527,13 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
     state = {"cfg": cfg, "out": str(out), "width": width, "held_out": held_out,
              "args": {k: getattr(args, k) for k in ("seed", "captions_per_scene", "vqa_per_scene",
                                                      "grounding_per_scene", "t2i_per_scene", "categories",
-                                                     "min_contrast_sets", "max_contrast_sets")}}
+                                                     "min_contrast_sets", "max_contrast_sets",
+                                                     "caption_gap", "caption_gap_keep")}}
     workers = args.workers or (1 if total < 20_000 else min(8, os.cpu_count() or 1))
     offsets = {"train": 0, "val": sizes["train"], "test": sizes["train"] + sizes["val"]}
     counts: dict[str, Any] = {}
     evals, reason_train = reasoning_items(cfg, args, held_out)
+    n_reason_images = len(reason_train) if args.reason_images is None else args.reason_images
     drift = []
     if workers > 1:
         _make_importable()
@@ -500,6 +568,10 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
                         for r in reason_train:
                             mix.write(json.dumps(r) + "\n")
                         n_rows += len(reason_train)
+                        avoid = {s.key() for split_ in ("val", "test") for s in scenes[split_]}
+                        for r in reason_image_rows(cfg, reason_train[:n_reason_images], out, args.seed, avoid):
+                            mix.write(json.dumps(r) + "\n")
+                        n_rows += n_reason_images
                     coco.write('\n], "images": ' + json.dumps(images) + "}\n")
                 counts[split] = {"scenes": sizes[split], "mixture_rows": n_rows, "cococon_annotations": n_ann,
                                  "contrast_sets": n_sets, "categories": by_cat}
@@ -532,6 +604,8 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
         "geneval_rows": len(geneval),
         "ureason_per_category": args.num_ureason,
         "reason_train_rows": len(reason_train),
+        "reason_image_rows": n_reason_images,
+        "caption_gap": None if args.caption_gap is None else {"concept": args.caption_gap, "keep": args.caption_gap_keep},
         "drift_seeds": len(drift),
         "vocab_size": vocab,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},

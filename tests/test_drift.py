@@ -788,7 +788,8 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit):
         drift.cli(["--help"])
     capsys.readouterr()
-    rc = drift.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "3", "--generations", "1"])
+    rc = drift.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "3", "--generations", "1",
+                          "--t2i-base-codes", "2"])
     bench = json.loads(capsys.readouterr().out)
     assert rc == 0 and bench["batched_batch_size"] == 3 and bench["sequential_batch_size"] == 1
     assert bench["speedup"] == pytest.approx(bench["batched_steps_per_s"] / bench["sequential_steps_per_s"])

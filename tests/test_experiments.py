@@ -40,6 +40,19 @@ def test_run_metrics_reads_the_last_cococon_row_and_names_a_run_without_one(tmp_
         table2.run_metrics(f)
 
 
+def test_probe_columns_appear_only_for_runs_with_probe_words():
+    flat = {"cococon/vqa/C_1": 80.0, "cococon/localization/C_1": 60.0, "cococon/t2i/C_1": 70.0}
+    plain = table2.summarize_run(flat)
+    assert "probe/caption/acc@1" not in plain and plain["mean/C_1"] == pytest.approx(70.0)
+    probed = table2.summarize_run({**flat, "cococon/probe/num_samples": 40, "cococon/probe/caption/acc@1": 55.0,
+                                   "cococon/probe/vqa/C_1": 50.0, "cococon/probe/t2i/C_1": 70.0})
+    assert probed["probe/caption/acc@1"] == 55.0
+    assert probed["probe/mean/C_1"] == pytest.approx(60.0)  # the probed tasks present (no localization)
+    md = table2.markdown(table2.summarize({"K": {0: probed}, "M": {0: probed}}), [0], [])
+    assert "probe caption acc@1" in md and "55.0" in md
+    assert "probe" not in table2.markdown(table2.summarize({"K": {0: plain}}), [0], [])
+
+
 def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_shapes_world, tmp_path):
     """Real (tiny) runs of K and M for two seeds; the summary equals an independent computation
     from the recorded metrics; a second call trains nothing."""

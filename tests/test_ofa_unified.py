@@ -569,7 +569,10 @@ class _Oracle(torch.nn.Module):
             out.append([box[0] + 30, box[1], box[2], box[3]] if self.wrong else box)
         return torch.tensor(out, dtype=torch.float32)
 
-    def generate_image(self, prompts):
+    image_generation_config = ImageGenerationConfig(do_sample=True, temperature=0.7)
+
+    def generate_image(self, prompts, context=None, config=None):
+        self.last_image_config = config
         if self.wrong:
             return [Image.new("RGB", (64, 64), (255, 0, 255)) for _ in prompts]
         return [Image.open(self.world / self.t2i[p]).convert("RGB") for p in prompts]
@@ -591,14 +594,22 @@ def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, m
     import unicon.models
     from unicon.cli import main
 
-    monkeypatch.setattr(shapes_cli, "load_model_for", lambda args: _Oracle(tiny_world))
+    oracle = _Oracle(tiny_world)
+    monkeypatch.setattr(shapes_cli, "load_model_for", lambda args: oracle)
     monkeypatch.setattr(unicon.models, "weights_fingerprint", lambda model: "oracle")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     out = tmp_path / "out"
     assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
-                 "--limit", "8", "--examples", "2", "--logger", "none"]) == 0
+                 "--limit", "8", "--examples", "2", "--logger", "none", "--guidance-scale", "2",
+                 "--image-seed", "3"]) == 0
     result = json.loads((out / "shapes_eval.json").read_text())
+    # the sampling recipe: the model's own settings, the given flags on top, recorded
+    expected = ImageGenerationConfig(do_sample=True, temperature=0.7, guidance_scale=2.0, seed=3)
+    assert oracle.last_image_config == expected and result["image_generation"]["guidance_scale"] == 2.0
+    assert result["image_generation"]["temperature"] == 0.7 and result["image_generation"]["seed"] == 3
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+                 "--limit", "2", "--logger", "none", "--temperature", "0"]) == 2
     for key in ("vqa_accuracy", "caption_match", "loc_iou50", "t2i_match"):
         assert result["metrics"][key] == 1.0, key
     assert result["model_fingerprint"] == "oracle" and result["split"] == "test"

@@ -46,6 +46,14 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon experiment table2 --seeds 0 1 2 --out results/table2": (
         ["--seeds", "0", "--methods", "K", "M", "--", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
          "eval.cococon.max_samples=4", "eval.drift.enabled=false", "eval.ureason.enabled=false"], 0),
+    "unicon build-data shapes --out data/shapes_gap --caption-gap purple": (
+        ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
+         "--num-drift-seeds", "2", "--num-reason-train", "4", "--quiet"], 0),
+    "unicon train experiment=shapes_pretrain name=shapes_gap_pretrain data.root=data/shapes_gap": (
+        ["trainer.max_steps=2"], 0),
+    "unicon experiment table2 --seeds 0 1 2 --out results/table2_gap -- data.root=data/shapes_gap init_from=checkpoints/shapes_gap_pretrain/export eval.cococon.probe_words=[purple]": (
+        ["trainer.max_epochs=1", "trainer.limit_train_batches=1", "eval.cococon.max_samples=4",
+         "eval.cococon.generative=false"], 0),
     "unicon evaluate cococon --ckpt checkpoints/shapes_demo/export --data data/shapes/cococon_test.json --out outputs/cococon": (
         ["--logger", "none"], 0),
     "unicon evaluate cococon --ckpt checkpoints/pretrained/OFA-large --data ../shared/data/cococon/cococon.json --images /data/coco/val2014 --out outputs/cococon-coco": (
@@ -63,8 +71,14 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon report checkpoints/shapes_demo": ([], 0),
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
     "unicon bench train": (["trainer.max_steps=2"], 0),
-    "unicon bench chains": (["--repeats", "1"], 0),
+    "unicon bench chains": (["--repeats", "1", "--t2i-base-codes", "2"], 0),
     "unicon bench pretrain": (["--steps", "1", "--warmup", "0", "data.batch_size=4"], 0),
+    "python -m unicon.data.shapes_coco export --world data/shapes --splits test": ([], 0),
+    "unicon build-data cococon --captions data/shapes/coco/captions_test.json --questions data/shapes/coco/questions_test.json --annotations data/shapes/coco/vqa_annotations_test.json --instances data/shapes/coco/instances_test.json --images data/shapes --candidates vocab --lm none --out data/cococon_shapes": (
+        ["--shards", "4", "--workers", "1", "--quiet"], 0),
+    "python -m unicon.data.shapes_coco verify --world data/shapes --split test --cococon data/cococon_shapes/cococon.json": (
+        [], 0),
+    "unicon bench build-cococon": (["--pairs", "400", "--shards", "4", "--workers", "1"], 0),
 }
 NOT_HERE = {"make demo", "make test"}  # make test is CI itself; make demo: test_make_demo below
 

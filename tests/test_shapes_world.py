@@ -35,7 +35,7 @@ from unicon.worlds.shapes import (
     scene_to_codes,
 )
 from unicon.worlds.shapes_reasoning import REFINED_MARKER, make_reasoning_item
-from unicon.worlds.shapes_text import mentions_kind, parse_caption, pattern_matches
+from unicon.worlds.shapes_text import mentions_concept, mentions_kind, parse_caption, pattern_matches
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = WorldConfig()
@@ -414,6 +414,59 @@ def test_small_world_builds_quickly_with_the_documented_layout(world):
         assert parse(w.image(image), w.config) == Scene.from_dict(scene)
     reason = [r for r in map(json.loads, open(w.mixture_path("train"))) if r["task"] == "reason"]
     assert len(reason) == 40 and all(r["image"] is None and REFINED_MARKER in r["target"] for r in reason)
+
+
+def test_think_then_draw_rows_are_drawn_from_prompt_and_trace(world):
+    """reason_t2i rows pair each think prompt P and its gold trace R (UReason setting 2's [P, R])
+    with a rendered image that satisfies the item's exact target, and never an evaluation scene."""
+    w, _ = world
+    rows = [json.loads(line) for line in open(w.mixture_path("train"))]
+    reason = [r for r in rows if r["task"] == "reason"]
+    drawn = [r for r in rows if r["task"] == "reason_t2i"]
+    assert len(drawn) == len(reason) == 40 and json.loads((w.root / "world.json").read_text())["reason_image_rows"] == 40
+    evaluation = {json.dumps(json.loads(line)["scene"], sort_keys=True)
+                  for split in ("val", "test") for line in open(w.mixture_path(split))}
+    for r, d in zip(reason, drawn):
+        assert (d["text"], d["context"], d["target"]) == (r["text"], r["target"], None)
+        assert check_criterion(r["target_scene"], w.image(d["image"]), w.config)
+        assert parse(w.image(d["image"]), w.config) == Scene.from_dict(d["scene"])
+        assert json.dumps(d["scene"], sort_keys=True) not in evaluation
+
+
+def test_caption_gap_removes_one_concept_from_training_captions_only(tmp_path):
+    """--caption-gap: train caption rows naming the concept are dropped (keep 0); every other row,
+    and the val/test splits, are those of the same world without the gap."""
+    small = ["--num-train", "60", "--num-val", "10", "--num-test", "10", "--num-reason-train", "4",
+             "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--quiet", "--seed", "5"]
+    b = _builder()
+    assert b.main(["--out", str(tmp_path / "base"), *small]) == 0
+    assert b.main(["--out", str(tmp_path / "gap"), *small, "--caption-gap", "purple", "--caption-gap-keep", "0"]) == 0
+
+    def rows(name, split):
+        return [json.loads(line) for line in open(tmp_path / name / f"mixture_{split}.jsonl")]
+
+    named = lambda r: r["task"] == "caption" and mentions_concept(r["target"], "purple")  # noqa: E731
+    base = rows("base", "train")
+    assert any(named(r) for r in base)
+    assert rows("gap", "train") == [r for r in base if not named(r)]
+    assert any(r["task"] == "vqa" and "purple" in r["target"] for r in rows("gap", "train"))  # VQA keeps it
+    for split in ("val", "test"):
+        assert rows("gap", split) == rows("base", split)
+    # the contrast sets probe the concept: a scene with a purple object whose shape is unique in it
+    # gets an attribute sample about that object (gold answer purple)
+    probed = 0
+    for split in ("train", "test"):
+        for a in json.loads((tmp_path / "gap" / f"cococon_{split}.json").read_text())["annotations"]:
+            objs = a["scene"]["objects"]
+            usable = [o for o in objs if o["color"] == "purple" and sum(p["shape"] == o["shape"] for p in objs) == 1]
+            if usable:
+                assert (a["category"], a["answer"]) == ("attribute", "purple"), a
+                probed += 1
+    assert probed >= 5
+    info = json.loads((tmp_path / "gap" / "world.json").read_text())
+    assert info["caption_gap"] == {"concept": "purple", "keep": 0.0}
+    with pytest.raises(UserError, match="--caption-gap='teal' is neither a colour"):
+        b.main(["--out", str(tmp_path / "bad"), *small, "--caption-gap", "teal"])
 
 
 def test_splits_are_disjoint_and_held_out_compositions_stay_out_of_training(world):

@@ -121,12 +121,13 @@ class TinyUnified(UnifiedModel):
         mean, s = self._nll(ctx, targets)
         return self._scores(mean, s, counts, [5] * len(targets))
 
-    def score_image(self, prompts, images) -> Scores:
+    def score_image(self, prompts, images, contexts=None) -> Scores:
         check_candidates(prompts, "prompts")
         counts = [len(p) for p in prompts]
         rep = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         blank = torch.zeros(len(rep), 3, 4, 4)  # T2I: text-only input
-        ctx = self._context(blank, [p for ps in prompts for p in ps])
+        texts = [p if contexts is None else f"{p} {contexts[b]}" for b, ps in enumerate(prompts) for p in ps]
+        ctx = self._context(blank, texts)
         codes = self._image_targets(images)
         targets = [codes[b] for b in rep.tolist()]
         mean, s = self._nll(ctx, targets)
@@ -194,13 +195,15 @@ def make_world(root: Path, n_contrast: int = 4, n_mixture: int = 8, empty_contra
                 ann.update(detection=f"{color} square", boxes=[[4, 4, 8, 8]])
             annotations.append(ann)
         if i < n_mixture:
-            task = ("caption", "vqa", "grounding", "t2i", "reason")[i % 5]
+            task = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")[i % 6]
+            think, trace = f"paint the square {color}, then draw it.", f"the square becomes {color}.\nrefined prompt: a {color} square"
             text = {"caption": None, "vqa": "what color is the square?", "grounding": f"{color} square",
-                    "t2i": f"a {color} square", "reason": f"paint the square {color}, then draw it."}[task]
+                    "t2i": f"a {color} square", "reason": think, "reason_t2i": think}[task]
             target = {"caption": f"a {color} square", "vqa": color, "grounding": [4, 4, 8, 8], "t2i": None,
-                      "reason": f"the square becomes {color}.\nrefined prompt: a {color} square"}[task]
+                      "reason": trace, "reason_t2i": None}[task]
             mixture.append({"id": f"m{i}", "scene_id": i, "image": None if task == "reason" else name,
-                            "task": task, "text": text, "target": target, "qtype": None, "scene": {}})
+                            "task": task, "text": text, "target": target, "qtype": None, "scene": {},
+                            **({"context": trace} if task == "reason_t2i" else {})})
     (root / "cococon_train.json").write_text(json.dumps({"annotations": annotations, "images": images}))
     (root / "mixture_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixture))
     return root
@@ -270,6 +273,8 @@ def test_collator_pads_ragged_candidates_and_skips_empty(tmp_path):
     ('{"id": 1, "image": null, "task": "reason", "text": "think"}', "task reason needs a non-empty string 'target'"),
     ('{"id": 1, "image": null, "task": "reason", "target": "r"}', "task reason needs a non-empty 'text'"),
     ('{"image": null, "task": "reason", "text": "t", "target": "r"}', "missing key 'id'"),
+    ('{"id": 1, "image": "x.png", "task": "reason_t2i", "text": "think"}',
+     "task reason_t2i needs a non-empty string 'context' (the reasoning trace)"),
 ])
 def test_mixture_rejects_bad_rows(tmp_path, row, message):
     ok = '{"id": 0, "image": null, "task": "reason", "text": "think", "target": "trace"}'
@@ -324,7 +329,8 @@ def test_mixture_images_are_decoded_once_within_the_cache_budget(world, monkeypa
 
 
 def test_standard_loss_trains_reason_rows_text_only(world):
-    """A standard update scores think-then-draw rows as score_text(None, prompt, [trace])."""
+    """A standard update scores think-then-draw rows as score_text(None, prompt, [trace]) and their
+    drawn rows as score_image([prompt], image, contexts=[trace]) (UReason setting 2's input)."""
     from unicon.data.mixture import MixtureDataset, collate_mixture
 
     model = TinyUnified()
@@ -333,7 +339,8 @@ def test_standard_loss_trains_reason_rows_text_only(world):
     batch = collate_mixture([data[i] for i in range(len(data))])
     got = module.standard_loss(batch)["loss"]
     sums, tokens = [], []
-    for task, text, target, image in zip(batch["tasks"], batch["texts"], batch["targets"], batch["images"]):
+    for task, text, target, image, context in zip(batch["tasks"], batch["texts"], batch["targets"], batch["images"],
+                                                  batch["contexts"]):
         if task == "caption":
             sc = model.score_text([image], [model.caption_prompt], [[target]])
         elif task == "vqa":
@@ -342,15 +349,41 @@ def test_standard_loss_trains_reason_rows_text_only(world):
             sc = model.score_boxes([image], [[text]], [target])
         elif task == "t2i":
             sc = model.score_image([[text]], [image])
+        elif task == "reason_t2i":
+            sc = model.score_image([[text]], [image], contexts=[context])
         else:
             assert image is None
             sc = model.score_text(None, [text], [[target]])
         sums.append(sc.sum_nll[0, 0])
         tokens.append(sc.num_tokens[0, 0])
-    assert set(batch["tasks"]) == {"caption", "vqa", "grounding", "t2i", "reason"}
+    assert set(batch["tasks"]) == {"caption", "vqa", "grounding", "t2i", "reason", "reason_t2i"}
     # token-weighted: every target token counts once, whatever the length of its sequence
     expected = torch.stack(sums).sum() / torch.stack(tokens).sum()
     assert abs(got.item() - expected.item()) < double_tol(expected)
+
+
+def test_t2i_prompt_dropout_trains_the_unconditional_model(world):
+    """data.t2i_prompt_dropout: a t2i row is scored under the empty prompt (the unconditional model
+    classifier-free guidance uses) for that fraction of (row, step) draws, reproducibly."""
+    from unicon.data.mixture import MixtureDataset, collate_mixture
+
+    data = MixtureDataset(world, tasks=["t2i"])
+    batch = collate_mixture([data[i] for i in range(len(data))])
+    model = TinyUnified()
+    expected = {p: model.score_image([[t if p is None else p] for t in batch["texts"]], batch["images"]) for p in ("", None)}
+
+    def loss(p: float) -> float:
+        module = ConsistencyModule(model, compose([f"data.root={world}", f"data.t2i_prompt_dropout={p}"]))
+        return module.standard_loss(batch)["loss"].item()
+
+    for p, key in ((1.0, ""), (0.0, None)):
+        sc = expected[key]
+        ref = (sc.sum_nll.sum() / sc.num_tokens.sum()).item()  # float32 sums in another order
+        assert abs(loss(p) - ref) <= float32_tol(int(sc.num_tokens.sum()), scale=abs(ref))
+    assert loss(1.0) != loss(0.0) and loss(0.5) == loss(0.5)
+    module = ConsistencyModule(model, compose([f"data.root={world}", "data.t2i_prompt_dropout=0.3"]))
+    draws = [module._t2i_prompt("p", f"row{i}") for i in range(2000)]
+    assert 0.25 < draws.count("") / len(draws) < 0.35  # binomial sd 0.01: a 5-sd band
 
 
 def double_tol(value: torch.Tensor) -> float:
@@ -632,6 +665,28 @@ def test_freeze_batchnorm_survives_train_mode_also_from_init_from(tiny_shapes_wo
         norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
         assert norms and not any(m.training for m in norms) and model.training
         assert not any(p.requires_grad for m in norms for p in m.parameters())
+
+
+def test_ofa_scores_an_image_under_the_context_generate_image_conditions_on(tiny_shapes_world):
+    """reason_t2i rows: score_image(contexts=[R]) scores exactly the input generate_image(context=[R])
+    encodes, [P, R]; fit_context cuts an over-long trace from the left, keeping its conclusion."""
+    from PIL import Image
+
+    model = build_model(compose(["model=ofa_shapes_tiny", f"data.root={tiny_shapes_world}"]).model,
+                        tiny_shapes_world).eval()
+    image = Image.open(sorted((tiny_shapes_world / "images" / "train").glob("*.png"))[0]).convert("RGB")
+    prompt, trace = "draw the board now.", "two circles stay.\nrefined prompt: two red circles"
+    with torch.no_grad():
+        with_context = model.score_image([[prompt]], [image], contexts=[trace])
+        joined = model.score_image([[f"{prompt} {trace}"]], [image])
+        alone = model.score_image([[prompt]], [image])
+    assert torch.equal(with_context.sum_nll, joined.sum_nll)
+    assert not torch.equal(with_context.sum_nll, alone.sum_nll)
+    long = " ".join(["one red circle stays on the board."] * 40) + "\nrefined prompt: a red circle"
+    kept, cut = model.fit_context([prompt], [long])
+    assert cut[0] > 0 and kept[0].endswith("refined prompt: a red circle")
+    ids, over = model.tokenizer.encode_text(" " + model._t2i_text(prompt, kept[0]).lstrip(), model.settings.max_source_length)
+    assert not over
 
 
 @pytest.mark.slow

@@ -9,12 +9,14 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli``
 ``unicon evaluate shapes``  ``unicon.evaluation.shapes.cli``
 ``unicon build-data shapes`` ``data_builders/shapes.py: main``
+``unicon build-data cococon`` ``data_builders/cococon.py: main``
 ``unicon experiment table2`` ``unicon.experiments.table2.cli``
 ``unicon report``          ``unicon.report.cli``
 ``unicon bench scoring``   ``unicon.models.bench.cli``
 ``unicon bench train``     ``unicon.training.bench.cli``
 ``unicon bench pretrain``  ``unicon.training.bench.pretrain_cli``
 ``unicon bench chains``    ``unicon.evaluation.drift.bench_cli``
+``unicon bench build-cococon`` ``data_builders/cococon.py: bench_main``
 =========================  ==============================================
 
 User mistakes (:class:`unicon.errors.UserError`, :class:`unicon.config.ConfigError`, a missing
@@ -49,6 +51,7 @@ COMMANDS: dict = {
     },
     "build-data": {
         "shapes": ("data_builders/shapes.py", "main", "build the embedded ShapesWorld datasets"),
+        "cococon": ("data_builders/cococon.py", "main", "CocoCon contrast sets from COCO + VQAv2 (section 4.1)"),
     },
     "experiment": {
         "table2": ("unicon.experiments.table2", "cli", "CocoCon Table 2: K vs M vs hinge across seeds, paired CIs"),
@@ -59,6 +62,7 @@ COMMANDS: dict = {
         "train": ("unicon.training.bench", "cli", "consistency vs standard update throughput"),
         "pretrain": ("unicon.training.bench", "pretrain_cli", "pretraining examples/s, FLOPs, share of a matmul peak"),
         "chains": ("unicon.evaluation.drift", "bench_cli", "batched vs one-at-a-time drift chains"),
+        "build-cococon": ("data_builders/cococon.py", "bench_main", "CocoCon builder pairs/s and peak memory"),
     },
 }
 

@@ -54,7 +54,7 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, *, l
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
               "deepspeed_zero3", "deepspeed_zero3_offload")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
-MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason")
+MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
 
 
@@ -101,6 +101,9 @@ class DataConfig:
     batching: str = choice("mixed", ("mixed", "by_task"))
     # rows of task t seen per epoch = round(weight_t * #rows_t) (default 1; e.g. {reason: 2.0})
     task_weights: dict[str, float] = field(default_factory=dict)
+    # fraction of text-to-image rows (t2i) trained with an empty prompt, drawn per row and step: the
+    # unconditional model that classifier-free guidance (image_generation.guidance_scale) contrasts with
+    t2i_prompt_dropout: float = bounded(0.0, 0.0, 1.0)
 
 
 @dataclass
@@ -155,6 +158,9 @@ class CocoConEvalConfig:
     table_rows: int = bounded(16, 0)
     skip_missing: bool = False  # skip (and count) samples whose image file is missing
     tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # compared with captioning
+    # samples whose gold answer names one of these words are also reported on their own
+    # (cococon/probe/...): the concept of a ShapesWorld --caption-gap world
+    probe_words: list[str] = field(default_factory=list)
 
 
 @dataclass

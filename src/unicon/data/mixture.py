@@ -3,14 +3,18 @@
 One row per task example::
 
     {"id", "scene_id", "image": "images/train/00042.png" | null,
-     "task": "caption" | "vqa" | "grounding" | "t2i" | "reason",
+     "task": "caption" | "vqa" | "grounding" | "t2i" | "reason" | "reason_t2i",
      "text": question / referring expression / t2i caption / think prompt / null,
-     "target": caption / answer / [x, y, w, h] / reasoning trace / null, "qtype", "scene"}
+     "target": caption / answer / [x, y, w, h] / reasoning trace / null, "qtype", "scene",
+     "context": reasoning trace (reason_t2i only)}
 
 ``reason`` rows (ShapesWorld's think-then-draw prompts) have no image: the model is trained to
 write the trace ``R`` (ending in ``refined prompt: ...``) from the prompt alone, through
 ``UnifiedModel.score_text(None, ...)`` -- the text-only format ``UnifiedModel.reason`` generates in.
-Every other task needs an image. Which tasks a run trains on is ``data.tasks``.
+``reason_t2i`` rows are the same items drawn: the image from ``[P, R]`` (prompt ``text``, trace
+``context``), through ``UnifiedModel.score_image(..., contexts=...)`` -- the input UReason's
+setting 2 gives ``generate_image``. Every task but ``reason`` needs an image. Which tasks a run
+trains on is ``data.tasks``.
 
 :class:`MixtureDataset` reads and validates the rows once (a bad row is a ``ValueError``
 naming ``file:line`` and the key) and opens images lazily in ``__getitem__`` so that
@@ -36,7 +40,7 @@ from unicon.errors import UserError
 
 log = logging.getLogger(__name__)
 
-TASKS = ("caption", "vqa", "grounding", "t2i", "reason")
+TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
 IMAGE_FREE_TASKS = ("reason",)
 
 
@@ -69,8 +73,10 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
             raise _row_error(path, n, "missing key 'id'")
         if task not in IMAGE_FREE_TASKS and not isinstance(row.get("image"), str):
             raise _row_error(path, n, f"task {task} needs 'image' (a path relative to {path.parent})")
-        if task in ("vqa", "grounding", "t2i", "reason") and not row.get("text"):
+        if task in ("vqa", "grounding", "t2i", "reason", "reason_t2i") and not row.get("text"):
             raise _row_error(path, n, f"task {task} needs a non-empty 'text'")
+        if task == "reason_t2i" and not (isinstance(row.get("context"), str) and row["context"]):
+            raise _row_error(path, n, "task reason_t2i needs a non-empty string 'context' (the reasoning trace)")
         if task in ("caption", "vqa", "reason") and not (isinstance(row.get("target"), str) and row["target"]):
             raise _row_error(path, n, f"task {task} needs a non-empty string 'target'")
         if task == "grounding":
@@ -136,6 +142,7 @@ class MixtureDataset(Dataset):
             "task": row["task"],
             "text": row.get("text"),
             "target": row.get("target"),
+            "context": row.get("context"),
             "image": image,
         }
 
@@ -147,5 +154,6 @@ def collate_mixture(examples: list[dict[str, Any]]) -> dict[str, Any]:
         "tasks": [e["task"] for e in examples],
         "texts": [e["text"] for e in examples],
         "targets": [e["target"] for e in examples],
+        "contexts": [e.get("context") for e in examples],
         "images": [e["image"] for e in examples],
     }

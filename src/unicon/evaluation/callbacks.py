@@ -9,12 +9,30 @@ trainer (W&B or CSV, and ``metrics.jsonl``). A SIGTERM/SIGUSR1 during an evaluat
 (:mod:`unicon.evaluation.preemption`) stops it at the next batch, writes ``<run_dir>/last.ckpt`` and
 ends the run.
 
+Logging helpers, used by the callbacks and by ``unicon evaluate ...``:
+
+* :func:`log_metrics` -- scalars to every logger;
+* :func:`log_table` -- a table whose cells may be PIL images: a ``wandb.Table`` on W&B,
+  ``<dir>/tables/<key>.jsonl`` (+ PNGs) for the CSV/JSONL loggers;
+* :func:`log_figures` -- the PNG plots a suite wrote, as ``wandb.Image`` under stable keys
+  ``<suite>/fig/<file stem>`` (e.g. ``cococon/fig/consistency_by_k``); other loggers already have
+  the files in the suite's output folder;
+* :func:`log_wandb` -- any other W&B value (custom charts); the path the two above take to W&B;
+* :func:`log_eval_config` -- a standalone evaluation's arguments, weights fingerprint and
+  environment as the run config (training runs: :func:`unicon.training.loggers.log_run_config`).
+
+Everything for W&B goes through ``WandbLogger.log_metrics(values, step)``: a new history row with
+``trainer/global_step = step``, W&B numbering its own step. Never ``wandb.log(..., step=...)``:
+W&B ignores a row whose explicit step is below its current one, and Lightning has moved that
+step on by the time an epoch-end evaluation logs (see :mod:`unicon.training.loggers`).
+
 Under DDP every rank calls ``evaluate`` (the suites shard their work and sync metric states);
 the loggers write on rank zero only.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -45,6 +63,43 @@ def _safe_key(key: str) -> str:
 
 
 @rank_zero_only
+def log_wandb(loggers: Sequence[Logger], values: Mapping[str, Any], step: int | None = None) -> None:
+    """Log W&B values (tables, images, charts) as one history row of every W&B logger, at
+    ``trainer/global_step = step`` (see the module docstring)."""
+    if values:
+        for lg in loggers:
+            if isinstance(lg, WandbLogger):
+                lg.log_metrics(dict(values), step=step)
+
+
+@rank_zero_only
+def log_figures(loggers: Sequence[Logger], suite: str, out_dir: str | Path, names: Sequence[str],
+                step: int | None = None) -> dict[str, Path]:
+    """Log the figures ``<out_dir>/<name>.png`` that exist as ``wandb.Image`` under
+    ``<suite>/fig/<name>``, in one history row. Returns ``{key: path}`` of those logged."""
+    figures = {f"{suite}/fig/{name}": Path(out_dir) / f"{name}.png" for name in names}
+    figures = {key: path for key, path in figures.items() if path.is_file()}
+    if figures and any(isinstance(lg, WandbLogger) for lg in loggers):
+        import wandb
+
+        log_wandb(loggers, {key: wandb.Image(str(path)) for key, path in figures.items()}, step=step)
+    return figures
+
+
+@rank_zero_only
+def log_eval_config(loggers: Sequence[Logger], args: argparse.Namespace, fingerprint: str | None) -> None:
+    """The config of a standalone ``unicon evaluate`` run: its arguments (``args.<name>``), the
+    weights fingerprint (``weights.fingerprint``) and the environment (git commit, versions)."""
+    from unicon.training.loggers import environment_info, flatten_config
+
+    params = {**flatten_config({"args": vars(args)}), **environment_info()}
+    if fingerprint:
+        params["weights.fingerprint"] = fingerprint
+    for lg in loggers:
+        lg.log_hyperparams(params)
+
+
+@rank_zero_only
 def log_table(
     loggers: Sequence[Logger], key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int | None = None
 ) -> None:
@@ -59,7 +114,7 @@ def log_table(
             import wandb
 
             data = [[wandb.Image(c) if isinstance(c, Image.Image) else c for c in row] for row in rows]
-            lg.experiment.log({key: wandb.Table(columns=list(columns), data=data)}, step=step)
+            log_wandb([lg], {key: wandb.Table(columns=list(columns), data=data)}, step=step)
             continue
         base = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
         if not base or base in written:

@@ -4,7 +4,9 @@ logger arguments, and their checks, done before any model or data is loaded.
 * ``--device cuda`` on a machine without CUDA, an ``--out`` that is a file or cannot be written,
   and a count below its minimum fail with one line naming the flag;
 * the model loads with :func:`unicon.models.load_model`; unpickling only with ``--allow-pickle``;
-* ``--logger`` defaults to the training default (``LoggerConfig.type``), for every suite.
+* ``--logger`` defaults to the training default (``LoggerConfig.type``), for every suite;
+* commands that draw images expose the sampling recipe (:func:`add_image_generation_args`): each
+  flag overrides the model's own ``image_generation_config``, and the result is recorded.
 """
 
 from __future__ import annotations
@@ -30,6 +32,38 @@ def add_common_args(p: argparse.ArgumentParser, out_help: str = "output director
                    help="accept checkpoints that need unpickling (pytorch_model.bin; can run code: trusted files only)")
     p.add_argument("--logger", choices=["wandb", "csv", "none"], default=LoggerConfig.type,
                    help=f"where the metrics also go (default: {LoggerConfig.type}, offline without an API key)")
+
+
+def add_image_generation_args(p: argparse.ArgumentParser) -> None:
+    """``--sample/--greedy``, ``--temperature``, ``--top-k``, ``--top-p``, ``--guidance-scale``,
+    ``--image-seed``; unset flags keep the model's saved setting (:func:`image_generation_config`)."""
+    g = p.add_argument_group("image generation (default: the model's saved settings)")
+    g.add_argument("--sample", dest="do_sample", action="store_true", default=None, help="sample image tokens")
+    g.add_argument("--greedy", dest="do_sample", action="store_false", help="argmax image tokens")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--guidance-scale", type=float, default=None,
+                   help="classifier-free guidance scale s: l_u + s (l_c - l_u) (1: off)")
+    g.add_argument("--image-seed", type=int, default=None, help="seed of the image sampling")
+
+
+def image_generation_config(model, args: argparse.Namespace):
+    """The model's ``image_generation_config`` with the flags of :func:`add_image_generation_args`
+    that were given; a value out of range is a one-line error naming the flag."""
+    import dataclasses
+
+    checks = {"temperature": (lambda v: v > 0, "> 0"), "top_k": (lambda v: v >= 0, ">= 0"),
+              "top_p": (lambda v: 0 < v <= 1, "in (0, 1]")}
+    for name, (ok, what) in checks.items():
+        value = getattr(args, name)
+        if value is not None and not ok(value):
+            raise UserError(f"--{name.replace('_', '-')} must be {what}, got {value}")
+    given = {k: getattr(args, k) for k in ("do_sample", "temperature", "top_k", "top_p", "guidance_scale")
+             if getattr(args, k) is not None}
+    if args.image_seed is not None:
+        given["seed"] = args.image_seed
+    return dataclasses.replace(model.image_generation_config, **given)
 
 
 def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), minimum: dict | None = None) -> Path:

@@ -44,6 +44,13 @@ pycocoevalcap), VQA normalised exact match (and VQAv2 soft accuracy when 10 answ
 is parsed back and must satisfy the gold caption) and FID (torchmetrics) when local Inception
 weights are given, otherwise ``"unavailable"``.
 
+Probed concepts (``probe_words``, issue 17's knowledge gap): the samples whose gold answer names
+one of the words (as a word, or with a plural ``s``/``es``) -- the samples about the concept, whose
+gold caption states it and whose contrasts replace it -- are also aggregated on their own, under
+``results["probe"]`` / ``cococon/probe/...``: the probe's caption ranking accuracy
+``cococon/probe/caption/acc@1`` shows whether captioning knows the concept, its ``C_1`` whether
+the tasks agree about it.
+
 Spearman is computed on NLLs; negating both vectors (likelihoods) gives the same value.
 ``tasks`` restricts the compared tasks (T2I needs an image tokenizer that can encode the images,
 e.g. not the ShapesWorld tokenizer on COCO photos). Candidates the model truncated to its maximum
@@ -77,7 +84,7 @@ from unicon.config import CocoConEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.cli_common import add_common_args, check_common_args, load_model_for
-from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
+from unicon.evaluation.callbacks import EvalCallback, log_eval_config, log_figures, log_metrics, log_table
 
 log = logging.getLogger(__name__)
 
@@ -375,8 +382,9 @@ def aggregate(per_sample: list[dict], max_k: int) -> dict:
 
 
 def consistency_metrics(nll: dict[str, np.ndarray], categories: Sequence[str | None] | None = None, max_k: int = 5,
-                        tasks: Sequence[str] = TASKS) -> tuple[dict, list[dict]]:
-    """Metrics per task (and per category) from NLL arrays ``[N, 1 + K]`` (NaN = absent).
+                        tasks: Sequence[str] = TASKS, probe: Sequence[bool] | None = None) -> tuple[dict, list[dict]]:
+    """Metrics per task (and per category, and over the ``probe`` samples) from NLL arrays
+    ``[N, 1 + K]`` (NaN = absent).
 
     Returns ``(results, per_sample)`` where ``per_sample[i][task]`` is :func:`sample_consistency`.
     """
@@ -389,7 +397,20 @@ def consistency_metrics(nll: dict[str, np.ndarray], categories: Sequence[str | N
         for cat in sorted({c for c in categories if c is not None}):
             rows = [p for p, c in zip(per_sample, categories) if c == cat]
             results["categories"][cat] = {t: aggregate([p[t] for p in rows], max_k) for t in tasks}
+    if probe is not None:
+        rows = [p for p, flag in zip(per_sample, probe) if flag]
+        results["probe"] = {"num_samples": len(rows), **{t: aggregate([p[t] for p in rows], max_k) for t in tasks}}
     return results, per_sample
+
+
+def names_any(text: str, words: Sequence[str]) -> bool:
+    """Does ``text`` name one of ``words`` (as a word, or with a plural ``s``/``es``)?"""
+    return any(re.search(rf"\b{re.escape(w.lower())}(?:e?s)?\b", text.lower()) for w in words)
+
+
+def probes(sample: CocoConSample, words: Sequence[str]) -> bool:
+    """Is ``sample`` about a probed concept: does its gold answer name one of ``words``?"""
+    return names_any(sample.answer, words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,11 +448,12 @@ class CocoConEvaluator:
     def __init__(self, samples: Sequence[CocoConSample], max_k: int = 5, generative: bool = True,
                  world_root: str | Path | None = None, fid_weights: str | None = None,
                  caption_prompt: str | None = None, cider_tokenizer: str = "auto", device=None,
-                 tasks: Sequence[str] = TASKS):
+                 tasks: Sequence[str] = TASKS, probe_words: Sequence[str] = ()):
         unknown = sorted(set(tasks) - set(TASKS))
         if unknown or not tasks:
             raise UserError(f"CocoCon tasks must be a non-empty subset of {list(TASKS)}, got {list(tasks)}")
         self.tasks = tuple(t for t in TASKS if t in tasks)
+        self.probe_words = tuple(probe_words)
         self.samples = {s.index: s for s in samples}
         self.max_k = max_k
         self.generative = generative
@@ -494,7 +516,10 @@ class CocoConEvaluator:
         index = state["index"].cpu().tolist()
         nll = {t: state[f"nll_{t}"].cpu().numpy() for t in SCORED}
         samples = [self.samples[i] for i in index]
-        results, per_task = consistency_metrics(nll, [s.category for s in samples], self.max_k, self.tasks)
+        probe = [probes(s, self.probe_words) for s in samples] if self.probe_words else None
+        results, per_task = consistency_metrics(nll, [s.category for s in samples], self.max_k, self.tasks, probe)
+        if probe is not None:
+            results["probe"]["words"] = list(self.probe_words)
         results["num_samples"] = len(samples)
         results["max_k"] = self.max_k
         # candidates cut to the model's max length: their scores (and possible ties) are affected
@@ -618,6 +643,14 @@ def flat_metrics(results: dict, prefix: str = "cococon") -> dict[str, float]:
     for cat, res in results.get("categories", {}).items():
         for t in tasks:
             out[f"{prefix}/category/{cat}/{t}/C_1"] = res[t]["C_k"][1]
+    if "probe" in results:
+        probe = results["probe"]
+        out[f"{prefix}/probe/num_samples"] = probe["num_samples"]
+        for t in tasks:
+            out[f"{prefix}/probe/{t}/C_1"] = probe[t]["C_k"][1]
+            out[f"{prefix}/probe/{t}/acc@1"] = probe[t]["acc@k"][1]
+            out[f"{prefix}/probe/{t}/rho"] = probe[t]["rho"]
+        out[f"{prefix}/probe/caption/acc@1"] = probe[tasks[0]]["caption_acc@k"][1]
     return out
 
 
@@ -692,6 +725,8 @@ def plot_results(results: dict, out_dir: Path) -> None:
 
 TABLE_COLUMNS = ["image", "id", "caption", "hardest_contrast", "answer", "contrast_answer",
                  "caption_nll", "vqa_nll", "t2i_nll", "vqa_consistent", "localization_consistent", "t2i_consistent"]
+#: the plots of :func:`plot_results`, logged as ``cococon/fig/<name>`` (``log_figures``)
+FIGURES = ("consistency_by_k", "consistency_vs_accuracy")
 
 
 def table_rows(result: CocoConResult, samples: dict[int, CocoConSample], n: int) -> list[list]:
@@ -728,8 +763,10 @@ class CocoConCallback(EvalCallback):
 
     def __init__(self, data: str | Path, images_root: str | Path | None = None, max_samples: int | None = 200,
                  batch_size: int = 16, generative: bool = True, table_rows: int = 16, skip_missing: bool = False,
-                 tasks: Sequence[str] = TASKS, every_n_epochs: int = 1, fail_on_error: bool = False):
+                 tasks: Sequence[str] = TASKS, every_n_epochs: int = 1, fail_on_error: bool = False,
+                 probe_words: Sequence[str] = ()):
         super().__init__(every_n_epochs=every_n_epochs, fail_on_error=fail_on_error)
+        self.probe_words = tuple(probe_words)
         self.data_path = Path(data)
         self.images_root = images_root
         self.max_samples = max_samples
@@ -747,7 +784,8 @@ class CocoConCallback(EvalCallback):
         data = c.data or str(Path(cfg.data.root) / "cococon_test.json")
         return cls(data=data, images_root=c.images_root, max_samples=c.max_samples, batch_size=c.batch_size,
                    generative=c.generative, table_rows=c.table_rows, skip_missing=c.skip_missing, tasks=list(c.tasks),
-                   every_n_epochs=c.every_n_epochs, fail_on_error=cfg.eval.fail_on_error)
+                   every_n_epochs=c.every_n_epochs, fail_on_error=cfg.eval.fail_on_error,
+                   probe_words=list(c.probe_words))
 
     def dataset(self) -> CocoConData:
         if self._data is None:
@@ -758,9 +796,11 @@ class CocoConCallback(EvalCallback):
         data = self.dataset()
         result = evaluate_model(model, data.samples, self.batch_size, rank=trainer.global_rank,
                                 world_size=trainer.world_size, generative=self.generative,
-                                world_root=data.images_root, tasks=self.tasks)
+                                world_root=data.images_root, tasks=self.tasks, probe_words=self.probe_words)
         if trainer.is_global_zero:
-            write_outputs(result, self.output_dir(trainer))
+            out = self.output_dir(trainer)
+            write_outputs(result, out)
+            log_figures(trainer.loggers, "cococon", out, FIGURES, step=trainer.global_step)
             if self.table_rows:
                 rows = table_rows(result, {s.index: s for s in data.samples}, self.table_rows)
                 log_table(trainer.loggers, "cococon/samples", TABLE_COLUMNS, rows, step=trainer.global_step)
@@ -797,6 +837,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS),
                         help="tasks compared with captioning (t2i needs an image tokenizer that encodes the images)")
     parser.add_argument("--no-generative", action="store_true", help="only likelihood scoring (no CIDEr/acc/FID)")
+    parser.add_argument("--probe-words", nargs="+", default=[], metavar="WORD",
+                        help="also report the samples whose gold answer names one of these words "
+                             "(results.json 'probe'; e.g. a ShapesWorld --caption-gap concept)")
     parser.add_argument("--fid-weights", default=None, help="local Inception weights for FID (else 'unavailable')")
     parser.add_argument("--cider-tokenizer", choices=["auto", "ptb", "simple"], default="auto")
     parser.add_argument("--table-rows", type=int, default=CocoConEvalConfig.table_rows, help="samples in the W&B table")
@@ -819,7 +862,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     with preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch, exit 128 + signal
         result = evaluate_model(model, data.samples, args.batch_size, progress=True, max_k=args.max_k,
                                 generative=not args.no_generative, world_root=data.images_root,
-                                fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks)
+                                fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks,
+                                probe_words=args.probe_words)
     seconds = time.perf_counter() - start
     result.results.update(
         data=str(args.data), ckpt=str(args.ckpt), checkpoint=str(Path(args.ckpt).resolve()),
@@ -830,9 +874,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     )
     write_outputs(result, out)
     loggers = make_loggers(LoggerConfig(type=args.logger), out, name=args.name or f"cococon-{Path(args.ckpt).name}")
+    log_eval_config(loggers, args, result.results["model_fingerprint"])
     metrics = result.flat()
     metrics["cococon/seconds"] = seconds
     log_metrics(loggers, metrics, step=0)
+    log_figures(loggers, "cococon", out, FIGURES, step=0)
     rows = table_rows(result, {s.index: s for s in data.samples}, args.table_rows)
     log_table(loggers, "cococon/samples", TABLE_COLUMNS, rows, step=0)
     for lg in loggers:

@@ -12,6 +12,7 @@ whether the world's verifier accepted it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -19,7 +20,13 @@ from typing import Sequence
 
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.cli_common import add_common_args, check_common_args, load_model_for
+from unicon.evaluation.cli_common import (
+    add_common_args,
+    add_image_generation_args,
+    check_common_args,
+    image_generation_config,
+    load_model_for,
+)
 
 NAMES = {"vqa": "VQA", "caption": "caption", "grounding": "localization", "t2i": "text-to-image"}
 
@@ -75,6 +82,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--examples", type=int, default=6, help="examples per task in the picture")
+    add_image_generation_args(p)
     args = p.parse_args(argv)
     out = check_common_args(args, ("limit", "batch_size", "examples"), {"examples": 0})
     world = Path(args.world)
@@ -86,13 +94,14 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.models import weights_fingerprint
 
     model = load_model_for(args)
+    image_config = image_generation_config(model, args)
     examples: list[dict] = []
     with preemption.watch_signals():
         metrics = shapes_task_accuracies(model, world, args.split, args.limit, args.batch_size, args.tasks,
-                                         examples=examples, num_examples=args.examples)
+                                         examples=examples, num_examples=args.examples, image_config=image_config)
     result = {"metrics": metrics, "checkpoint": str(Path(args.ckpt).resolve()),
               "model_fingerprint": weights_fingerprint(model), "world": str(world.resolve()),
-              "split": args.split, "limit": args.limit}
+              "split": args.split, "limit": args.limit, "image_generation": dataclasses.asdict(image_config)}
     (out / "shapes_eval.json").write_text(json.dumps(result, indent=1) + "\n")
     if examples and args.examples:
         plot_examples(examples, out / "shapes_eval.png", args.examples)

@@ -60,7 +60,7 @@ from unicon.config import UReasonEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.cli_common import add_common_args, check_common_args, load_model_for
-from unicon.evaluation.callbacks import EvalCallback, log_metrics, log_table
+from unicon.evaluation.callbacks import EvalCallback, log_eval_config, log_metrics, log_table
 from unicon.evaluation.judges import Judge, Verdict, build_judge, check_judge_spec
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
@@ -664,6 +664,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     logger_section = SimpleNamespace(type=args.logger, mode=None, project=None, entity=None, tags=[])
     logger_cfg = SimpleNamespace(name=f"ureason-{out.name}", logger=logger_section)
     loggers = make_loggers(logger_cfg, out)
+    log_eval_config(loggers, args, info["model_fingerprint"])
     log_metrics(loggers, {f"ureason/{k}": v for k, v in metrics.items()}, step=0)
     log_table(loggers, "ureason/samples", TABLE_COLUMNS, table_rows(samples, args.table_rows), step=0)
     for lg in loggers:

@@ -16,7 +16,8 @@ resumes; a record made with other arguments is refused (naming the file), never 
 
 Reported per method (mean ± sample std over seeds): C_1...C_5, ρ and acc@1 per task (VQA,
 localization, T2I), their mean C_1, the caption ranking accuracy (caption acc@1: the gold caption
-scored above the hardest contrast), and the generative task accuracies. For a method X against K,
+scored above the hardest contrast), the generative task accuracies, and -- when the runs set
+``eval.cococon.probe_words`` (a knowledge-gap world) -- the probed concept's caption acc@1 and mean C_1. For a method X against K,
 the paired difference d_s = X_s − K_s per seed has the 95 % interval
 
     mean(d) ± t_{0.975, n−1} · sd(d) / √n        (Student t, n seeds; undefined for n < 2).
@@ -74,6 +75,11 @@ def summarize_run(flat: dict[str, float]) -> dict[str, float]:
     c1 = [out[f"{t}/C_1"] for t in TASKS if not math.isnan(out[f"{t}/C_1"])]
     out["mean/C_1"] = float(np.mean(c1)) if c1 else math.nan
     out["caption/acc@1"] = get("cococon/caption/acc@1")
+    if "cococon/probe/num_samples" in flat:  # eval.cococon.probe_words: the knowledge-gap concept
+        out["probe/caption/acc@1"] = get("cococon/probe/caption/acc@1")
+        probe_c1 = [get(f"cococon/probe/{t}/C_1") for t in TASKS]
+        probe_c1 = [v for v in probe_c1 if not math.isnan(v)]
+        out["probe/mean/C_1"] = float(np.mean(probe_c1)) if probe_c1 else math.nan
     return out
 
 
@@ -138,6 +144,8 @@ def markdown(summary: dict[str, Any], seeds: Sequence[int], overrides: Sequence[
         cols += [(f"{t}/C_1", f"{TASK_LABELS[t]} C₁", 1), (f"{t}/rho", f"{TASK_LABELS[t]} ρ", 3),
                  (f"{t}/acc@1", f"{TASK_LABELS[t]} acc@1", 1), (f"{t}/generative", f"{TASK_LABELS[t]} gen. acc", 1)]
     cols.append(("caption/acc@1", "caption acc@1", 1))
+    if any("probe/caption/acc@1" in s for s in summary["methods"].values()):
+        cols += [("probe/caption/acc@1", "probe caption acc@1", 1), ("probe/mean/C_1", "probe mean C₁", 1)]
     lines = [
         "# CocoCon Table 2 on this setup: K vs M" + (" vs hinge" if "hinge" in summary["methods"] else ""),
         "",

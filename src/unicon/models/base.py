@@ -187,8 +187,12 @@ class UnifiedModel(nn.Module, abc.ABC):
         """
 
     @abc.abstractmethod
-    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
-        """NLL of the image's own tokens given each prompt k. [B][K] x [B] -> [B, K]."""
+    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch,
+                    contexts: Sequence[str] | None = None) -> Scores:
+        """NLL of the image's own tokens given each prompt k. [B][K] x [B] -> [B, K].
+
+        ``contexts[b]``, when given, follows every prompt of row b, exactly as ``context`` does in
+        :meth:`generate_image` (UReason's ``[P, R]``); cut it with :meth:`fit_context` first."""
 
     # ---- generation -----------------------------------------------------------------
     @abc.abstractmethod

@@ -778,14 +778,18 @@ class JanusUnifiedModel(UnifiedModel):
             pixels = self.prepare_images(images).to(vq.device, vq.dtype)
             return vq.encode(pixels).image_tokens.view(pixels.shape[0], -1)
 
-    def score_image_codes(self, prompts: Sequence[Sequence[str]], codes: torch.Tensor) -> Scores:
+    def score_image_codes(self, prompts: Sequence[Sequence[str]], codes: torch.Tensor,
+                          contexts: Sequence[str] | None = None) -> Scores:
         """NLL of flat codes ``[B, N]`` given each prompt (the body of :meth:`score_image`)."""
         check_candidates(prompts, "prompts")
         if codes.ndim != 2 or codes.shape[0] != len(prompts):
             raise ValueError(f"expected codes [{len(prompts)}, N], got {tuple(codes.shape)}")
+        if contexts is not None and len(contexts) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompt lists but {len(contexts)} contexts")
         device = self.device
         codes = codes.to(device)
-        rows = [(b, self._generation_prompt_ids(p)) for b, ps in enumerate(prompts) for p in ps]
+        rows = [(b, self._generation_prompt_ids(p, None if contexts is None else contexts[b]))
+                for b, ps in enumerate(prompts) for p in ps]
         row_of = torch.tensor([b for b, _ in rows], device=device)
         ids, mask = _pad([r[1] for r in rows], self.pad_id, left=True, device=device)
         P, N = ids.shape[1], codes.shape[1]
@@ -805,12 +809,13 @@ class JanusUnifiedModel(UnifiedModel):
         grid = _to_grid(token_nll.sum(-1), [b for b, _ in rows], (len(prompts), K), [N] * len(rows))
         return _scores(*grid, truncated=0)
 
-    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
+    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch,
+                    contexts: Sequence[str] | None = None) -> Scores:
         check_candidates(prompts, "prompts")
         n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
         if n != len(prompts):
             raise ValueError(f"got {len(prompts)} prompt lists but {n} images")
-        return self.score_image_codes(prompts, self.image_codes(images))
+        return self.score_image_codes(prompts, self.image_codes(images), contexts)
 
     # ---- generation ---------------------------------------------------------------------
     @torch.no_grad()

@@ -17,15 +17,54 @@ configured (``$WANDB_API_KEY`` or a ``~/.netrc`` entry for api.wandb.ai) and ``o
 otherwise. Offline runs land in ``<run_dir>/wandb/offline-run-*``; sync them later with
 ``wandb sync <run_dir>/wandb/offline-run-*`` -- the usual practice on SLURM clusters without
 internet. ``$WANDB_PROJECT`` is respected when ``logger.project`` is unset.
+
+What reaches W&B (:class:`UniconWandbLogger`, Lightning's ``WandbLogger`` plus the points below):
+
+* **One step axis.** Everything -- scalars, tables, figures, charts -- goes through
+  ``WandbLogger.log_metrics(values, step)``, which logs ``{**values, "trainer/global_step": step}``
+  as a new history row and lets W&B number its own ``_step``; charts plot against
+  ``trainer/global_step`` (Lightning's ``define_metric("*", step_metric=...)``). Nothing passes
+  ``step=`` to ``wandb.log``: W&B drops rows whose explicit step is below its current one, which is
+  how epoch-end tables used to vanish after Lightning had logged the epoch's scalars.
+  :mod:`unicon.evaluation.callbacks` holds the helpers the suites call (``log_table``,
+  ``log_figures``, ``log_wandb``).
+* **Summaries.** The first time a key is logged that matches :data:`SUMMARY_RULES` (CocoCon
+  ``C_k``/``acc@k``/``rho``, drift ``MCD``/``MGG``/drift rate, UReason accuracies, training
+  losses), it gets ``define_metric(key, summary="max,last")`` (or ``"min,last"`` where lower is
+  better), so the runs table can sort on the best and the last value.
+* **Run config.** :func:`log_run_config` sends the resolved RunConfig, flattened to dotted keys
+  (``model.backend``, ``loss.lambda_``, ``optim.lr``, ...), with :func:`environment_info` (git
+  commit and dirtiness of the checkout unicon runs from, when it runs from one; python, torch,
+  lightning, transformers, wandb and unicon versions) and the weights fingerprint
+  (:func:`unicon.models.weights_fingerprint`; ``weights.fingerprint``: the weights a fresh run
+  starts from, i.e. the ``init_from`` checkpoint's, with LoRA adapters when they are added;
+  ``weights.resume_fingerprint``: those of the checkpoint a resumed run restarts from, leaving the
+  first part's ``weights.fingerprint`` in place). ``log_hyperparams`` of the other loggers
+  receives the same dict (the CSV logger writes it to ``csv/hparams.yaml``).
+* **Resume.** A training run's W&B id is stored in ``<run_dir>/wandb_run_id`` when its loggers are
+  made (:func:`persistent_run_id`) and reused, with ``resume="allow"``, by every later process in
+  the same run folder: ``resume=<ckpt>`` and a SLURM requeue continue the same W&B run. (A folder
+  only holds an earlier run's files when that run is resumed; ``overwrite=true`` deletes the file
+  with the rest.) Offline, each process writes its own ``offline-run-*`` folder with that id; sync
+  them in order. ``finalize("success"|"failed")`` (the end of ``Trainer.fit``, or of a standalone
+  evaluation) finishes the W&B run, so that a second run in the same process (``unicon experiment
+  table2``, tests) gets its own W&B run instead of Lightning reusing the first one.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import importlib.metadata
 import io
 import json
 import math
 import os
+import platform
+import re
+import secrets
+import string
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -219,8 +258,89 @@ def wandb_mode(configured: str | None = None) -> str:
     return "offline"
 
 
-def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None) -> list[Logger]:
-    """The loggers of a run: [W&B or CSV, JsonlLogger]. ``cfg`` is a RunConfig (or its ``logger`` section)."""
+# ---- W&B: one step axis, summaries, persistent run id ------------------------------------------
+STEP_KEY = "trainer/global_step"  # Lightning's x-axis for every W&B key (``define_metric("*", step_metric=...)``)
+
+#: ``(pattern, summary)``: a logged key matching ``pattern`` gets ``define_metric(key, summary=...)``
+#: (W&B globs only allow a trailing ``*``, hence patterns on the first use of each key). MCD is a
+#: mean cosine *similarity* to the chain's input: higher means less drift.
+SUMMARY_RULES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"^cococon/.+/(C_\d+|acc@\d+|rho)$"), "max,last"),
+    (re.compile(r"^drift/(.+/)?(MCD_\w+|MGG(_\w+)?)$"), "max,last"),
+    (re.compile(r"^drift/drift_rate_\w+$"), "min,last"),
+    (re.compile(r"^ureason/(acc_s\d|chain_acc)$"), "max,last"),
+    (re.compile(r"^train/loss(_ce|_const)?$"), "min,last"),
+)
+
+
+def summary_for(key: str) -> str | None:
+    """The W&B summary aggregation of a metric key (:data:`SUMMARY_RULES`), or None."""
+    return next((summary for pattern, summary in SUMMARY_RULES if pattern.match(key)), None)
+
+
+def _is_scalar(value: Any) -> bool:
+    if hasattr(value, "numel"):  # a tensor
+        return value.numel() == 1
+    return isinstance(value, (int, float))
+
+
+class UniconWandbLogger(WandbLogger):
+    """Lightning's ``WandbLogger`` that defines the summary of each :data:`SUMMARY_RULES` key the
+    first time it is logged (with ``trainer/global_step`` as its x-axis: a key's own definition
+    replaces the ``"*"`` glob's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._defined: set[str] = set()
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        for key, value in metrics.items():
+            if key in self._defined or not _is_scalar(value):  # tables, images, charts: no summary
+                continue
+            self._defined.add(key)
+            summary = summary_for(key)
+            if summary:
+                self.experiment.define_metric(key, step_metric=STEP_KEY, step_sync=True, summary=summary)
+        super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Lightning's finalize, then finish the W&B run when the run is over (``success`` /
+        ``failed``; not ``finished``, which Lightning's SLURM requeue handler sends while training
+        goes on until the job is killed). Lightning would leave it open until the process exits,
+        and a later ``WandbLogger`` in the same process would log into it. One ``fit`` per logger."""
+        super().finalize(status)
+        if status in ("success", "failed") and self._experiment is not None:
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
+
+
+WANDB_ID_FILE = "wandb_run_id"
+_ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def persistent_run_id(run_dir: str | Path) -> str:
+    """The W&B run id of the training run in ``run_dir``: read from ``<run_dir>/wandb_run_id``, or
+    made (8 base-36 characters, like W&B's own) and written there on rank zero."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.is_file():
+        run_id = path.read_text().strip()
+        if not run_id or len(run_id) > 128 or re.search(r"[\s/\\#?%:]", run_id):
+            raise UserError(f"{path} does not hold a W&B run id ({run_id[:40]!r}); delete it to start a new W&B run")
+        return run_id
+    run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
+    if rank_zero_only.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, f"{run_id}\n".encode())
+    return run_id
+
+
+def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist_run_id: bool = False) -> list[Logger]:
+    """The loggers of a run: [W&B or CSV, JsonlLogger]. ``cfg`` is a RunConfig (or its ``logger`` section).
+
+    ``persist_run_id`` (training runs): the W&B run id is :func:`persistent_run_id` of ``run_dir``,
+    so that a resumed or requeued run continues the same W&B run. Standalone evaluations start a
+    new W&B run each time."""
     # absolute: W&B writes from its own service process, whose working directory may be another one
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -232,11 +352,12 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None) -> list
         if mode != "disabled":
             project = lcfg.project or os.environ.get("WANDB_PROJECT") or "unicon"
             loggers.append(
-                WandbLogger(
+                UniconWandbLogger(
                     name=name,
                     project=project,
                     entity=lcfg.entity,
                     save_dir=str(run_dir),
+                    id=persistent_run_id(run_dir) if persist_run_id else None,  # WandbLogger: resume="allow"
                     tags=list(lcfg.tags or []),
                     mode=mode,
                     settings={"silent": True} if mode == "offline" else None,
@@ -259,3 +380,86 @@ def wandb_run_dir(loggers: list[Logger]) -> str | None:
             except Exception:  # wandb failed to start; the error was already logged
                 return None
     return None
+
+
+# ---- run config and environment ----------------------------------------------------------------
+def flatten_config(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """A (resolved) config -- OmegaConf, dataclass or dict -- as ``{"model.backend": ...,
+    "loss.lambda_": ..., ...}``. Lists stay values; an empty section stays ``{}``."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    elif dataclasses.is_dataclass(cfg):
+        cfg = dataclasses.asdict(cfg)
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten_config(value, f"{name}."))
+        else:
+            out[name] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def git_state() -> dict[str, Any]:
+    """``{"git.commit": sha, "git.dirty": bool}`` of the checkout the unicon package is imported
+    from (its ``__init__.py`` must be tracked there); ``{}`` for an installed package, without git,
+    or when git fails."""
+    import unicon
+
+    pkg = Path(unicon.__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(pkg), *args], capture_output=True, text=True, timeout=20)
+
+    try:
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode:
+            return {}
+        commit = git("rev-parse", "HEAD")
+        if commit.returncode:
+            return {}
+        status = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out: dict[str, Any] = {"git.commit": commit.stdout.strip()}
+    if status.returncode == 0:
+        out["git.dirty"] = bool(status.stdout.strip())
+    return out
+
+
+VERSIONED = ("torch", "lightning", "transformers", "wandb", "unicon")
+
+
+def environment_info() -> dict[str, Any]:
+    """:func:`git_state` plus ``versions.<package>`` (python and :data:`VERSIONED`, where installed)."""
+    info = git_state()
+    info["versions.python"] = platform.python_version()
+    for dist in VERSIONED:
+        try:
+            info[f"versions.{dist}"] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return info
+
+
+@rank_zero_only
+def log_run_config(loggers: list[Logger], cfg: Any, model: Any = None) -> dict[str, Any]:
+    """Send the flattened run config, :func:`environment_info` and the weights fingerprint of
+    ``model`` (``weights.fingerprint``; ``weights.resume_fingerprint`` when ``cfg.resume`` is set)
+    to every logger's ``log_hyperparams``. Returns the dict sent."""
+    params = flatten_config(cfg)
+    extra = environment_info()
+    if model is not None:
+        from unicon.models import weights_fingerprint
+
+        extra["weights.resume_fingerprint" if getattr(cfg, "resume", None) else "weights.fingerprint"] = \
+            weights_fingerprint(model)
+    sections = {k.split(".", 1)[0] for k in params}
+    clash = sorted(k for k in extra if k.split(".", 1)[0] in sections)
+    if clash:  # the config schema grew a section with one of these names
+        raise ValueError(f"run metadata keys {clash} collide with config keys")
+    params.update(extra)
+    for lg in loggers:
+        lg.log_hyperparams(params)
+    return params

@@ -22,7 +22,8 @@ Each training step receives a contrast batch and a pretraining-mixture batch
   step also logs the hard-rank Spearman ρ of ``s0``/``si`` and the mean |soft − hard rank|.
 * otherwise -- **standard update**: the token-weighted CE of the mixture batch's gold
   targets (each task through its ``score_*`` method with one candidate; think-then-draw
-  ``reason`` rows through ``score_text(None, prompt, [trace])``).
+  ``reason`` rows through ``score_text(None, prompt, [trace])``, their ``reason_t2i`` rows through
+  ``score_image([prompt], image, contexts=[trace])`` after ``fit_context``).
 
 Bad input: contrast samples with no contrast candidate are skipped and counted
 (``train/skipped_no_contrast``); a batch left empty falls back to a standard update. A
@@ -54,7 +55,7 @@ EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococ
 
 #: Mixture tasks scored by one encoder/decoder call per standard step: caption and VQA rows are
 #: both "image + prompt -> text" (the caption prompt is the model's own), so they share one call.
-SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",))
+SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",), ("reason_t2i",))
 if sorted(t for g in SCORING_GROUPS for t in g) != sorted(MIXTURE_TASKS):  # pragma: no cover
     raise ImportError(f"SCORING_GROUPS {SCORING_GROUPS} must cover the mixture tasks {MIXTURE_TASKS}")
 
@@ -138,6 +139,12 @@ class ConsistencyModule(L.LightningModule):
     def _task_rng(self, sample_key: Any) -> random.Random:
         return random.Random(f"{self.cfg.seed}:{self.global_step}:{sample_key}")
 
+    def _t2i_prompt(self, prompt: str, row_id: str) -> str:
+        """``prompt``, or "" for a ``data.t2i_prompt_dropout`` fraction of (row, step) draws (the
+        unconditional model of classifier-free guidance; reproducible under resume)."""
+        p = self.cfg.data.t2i_prompt_dropout
+        return "" if p > 0 and self._task_rng(f"t2i-dropout:{row_id}").random() < p else prompt
+
     def consistency_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """``λ·L_const + L_ce`` of a contrast batch (keys ``loss``, ``loss_ce``, ``loss_const``)."""
         loss_cfg = self.cfg.loss
@@ -210,8 +217,12 @@ class ConsistencyModule(L.LightningModule):
                 sc = self.model.score_text(None, texts, [[t] for t in targets])
             elif group[0] == "grounding":
                 sc = self.model.score_boxes(imgs, [[t] for t in texts], targets)
+            elif group[0] == "reason_t2i":  # [P, R] -> image, R cut from the left to fit (UReason setting 2)
+                contexts, _ = self.model.fit_context(texts, [batch["contexts"][b] for b in rows])
+                sc = self.model.score_image([[t] for t in texts], imgs, contexts=contexts)
             else:
-                sc = self.model.score_image([[t] for t in texts], imgs)
+                prompts = [[self._t2i_prompt(t, batch["ids"][b])] for t, b in zip(texts, rows)]
+                sc = self.model.score_image(prompts, imgs)
             sc = self._count(sc)
             sums.append(sc.sum_nll[:, 0])
             tokens.append(sc.num_tokens[:, 0])

@@ -14,8 +14,11 @@
 4. ``Trainer.fit`` with the strategy of ``trainer.strategy`` (``auto``, ``ddp``, ``fsdp``,
    ``deepspeed_zero2[_offload]``, ``deepspeed_zero3[_offload]`` -- the DeepSpeed ones read
    ``configs/strategy/<name>.json``), ModelCheckpoint in the run directory, a rich progress bar,
-   the loggers of ``unicon.training.loggers.make_loggers`` and the enabled epoch-end evaluations;
-   ``resume=<ckpt>`` restores optimizer, scheduler, step, the γ generator and the data order;
+   the loggers of ``unicon.training.loggers.make_loggers`` (the W&B run id kept in
+   ``<run_dir>/wandb_run_id``; the flattened config, git commit, package versions and weights
+   fingerprint as the W&B config) and the enabled epoch-end evaluations;
+   ``resume=<ckpt>`` restores optimizer, scheduler, step, the γ generator and the data order, and
+   continues the same W&B run;
 5. export the final model with ``save_pretrained`` to ``<run_dir>/export`` (LoRA merged).
 
 ``unicon train resume=CKPT [overrides]`` (:func:`compose_run`) is the same run: its config is the
@@ -318,7 +321,7 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str,
 
     from unicon.training.checkpoints import export_model
     from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.training.loggers import LogFilesCallback, make_loggers, wandb_run_dir
+    from unicon.training.loggers import LogFilesCallback, log_run_config, make_loggers, wandb_run_dir
     from unicon.training.module import ConsistencyModule
 
     tcfg = cfg.trainer
@@ -331,7 +334,8 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str,
     (run_dir / "config.yaml").write_text(to_yaml(cfg))  # after the checks: a refused run leaves no files
     module = ConsistencyModule(model, cfg)
     datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0)
-    loggers = make_loggers(cfg, run_dir)
+    loggers = make_loggers(cfg, run_dir, persist_run_id=True)  # resume / requeue: the same W&B run
+    log_run_config(loggers, cfg, model)  # flattened config, git commit, versions, weights fingerprint
 
     checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
                                  every_n_train_steps=tcfg.checkpoint_every_n_steps)

@@ -54,10 +54,12 @@ def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
 @torch.no_grad()
 def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", limit: int | None = 200,
                            batch_size: int = 32, tasks: Sequence[str] = TASKS,
-                           examples: list | None = None, num_examples: int = 0) -> dict[str, float]:
+                           examples: list | None = None, num_examples: int = 0,
+                           image_config=None) -> dict[str, float]:
     """The four ShapesWorld task accuracies (see the module docstring) of ``model``. With
     ``examples`` (a list) and ``num_examples``, the first ``num_examples`` predictions of each task
-    are appended to it as dicts (task, input image or prompt, prediction, target, correct)."""
+    are appended to it as dicts (task, input image or prompt, prediction, target, correct).
+    ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
     from unicon.worlds.shapes import NotAShapesWorldImage, Scene, caption_matches, load_world, parse
 
     root = Path(world_root)
@@ -99,7 +101,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                     ious.append(iou)
                     hits[task].append(float(iou >= 0.5))
             elif task == "t2i":
-                preds = model.generate_image([r["text"] for r in chunk])
+                preds = model.generate_image([r["text"] for r in chunk], config=image_config)
                 for im, r in zip(preds, chunk):
                     try:
                         ok = bool(caption_matches(r["text"], parse(im, world.config)))

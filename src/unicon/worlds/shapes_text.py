@@ -305,6 +305,11 @@ def mentions_kind(text: str, kinds: Sequence[tuple[str, str]]) -> bool:
     return any(re.search(rf"\b{c} (?:{s}|{plural(s)})\b", text) for c, s in kinds)
 
 
+def mentions_concept(text: str, concept: str) -> bool:
+    """Does ``text`` name ``concept`` (a colour, or a shape in the singular or plural) as a word?"""
+    return re.search(rf"\b(?:{re.escape(concept)}|{re.escape(plural(concept))})\b", text) is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # Referring expressions
 # ---------------------------------------------------------------------------------------------
@@ -508,17 +513,22 @@ def make_contrast_sample(
     max_contrast: int = 5,
     forbidden: Sequence[tuple[str, str]] = (),
     boxes: Sequence[Sequence[int]] | None = None,
+    concept: str | None = None,
 ) -> dict[str, Any] | None:
     """One CocoCon-schema sample (without ids) for ``category``, or None if not constructible.
 
     ``forbidden`` compositions never appear in any caption (held-out compositions in training).
     ``boxes[i]`` is the pixel box of ``scene.objects[i]``; with it, attribute/object samples get
     ``detection``/``boxes``/``mutex_detection`` (the referring expression carries the concept).
+    ``concept`` (a colour for attribute, a shape for object samples): the sample is about an
+    object with that colour/shape when the scene has a usable one (its gold answer is the concept).
     """
     forbidden = set(map(tuple, forbidden))
     if category in ("attribute", "object"):
         key = "shape" if category == "attribute" else "color"
         targets = [o for o in scene.objects if scene.count(**{key: getattr(o, key)}) == 1]
+        about = [o for o in targets if (o.color if category == "attribute" else o.shape) == concept]
+        targets = about or targets
         if not targets:
             return None
         t = targets[rng.integers(len(targets))]
@@ -650,6 +660,26 @@ def pattern_matches(pattern: dict[str, Any], scene: Scene) -> bool:
                    for x in scene.find(a["color"], a["shape"]) for y in scene.find(b["color"], b["shape"]) if x is not y):
             return False
     return True
+
+
+def realize_pattern(pattern: dict[str, Any], cfg: WorldConfig, rng: np.random.Generator, tries: int = 2000) -> Scene:
+    """A scene that satisfies ``pattern`` (:func:`pattern_matches`): objects with ``row``/``col`` in
+    their cell, the others in random free cells, redrawn until every relation holds. Used to render
+    the image of a think-then-draw training row ([P, R] -> image)."""
+    objs = pattern["objects"]
+    fixed = {(o["row"], o["col"]) for o in objs if "row" in o}
+    free = [c for c in range(cfg.grid * cfg.grid) if divmod(c, cfg.grid) not in fixed]
+    loose = [o for o in objs if "row" not in o]
+    if len(loose) > len(free):
+        raise ValueError(f"pattern with {len(objs)} objects does not fit a {cfg.grid}x{cfg.grid} grid")
+    placed = [ShapeObject(o["shape"], o["color"], o["row"], o["col"]) for o in objs if "row" in o]
+    for _ in range(tries):
+        cells = rng.choice(free, size=len(loose), replace=False) if loose else []
+        scene = Scene(tuple(placed + [ShapeObject(o["shape"], o["color"], int(c) // cfg.grid, int(c) % cfg.grid)
+                                      for o, c in zip(loose, cells)]))
+        if pattern_matches(pattern, scene):
+            return scene
+    raise ValueError(f"no scene satisfying pattern {pattern!r} found in {tries} draws")
 
 
 def pattern_english(pattern: dict[str, Any]) -> str:

@@ -419,13 +419,16 @@ class _RelPosTables(nn.Module):
         self.register_buffer("token_rp_bucket", token_bucket, persistent=False)
         self.register_buffer("image_rp_bucket", image_bucket, persistent=False)
 
+    def _position_heads(self, linear: nn.Linear, pos: torch.Tensor) -> torch.Tensor:
+        """``linear(pos)`` split into heads: ``[B, N, d]`` -> ``[B, H, N, d / H]``."""
+        head_dim = linear.out_features // self.num_heads
+        return linear(pos).view(pos.shape[0], pos.shape[1], self.num_heads, head_dim).transpose(1, 2)
+
     def _project(self, q_linear: nn.Linear, k_linear: nn.Linear, q_pos: torch.Tensor,
                  k_pos: torch.Tensor) -> torch.Tensor:
         """Absolute position bias ``[B, H, Tq, Tk]`` = (q_linear(q_pos)·scale) · k_linear(k_pos)ᵀ."""
-        B = q_pos.shape[0]
-        q = q_linear(q_pos).view(B, q_pos.shape[1], self.num_heads, -1).transpose(1, 2) * self.pos_scaling
-        k = k_linear(k_pos).view(B, k_pos.shape[1], self.num_heads, -1).transpose(1, 2)
-        return q @ k.transpose(2, 3)
+        q = self._position_heads(q_linear, q_pos) * self.pos_scaling
+        return q @ self._position_heads(k_linear, k_pos).transpose(2, 3)
 
     def token_rel_bias(self, idx: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """``[H, len(rows), len(cols)]`` text rel-pos bias of layer ``idx``."""
@@ -585,6 +588,45 @@ class OFADecoder(_RelPosTables):
         shape = (-1,) + (1,) * (img.ndim - 1)
         return torch.where(code.view(shape), img, txt)
 
+    def _positions(self, pos: torch.Tensor, code: torch.Tensor | None,
+                   batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absolute embeddings ``[batch, len(pos), d]`` of decoder positions ``pos``: the one added to
+        the tokens (image-grid cells for rows in code mode, text positions otherwise) and its layer
+        norm, from which the self/cross-attention position biases are projected."""
+        n = pos.numel()
+        token_pos = self.embed_positions(pos).expand(batch, n, -1)
+        tgt_pos = self._per_sample(
+            code, lambda: self.embed_image_positions(self.image_position_idx[pos]).expand(batch, n, -1),
+            lambda: token_pos,
+        )
+        ln_pos = self._per_sample(code, lambda: self.image_pos_ln(tgt_pos), lambda: self.pos_ln(tgt_pos))
+        return tgt_pos, ln_pos
+
+    def _self_position_keys(self, cache: EncoderDecoderCache, past: int, new_ln_pos: torch.Tensor,
+                            code: torch.Tensor | None) -> torch.Tensor:
+        """Self-attention position keys ``self_pos_k_linear(ln_pos)`` of positions ``[0, past + T)``,
+        ``[1, H, past + T, d / H]``, for a batch whose rows are all in code mode or all in text mode
+        (the keys are then the same for every row).
+
+        A key depends on its position and the mode only, never on tokens, so the keys of the
+        cached positions are kept beside the self-attention cache (attribute
+        ``_ofa_position_keys``) and only the ``T`` new ones (``new_ln_pos``, ``[1, T, d]``) are
+        projected: without this, every incremental step would re-embed and re-project all
+        ``past + T`` positions, O(length · d²) per step, quadratic over a 1,024-code image. A cache
+        that holds no keys for its positions (filled elsewhere, or in the other mode) gets them
+        projected here; one cropped shorter keeps a prefix of its keys (they stay valid)."""
+        store = cache.self_attention_cache
+        code_mode = code is not None and bool(code.any())
+        held = getattr(store, "_ofa_position_keys", None)
+        if held is not None and held[0] == code_mode and held[1].shape[2] >= past:
+            old = held[1][:, :, :past]
+        else:
+            _, ln_past = self._positions(torch.arange(past, device=new_ln_pos.device), code, 1)
+            old = self._position_heads(self.self_pos_k_linear, ln_past)
+        keys = torch.cat([old, self._position_heads(self.self_pos_k_linear, new_ln_pos)], dim=2)
+        store._ofa_position_keys = (code_mode, keys)
+        return keys
+
     def forward(self, input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_padding_mask: torch.Tensor, encoder_position_embedding: torch.Tensor,
                 code_masks: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -605,19 +647,25 @@ class OFADecoder(_RelPosTables):
         all_pos = torch.arange(total, device=device)
         new_pos = all_pos[past:]
 
-        token_pos = self.embed_positions(all_pos).expand(B, total, -1)
-        tgt_pos = self._per_sample(
-            code, lambda: self.embed_image_positions(self.image_position_idx[all_pos]).expand(B, total, -1),
-            lambda: token_pos,
-        )
-        ln_pos = self._per_sample(code, lambda: self.image_pos_ln(tgt_pos), lambda: self.pos_ln(tgt_pos))
-        self_abs = self._project(self.self_pos_q_linear, self.self_pos_k_linear, ln_pos[:, past:], ln_pos)
-        cross_bias = self._project(self.cross_pos_q_linear, self.cross_pos_k_linear, ln_pos[:, past:],
+        # Incremental decoding of a batch in one mode embeds only the new positions and takes the
+        # position keys of the cached ones from the cache (_self_position_keys); otherwise every
+        # position is embedded and projected, as in the reference.
+        one_mode = code is None or bool(code.all()) or not bool(code.any())
+        incremental = past_key_values is not None and one_mode
+        tgt_pos, ln_pos = self._positions(new_pos if incremental else all_pos, code, B)
+        new = ln_pos.shape[1] - T  # index of the first new position in tgt_pos / ln_pos
+        q_pos = ln_pos[:, new:]
+        if incremental:
+            q = self._position_heads(self.self_pos_q_linear, q_pos) * self.pos_scaling
+            self_abs = q @ self._self_position_keys(past_key_values, past, q_pos[:1], code).transpose(2, 3)
+        else:
+            self_abs = self._project(self.self_pos_q_linear, self.self_pos_k_linear, q_pos, ln_pos)
+        cross_bias = self._project(self.cross_pos_q_linear, self.cross_pos_k_linear, q_pos,
                                    encoder_position_embedding)
         cross_bias = cross_bias + _additive_mask(encoder_padding_mask, cross_bias.dtype)
 
         # positions are always added in the decoder (reference quirk)
-        x = self.embed_scale * self.embed_tokens(input_ids) + tgt_pos[:, past:]
+        x = self.embed_scale * self.embed_tokens(input_ids) + tgt_pos[:, new:]
         if self.layernorm_embedding is not None:
             if self.code_layernorm_embedding is not None:
                 x = self._per_sample(

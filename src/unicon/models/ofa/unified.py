@@ -32,7 +32,10 @@ checkpoints), reason (greedy, text-only source) and locate (4 tokens constrained
 transformers' ``generate`` on ``OFAModel`` (KV cache, the encoder runs once, ``suppress_tokens``
 for the constrained vocabularies). ``generate_image`` (h*w tokens constrained to the codes,
 greedy/sampling/classifier-free guidance) is a short loop over ``OFAModel.decode`` because CFG
-mixes the logits of two prompts at every step.
+mixes the logits of two prompts at every step: the conditional and unconditional prompts are one
+batch (one encoder call, one decoder KV cache), each step feeds only the newest code, and
+transformers' logits processors (a CFG mix, temperature, top-k, top-p) shape the code-block logits
+on the model's device (:meth:`OFAUnifiedModel._generate_image_codes`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ from typing import Any, Sequence
 
 import torch
 from PIL import Image
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from unicon.models.base import (
     Box,
@@ -116,6 +127,46 @@ def build_image_tokenizer(spec: dict[str, Any] | None) -> ImageTokenizer | None:
 
         return VQGANTokenizer.from_pretrained(spec["path"])
     raise ValueError(f"unknown image tokenizer type {kind!r} (expected 'shapes' or 'vqgan')")
+
+
+class ClassifierFreeGuidance(LogitsProcessor):
+    """Classifier-free guidance over a doubled batch: ``l_u + s · (l_c − l_u)``.
+
+    ``scores`` has ``2B`` rows, the ``B`` conditional rows first and their ``B`` unconditional
+    partners after them; the result has ``B`` rows. transformers'
+    ``ClassifierFreeGuidanceLogitsProcessor`` computes the same expression but refuses ``s <= 1``
+    (this model accepts any ``s != 1``; ``s = 0`` samples the unconditional model), and
+    ``UnbatchedClassifierFreeGuidanceLogitsProcessor`` runs a decoder-only model itself for the
+    unconditional branch, which cannot pass OFA's encoder states or code mode.
+    """
+
+    def __init__(self, guidance_scale: float):
+        self.guidance_scale = float(guidance_scale)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] % 2:
+            raise ValueError("classifier-free guidance needs conditional + unconditional rows, "
+                             f"got {scores.shape[0]}")
+        cond, uncond = scores.chunk(2)
+        return uncond + self.guidance_scale * (cond - uncond)
+
+
+def image_code_processors(cfg: ImageGenerationConfig) -> LogitsProcessorList:
+    """What turns one step's code-block logits into the scores that are sampled or argmaxed:
+    the CFG mix (``guidance_scale != 1``), then, when sampling, temperature, top-k and top-p
+    (transformers' warpers, in the order ``generate`` applies them). Greedy decoding ignores the
+    sampling options, as ``generate`` does."""
+    procs: list[LogitsProcessor] = []
+    if cfg.guidance_scale != 1.0:
+        procs.append(ClassifierFreeGuidance(cfg.guidance_scale))
+    if cfg.do_sample:
+        if cfg.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(float(cfg.temperature)))  # refuses temperature <= 0
+        if cfg.top_k > 0:
+            procs.append(TopKLogitsWarper(int(cfg.top_k)))
+        if cfg.top_p < 1.0:
+            procs.append(TopPLogitsWarper(float(cfg.top_p)))
+    return LogitsProcessorList(procs)
 
 
 class OFAUnifiedModel(UnifiedModel):
@@ -212,13 +263,15 @@ class OFAUnifiedModel(UnifiedModel):
             patch_masks = torch.ones(patch_images.shape[0], dtype=torch.bool, device=patch_images.device)
         return self.ofa.encode(input_ids=input_ids, patch_images=patch_images, patch_masks=patch_masks)
 
-    def decode(self, decoder_input_ids: torch.Tensor, encoder_out, code_mode: bool = False) -> torch.Tensor:
-        """Decoder logits ``[N, T, V]`` for ``decoder_input_ids`` against ``encoder_out``."""
+    def decode(self, decoder_input_ids: torch.Tensor, encoder_out, code_mode: bool = False,
+               past_key_values: EncoderDecoderCache | None = None) -> torch.Tensor:
+        """Decoder logits ``[N, T, V]`` for ``decoder_input_ids`` against ``encoder_out``; with
+        ``past_key_values`` the ids are the positions after the cached ones, and the cache grows."""
         code_masks = None
         if code_mode:
             code_masks = torch.ones(decoder_input_ids.shape[0], dtype=torch.bool, device=decoder_input_ids.device)
         return self.ofa.decode(decoder_input_ids=decoder_input_ids, encoder_outputs=encoder_out,
-                               code_masks=code_masks)
+                               code_masks=code_masks, past_key_values=past_key_values)
 
     @staticmethod
     def select(encoder_out, index: torch.Tensor):
@@ -311,14 +364,20 @@ class OFAUnifiedModel(UnifiedModel):
             codes = self.image_tokenizer.encode(images)
         return codes.flatten(1)
 
-    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch) -> Scores:
+    def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch,
+                    contexts: Sequence[str] | None = None) -> Scores:
         B = len(prompts)
         if len(images) != B:
             raise ValueError(f"got {B} prompt lists but {len(images)} images")
+        if contexts is not None and len(contexts) != B:
+            raise ValueError(f"got {B} prompt lists but {len(contexts)} contexts")
         check_candidates(prompts, "prompts")
         counts = [len(p) for p in prompts]
         codes = self.image_codes(images)
-        texts = [self.settings.t2i_prompt.format(p) for ps in prompts for p in ps]
+        if contexts is None:
+            texts = [self.settings.t2i_prompt.format(p) for ps in prompts for p in ps]
+        else:
+            texts = [self._t2i_text(p, contexts[b]) for b, ps in enumerate(prompts) for p in ps]
         enc = self.encode(self._source_ids(texts))
         targets = []
         for b in range(B):
@@ -411,39 +470,80 @@ class OFAUnifiedModel(UnifiedModel):
     def generate_image(self, prompts: Sequence[str], context: Sequence[str] | None = None,
                        config: ImageGenerationConfig | None = None) -> list[Image.Image]:
         """Code-by-code decoding (greedy, or sampling with temperature/top-k/top-p), with
-        classifier-free guidance ``l_u + s (l_c - l_u)`` against the empty prompt when s != 1."""
+        classifier-free guidance ``l_u + s (l_c - l_u)`` against the empty prompt when s != 1.
+        The decoder keeps a KV cache (see :meth:`_generate_image_codes`)."""
         if self.image_tokenizer is None:
             raise ValueError("this OFA model has no image tokenizer; text-to-image is unavailable")
         cfg = config or self.image_generation_config
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(context)} contexts")
         texts = [self._t2i_text(p, None if context is None else context[i]) for i, p in enumerate(prompts)]
+        h, w = self.image_tokenizer.grid_size
+        codes, _ = self._generate_image_codes(texts, cfg, h * w, self.image_tokenizer.codebook_size)
+        return self.image_tokenizer.decode_to_pil(codes.view(len(texts), h, w).cpu())
+
+    @torch.no_grad()
+    def _generate_image_codes(self, texts: Sequence[str], cfg: ImageGenerationConfig, num_steps: int,
+                              codebook_size: int, use_cache: bool = True,
+                              keep_logits: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The first ``num_steps`` image codes (row-major over the code grid) for the t2i source
+        ``texts``: ``[B, num_steps]`` indices in ``[0, codebook_size)``, and, with ``keep_logits``,
+        each step's raw code-block logits ``[R, codebook_size]`` (``R = 2B`` with guidance: the
+        conditional rows, then the unconditional ones; before any logits processor).
+
+        With guidance the unconditional source (the t2i template around an empty caption) is
+        appended to the batch: the ``2B`` rows share one encoder call and one decoder pass per step.
+
+        ``use_cache=True`` (what :meth:`generate_image` runs): the encoder runs once; the decoder
+        runs once per code on the newest token only, against an ``EncoderDecoderCache`` holding,
+        per layer, the self-attention keys/values of the tokens decoded so far and the
+        cross-attention keys/values of the encoder states (computed at the first step), and, for
+        the whole decoder, the projected keys of its absolute position bias for the positions
+        decoded so far (modeling_ofa ``_self_position_keys``), so that a step costs the same at
+        the end of the grid as at its start, up to attention over a longer cache. The result
+        equals the full recompute (``use_cache=False``: the whole prefix through the decoder at
+        every step) up to float rounding because nothing a cached entry depends on changes later:
+        the decoder is causal (the states at position ``t`` depend only on tokens ``<= t``), and in
+        code mode every position-dependent term is a function of the absolute position ``t``
+        alone, which the decoder derives from the cache length: the absolute position embedding
+        of image-grid cell ``t`` added to the token embedding, the absolute self/cross position
+        bias of query ``t`` and the relative image bias between ``t`` and each cached position.
+
+        Both paths consume the sampling generator identically (one draw per step), so the same
+        seed gives the same codes; ``tests/test_ofa_generation.py`` checks codes and per-step
+        logits. Logits, processors and sampling stay on the model's device (the generator lives
+        there too; without ``cfg.seed`` it starts from torch's fixed default seed, so unseeded
+        generation is reproducible as well). Codes are restricted to the first ``codebook_size``
+        image codes by slicing the logits before any processor, as OFA's ``constraint_range``.
+        """
         B = len(texts)
         guided = cfg.guidance_scale != 1.0
-        if guided:
-            texts = texts + [self.settings.t2i_prompt.format("")] * B
-        enc = self.encode(self._source_ids(texts))
-        gen = torch.Generator(device="cpu")
+        rows = list(texts) + ([self.settings.t2i_prompt.format("")] * B if guided else [])
+        processors = image_code_processors(cfg)
+        gen = torch.Generator(device=self.device)
         if cfg.seed is not None:
             gen.manual_seed(cfg.seed)
-        h, w = self.image_tokenizer.grid_size
-        lo, n = self.tokenizer.code_offset, self.image_tokenizer.codebook_size
-        seqs = torch.full((len(texts), 1), BOS_ID, dtype=torch.long, device=self.device)
-        for _ in range(h * w):
-            logits = self.decode(seqs, enc, code_mode=True)[:, -1, lo: lo + n].float()
-            if guided:
-                cond, uncond = logits[:B], logits[B:]
-                logits = uncond + cfg.guidance_scale * (cond - uncond)
-            if cfg.do_sample:
-                code = self._sample(logits, cfg, gen)
+        lo = self.tokenizer.code_offset
+        enc = self.encode(self._source_ids(rows))
+        seqs = torch.full((len(rows), 1), BOS_ID, dtype=torch.long, device=self.device)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache()) if use_cache else None
+        kept: list[torch.Tensor] = []
+        for _ in range(num_steps):
+            if use_cache:
+                logits = self.decode(seqs[:, -1:], enc, code_mode=True, past_key_values=cache)
             else:
-                code = logits.argmax(-1)
-            code = code + lo
-            if guided:
-                code = torch.cat([code, code])
+                logits = self.decode(seqs, enc, code_mode=True)
+            logits = logits[:, -1, lo: lo + codebook_size].float()
+            if keep_logits:
+                kept.append(logits)
+            scores = processors(seqs[:B], logits)
+            if cfg.do_sample:
+                code = torch.multinomial(scores.softmax(-1), 1, generator=gen).squeeze(1)
+            else:
+                code = scores.argmax(-1)
+            code = (code.repeat(2) if guided else code) + lo  # both halves continue with the guided code
             seqs = torch.cat([seqs, code.unsqueeze(1)], dim=1)
-        codes = (seqs[:B, 1:] - lo).view(B, h, w)
-        return self.image_tokenizer.decode_to_pil(codes.cpu())
+        return seqs[:B, 1:] - lo, kept
 
     def _t2i_text(self, prompt: str, context: str | None = None) -> str:
         """T2I source text: the prompt, then the context (UReason's [P, R]), in the t2i template."""
@@ -466,20 +566,6 @@ class OFAUnifiedModel(UnifiedModel):
             kept.append(" ".join(words[n:]))
             cut.append(n)
         return kept, cut
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, cfg: ImageGenerationConfig, gen: torch.Generator) -> torch.Tensor:
-        logits = logits / max(cfg.temperature, 1e-6)
-        if cfg.top_k > 0:
-            kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if cfg.top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) > cfg.top_p  # keep the token that crosses top_p
-            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        probs = logits.softmax(-1).cpu()
-        return torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
 
     @torch.no_grad()
     def reason(self, prompts: Sequence[str], max_new_tokens: int = 256) -> list[TextGeneration]:
