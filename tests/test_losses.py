@@ -176,3 +176,31 @@ def test_dispatch_and_bad_input():
         spearman_rank_loss(s, torch.randn(2, 4))
     with pytest.raises(ValueError, match="prefix mask"):
         spearman_rank_loss(s, s, torch.tensor([[True, False, True], [True, True, True]]))
+
+
+@pytest.mark.parametrize("loss_type", ["spearman", "hinge"])
+def test_toward_gold_moves_only_the_task_that_misranks_the_gold(loss_type):
+    """loss.direction=toward_gold: where exactly one task ranks the gold (column 0) first, only the
+    other task gets a gradient; where both or neither do, both do (as with mutual). Same value."""
+    # near-ties inside each row keep the soft ranks off the hard ones (a hard rank has no gradient)
+    s0 = torch.tensor([[0.0, 0.1, 0.2, 3.0],    # A: s0 ranks gold first, si does not -> only si moves
+                       [0.2, 0.1, 0.0, 3.0],    # B: the reverse -> only s0 moves
+                       [0.1, 0.0, 0.2, 3.0],    # C: neither ranks gold first -> both move
+                       [0.0, 0.2, 0.1, 3.0]])   # D: both rank gold first, orders differ -> both move
+    si = torch.tensor([[0.2, 0.1, 0.0, 3.0],
+                       [0.0, 0.1, 0.2, 3.0],
+                       [0.2, 0.1, 0.0, 3.0],
+                       [0.0, 0.1, 0.2, 3.0]])
+    grads, values = {}, {}
+    for direction in ("mutual", "toward_gold"):
+        a, b = s0.clone().requires_grad_(), si.clone().requires_grad_()
+        loss = consistency_loss(loss_type, a, b, direction=direction)
+        loss.backward()
+        grads[direction], values[direction] = (a.grad.abs().sum(1), b.grad.abs().sum(1)), loss.item()
+    assert values["mutual"] == values["toward_gold"]
+    g0, gi = grads["toward_gold"]
+    assert g0[0] == 0 and gi[0] > 0 and g0[1] > 0 and gi[1] == 0
+    assert (g0[2:] > 0).all() and (gi[2:] > 0).all()
+    assert all((g > 0).all() for g in grads["mutual"])
+    with pytest.raises(ValueError, match="loss.direction"):
+        consistency_loss(loss_type, s0, si, direction="sideways")

@@ -195,15 +195,17 @@ def make_world(root: Path, n_contrast: int = 4, n_mixture: int = 8, empty_contra
                 ann.update(detection=f"{color} square", boxes=[[4, 4, 8, 8]])
             annotations.append(ann)
         if i < n_mixture:
-            task = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")[i % 6]
-            think, trace = f"paint the square {color}, then draw it.", f"the square becomes {color}.\nrefined prompt: a {color} square"
+            task = ("caption", "vqa", "grounding", "t2i", "reason")[i % 5]
             text = {"caption": None, "vqa": "what color is the square?", "grounding": f"{color} square",
-                    "t2i": f"a {color} square", "reason": think, "reason_t2i": think}[task]
+                    "t2i": f"a {color} square", "reason": f"paint the square {color}, then draw it."}[task]
             target = {"caption": f"a {color} square", "vqa": color, "grounding": [4, 4, 8, 8], "t2i": None,
-                      "reason": trace, "reason_t2i": None}[task]
+                      "reason": f"the square becomes {color}.\nrefined prompt: a {color} square"}[task]
             mixture.append({"id": f"m{i}", "scene_id": i, "image": None if task == "reason" else name,
-                            "task": task, "text": text, "target": target, "qtype": None, "scene": {},
-                            **({"context": trace} if task == "reason_t2i" else {})})
+                            "task": task, "text": text, "target": target, "qtype": None, "scene": {}})
+    # one think-then-draw item drawn from [P, R] (trained only when data.tasks lists reason_t2i)
+    mixture.append({"id": "m-drawn", "scene_id": 0, "image": images[0]["file_name"], "task": "reason_t2i",
+                    "text": "paint the square red, then draw it.", "context": "refined prompt: a red square",
+                    "target": None, "qtype": None, "scene": {}})
     (root / "cococon_train.json").write_text(json.dumps({"annotations": annotations, "images": images}))
     (root / "mixture_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixture))
     return root
@@ -256,6 +258,27 @@ def double(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
+def test_rank_shares_split_the_epoch_order_and_resume_exactly():
+    """Under DDP each rank reads positions rank, rank + W, ... of the epoch order (padded to a multiple
+    of W); a pass resumed mid-epoch skips exactly the examples that rank fetched before."""
+    from torch.utils.data import DistributedSampler
+
+    from unicon.training.datamodule import EpochShuffleSampler, RankShare
+
+    order = EpochShuffleSampler(11, seed=3)
+    order.set_epoch(2)
+    full = list(order)
+    shares = [RankShare(EpochShuffleSampler(11, seed=3), 2, r) for r in range(2)]
+    for share in shares:
+        share.set_epoch(2)
+    got = [list(s) for s in shares]
+    assert got[0] == full[0::2] and got[1] == full[1::2] + full[:1]  # padded with the order's start
+    assert all(len(s) == 6 and isinstance(s, DistributedSampler) for s in shares)  # Lightning keeps it
+    for share, whole in zip(shares, got):
+        share.skip = 4
+        assert list(share) == whole[4:] and list(share) == whole  # the skip applies to one pass
+
+
 def test_collator_pads_ragged_candidates_and_skips_empty(tmp_path):
     root = make_world(tmp_path, n_contrast=4, empty_contrast_ids=(1,))
     dm = ConsistencyDataModule(compose([f"data.root={root}", "data.max_contrast=2"]).data)

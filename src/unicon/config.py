@@ -142,6 +142,9 @@ class LossConfig:
     regularization: str = choice("l2", ("l2", "kl"))  # torchsort soft_rank regularization
     regularization_strength: float = bounded(1.0, 0.0, lo_open=True)
     hinge_margin: float = bounded(0.1, 0.0)
+    # "mutual" (Eq. 3: both tasks move) or "toward_gold" (ours: where only one task ranks the gold
+    # first, only the other one moves; losses/consistency.py)
+    direction: str = choice("mutual", ("mutual", "toward_gold"))
     tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # evaluation tasks t_i
     on_nonfinite: str = choice("stop", ("stop", "skip"))
 

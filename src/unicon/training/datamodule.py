@@ -26,7 +26,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
 from unicon.data.mixture import MixtureDataset, collate_mixture
@@ -78,9 +78,8 @@ class EpochShuffleSampler(Sampler[int]):
     Lightning calls ``set_epoch`` at every epoch start, so a run resumed at an epoch boundary
     sees exactly the order the uninterrupted run would have seen. A run resumed mid-epoch sets
     ``skip`` (see :meth:`ConsistencyDataModule.state_dict`): the next pass starts after the
-    examples already consumed, so it continues the same order. (Under DDP Lightning wraps the
-    sampler in a ``DistributedSamplerWrapper``; the skip then applies to the global order before
-    the split over ranks, which continues the order only approximately.)
+    examples already consumed, so it continues the same order. Under DDP each rank reads its
+    share through :class:`RankShare`, which applies the skip to that share.
     """
 
     def __init__(self, n: int, seed: int = 0):
@@ -148,6 +147,36 @@ class MixtureSampler(EpochShuffleSampler):
         return iter(flat[skip:])
 
 
+class RankShare(DistributedSampler):
+    """Rank ``rank``'s share of a global epoch order: positions ``rank, rank + W, ...`` of the
+    order padded to a multiple of ``W`` ranks (as ``DistributedSampler`` pads), minus the first
+    ``skip`` of them on a pass resumed mid-epoch (each rank has fetched that many already).
+
+    Sharding here rather than through Lightning's ``DistributedSamplerWrapper`` makes a mid-epoch
+    resume exact under DDP: the wrapper would split a global order already shortened by the skip
+    while indexing it at its full length (an ``IndexError`` on the first step after a resume).
+    Being a ``DistributedSampler``, it is not wrapped again by Lightning.
+    """
+
+    def __init__(self, order: EpochShuffleSampler, num_replicas: int, rank: int):
+        super().__init__(range(len(order)), num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.order = order
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.order.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self):
+        order = list(self.order)
+        order += (order * (-(-self.total_size // max(len(order), 1))))[: self.total_size - len(order)]
+        skip, self.skip = self.skip, 0
+        return iter(order[self.rank: self.total_size: self.num_replicas][skip:])
+
+
 class ConsistencyDataModule(L.LightningDataModule):
     """Contrast sets + pretraining mixture for :class:`~unicon.training.module.ConsistencyModule`."""
 
@@ -186,10 +215,14 @@ class ConsistencyDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, batch_size: int, collate, sampler: Sampler | None = None) -> DataLoader:
         workers = int(self.cfg.num_workers)
+        sampler = sampler or EpochShuffleSampler(len(dataset), self.seed)
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:  # each rank its share (exact mid-epoch resume)
+            sampler = RankShare(sampler, trainer.world_size, trainer.global_rank)
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=sampler or EpochShuffleSampler(len(dataset), self.seed),
+            sampler=sampler,
             collate_fn=collate,
             num_workers=workers,
             persistent_workers=workers > 0,
@@ -206,7 +239,7 @@ class ConsistencyDataModule(L.LightningDataModule):
         if self.with_contrast:
             loaders["contrast"] = self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast)
         for loader in loaders.values():  # a run resumed mid-epoch continues the epoch's order
-            if self._resume_batches and isinstance(loader.sampler, EpochShuffleSampler) and len(loader):
+            if self._resume_batches and isinstance(loader.sampler, (EpochShuffleSampler, RankShare)) and len(loader):
                 loader.sampler.skip = (self._resume_batches % len(loader)) * int(loader.batch_size)
         self._resume_batches = 0
         return CombinedLoader(loaders, mode="max_size_cycle")

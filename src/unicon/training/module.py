@@ -189,7 +189,7 @@ class ConsistencyModule(L.LightningModule):
         loss_ce = token_weighted_ce(gold_sum, gold_tokens, self._token_all_reduce())
         reg = dict(regularization=loss_cfg.regularization, regularization_strength=loss_cfg.regularization_strength)
         loss_const = consistency_loss(loss_cfg.type, s0.nll, si, s0.mask, margin=loss_cfg.hinge_margin,
-                                      all_reduce=self._token_all_reduce(), **reg)
+                                      direction=loss_cfg.direction, all_reduce=self._token_all_reduce(), **reg)
         lam = 0.0 if only_gold else loss_cfg.lambda_
         out = {"loss": lam * loss_const + loss_ce, "loss_ce": loss_ce.detach(), "loss_const": loss_const.detach(),
                "num_sequences": torch.tensor(int(s0.mask.sum()) * 2)}

@@ -35,6 +35,9 @@ import inspect
 import json
 import os
 import shutil
+import signal
+import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +122,22 @@ def cli(argv: list[str] | None = None) -> int:
 
 def compose_run(overrides: list[str], announce: bool = True):
     """The config of ``unicon train OVERRIDES``. With ``resume=CKPT`` it is the config stored in
-    CKPT with the other overrides applied on top (each change printed when ``announce``)."""
+    CKPT with the other overrides applied on top (each change printed when ``announce``).
+
+    In a requeued SLURM job (``SLURM_RESTART_COUNT`` > 0) the command line is the one of the first
+    start, so it says nothing about where the run got to: the run resumes from the newest
+    checkpoint of its run folder (:func:`requeue_checkpoint`), exactly as with ``resume=``."""
+    restarts = slurm_restart_count()
+    if restarts:
+        ckpt = requeue_checkpoint(overrides)
+        if ckpt is not None:
+            if announce:
+                print(f"SLURM job {os.environ.get('SLURM_JOB_ID', '?')} restarted ({restarts}x): resuming from {ckpt}")
+            overrides = [o for o in overrides if not o.startswith("resume=")] + [f"resume={ckpt}"]
+    return _compose(overrides, announce)
+
+
+def _compose(overrides: list[str], announce: bool):
     from unicon.models import read_training_checkpoint
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
@@ -137,6 +155,155 @@ def compose_run(overrides: list[str], announce: bool = True):
         for change in changes:
             print(f"resume: command line changes {change}")
     return cfg
+
+
+# ---- SLURM preemption and requeue ---------------------------------------------------------------
+HPC_PREFIX = "hpc_ckpt_"  # Lightning's name for requeue checkpoints (``ckpt_path="hpc"`` finds them)
+
+
+def slurm_restart_count() -> int:
+    """How often SLURM has requeued this job (``SLURM_RESTART_COUNT``, set in the batch script's and
+    the job steps' environment from the first requeue on); 0 outside SLURM and on the first start."""
+    try:
+        return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
+
+
+def requeue_checkpoint(overrides: list[str]) -> Path | None:
+    """The checkpoint a requeued run continues from: of ``<run_dir>/hpc_ckpt_*.ckpt`` (written at
+    SIGUSR1), ``<run_dir>/last.ckpt`` (periodic; the only one after a requeue without warning, e.g.
+    a node failure) and an explicit ``resume=`` of the command line, the one with the highest
+    ``global_step``. None when there is none (the job was requeued before its first checkpoint).
+    Unreadable candidates (a save cut by a kill) are skipped with a message."""
+    from unicon.models import read_training_checkpoint
+
+    cfg = _compose(overrides, announce=False)  # with resume=: the run folder of the stored config
+    run_dir = _run_dir(cfg)
+    candidates = sorted(run_dir.glob(f"{HPC_PREFIX}*.ckpt")) + [run_dir / "last.ckpt"]
+    if cfg.resume:
+        candidates.append(Path(cfg.resume))
+    best, best_step = None, -1
+    for path in candidates:
+        if not path.is_file():
+            continue
+        try:
+            step = int(read_training_checkpoint(path, allow_pickle=bool(cfg.model.allow_pickle), mmap=True)
+                       .get("global_step", -1))
+        except UserError as e:
+            print(f"SLURM restart: skipping {path}: {e}")
+            continue
+        if step > best_step:  # ties: the earlier candidate (hpc, then last, then resume=): same state
+            best, best_step = path, step
+    return best
+
+
+def next_hpc_checkpoint(run_dir: Path) -> Path:
+    numbers = [int(p.stem[len(HPC_PREFIX):]) for p in run_dir.glob(f"{HPC_PREFIX}*.ckpt")
+               if p.stem[len(HPC_PREFIX):].isdigit()]
+    return run_dir / f"{HPC_PREFIX}{max(numbers, default=0) + 1}.ckpt"
+
+
+class SlurmRequeue:
+    """Checkpoint-and-requeue on SLURM's warning signal (``#SBATCH --signal=SIGUSR1@90``).
+
+    Lightning's own handler (``SLURMEnvironment(auto_requeue=True)``) saves the checkpoint inside
+    the signal handler, i.e. wherever the main thread is when the signal lands: ranks then enter
+    the checkpoint's barriers at different points of their step (against DDP's gradient
+    all-reduce: a hang or a mismatched collective), and a checkpoint taken between fetching a batch
+    and finishing it resumes with the data position and γ generator of a half-done step. Here the
+    handler only sets a flag, and the step boundary does the work:
+
+    * ``on_train_batch_end`` (where ``ModelCheckpoint`` saves, a tested exact-resume point): the
+      ranks agree whether any of them got the signal (one-element all-reduce per step) and all save
+      ``<run_dir>/hpc_ckpt_<n>.ckpt`` at the same step;
+    * the next hook (``on_train_batch_start``, ``on_train_epoch_end``) comes after Lightning wrote
+      that step's metrics row, which the checkpoint's log offsets then keep: it raises
+      :class:`~unicon.evaluation.preemption.Preempted`, so the run stops without an export;
+    * :meth:`requeue`, called by :func:`train` once the Trainer has torn down (loggers flushed, the
+      W&B run closed), runs ``scontrol requeue`` on global rank 0. SLURM then kills the job's
+      processes, which have nothing left to write, and starts the job again; :func:`compose_run`
+      resumes it from the newest checkpoint, continuing ``metrics.jsonl`` and the W&B run.
+
+    A signal during an epoch-end evaluation also reaches :mod:`unicon.evaluation.preemption`, whose
+    callback writes ``last.ckpt`` and raises ``Preempted``; :meth:`requeue` requeues that as well.
+    """
+
+    signum = signal.SIGUSR1
+
+    def __init__(self, run_dir: Path):
+        from lightning.pytorch.callbacks import Callback
+
+        self.run_dir = Path(run_dir)
+        self.signalled = False
+        self.checkpoint: Path | None = None
+        self._previous = None
+        outer = self
+
+        class _Hooks(Callback):  # the Lightning callback; SlurmRequeue itself also owns the handler
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                outer._on_step_end(trainer)
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                outer._stop_if_saved()
+
+            def on_train_epoch_end(self, trainer, pl_module):
+                outer._stop_if_saved()
+
+        self.callback = _Hooks()
+
+    def install(self) -> None:
+        """SIGUSR1 sets the flag from now on (its default action would kill the process). Call
+        before the model is built: the warning can come while a large model loads."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._handler)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self.signalled = True
+
+    def _on_step_end(self, trainer) -> None:
+        if self.checkpoint is not None or not trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
+            return
+        loop = trainer.fit_loop
+        if (0 <= trainer.max_steps <= trainer.global_step) or (
+                loop.epoch_loop.batch_progress.is_last_batch and loop.max_epochs is not None
+                and 0 <= loop.max_epochs <= trainer.current_epoch + 1):
+            return  # the run ends after this step anyway: finishing beats a requeue
+        path = Path(trainer.strategy.broadcast(str(next_hpc_checkpoint(self.run_dir))))
+        trainer.save_checkpoint(path)  # collective: every rank, at the same step
+        self.signalled = True  # ranks that did not get the signal themselves requeue too
+        self.checkpoint = path
+
+    def _stop_if_saved(self) -> None:
+        if self.checkpoint is not None:
+            from unicon.evaluation.preemption import Preempted
+
+            raise Preempted(self.signum, checkpoint=str(self.checkpoint))
+
+    def requeue(self, is_global_zero: bool) -> None:
+        """``scontrol requeue`` this job if the warning signal came (rank 0 only); the last thing
+        a preempted run does. A job that cannot be requeued (``--no-requeue``, outside SLURM) keeps
+        its checkpoint: the message says how to resume by hand."""
+        if not (self.signalled and is_global_zero):
+            return
+        array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        job = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+        hint = f"resume with resume={self.checkpoint or self.run_dir / 'last.ckpt'}"
+        if not job:
+            print(f"SIGUSR1 outside a SLURM job: not requeued; {hint}")
+            return
+        try:
+            proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+            ok, why = proc.returncode == 0, (proc.stderr or proc.stdout).strip()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            ok, why = False, str(e)
+        print(f"SLURM job {job} requeued; it resumes from {self.checkpoint or 'the newest checkpoint'}" if ok
+              else f"scontrol requeue {job} failed ({why}); {hint}", flush=True)
 
 
 # ---- pieces of train() ------------------------------------------------------------------------
@@ -251,9 +418,9 @@ def claim_run_dir(cfg: DictConfig):
     """Create and lock the run folder; returns the open lock file (held until the process ends or
     :func:`release_run_dir`). Under DDP only global rank 0 claims it.
 
-    A folder that already holds files is refused unless the run resumes a checkpoint inside it,
-    Lightning's SLURM requeue left an ``hpc_ckpt_*.ckpt`` there to resume, or ``overwrite=true``
-    (which deletes the old run's files first).
+    A folder that already holds files is refused unless the run resumes a checkpoint inside it
+    (a requeued SLURM job does: :func:`compose_run`) or ``overwrite=true`` (which deletes the old
+    run's files first).
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -276,8 +443,7 @@ def claim_run_dir(cfg: DictConfig):
         raise UserError(f"{run_dir} is in use by another unicon run (pid {owner}); choose another name=") from None
     entries = sorted(p for p in run_dir.iterdir() if p.name != LOCK_NAME)
     resuming = bool(cfg.resume) and Path(cfg.resume).resolve().parent == run_dir.resolve()
-    requeued = any(p.name.startswith("hpc_ckpt_") for p in entries)
-    if entries and not (resuming or requeued):
+    if entries and not resuming:
         if not cfg.overwrite:
             lock.close()
             raise UserError(f"{run_dir} already holds a run ({len(entries)} entries, e.g. {entries[0].name}); resume it "
@@ -308,14 +474,30 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
         from unicon.models import read_training_checkpoint
 
         read_training_checkpoint(cfg.resume, allow_pickle=cfg.model.allow_pickle, mmap=True)  # readable, ours
-    lock = claim_run_dir(cfg)
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from unicon.evaluation.preemption import Preempted
+
+    requeue = SlurmRequeue(_run_dir(cfg)) if SLURMEnvironment.detect() else None
+    if requeue is not None:
+        requeue.install()
     try:
-        return _train(cfg, strategy, extra_callbacks)
+        lock = claim_run_dir(cfg)
+        try:
+            return _train(cfg, strategy, extra_callbacks, requeue)
+        finally:
+            release_run_dir(lock)
+    except Preempted:
+        if requeue is not None:
+            requeue.requeue(is_global_zero=rank_zero_only.rank == 0)
+        raise
     finally:
-        release_run_dir(lock)
+        if requeue is not None:
+            requeue.uninstall()
 
 
-def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str, Any]:
+def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: SlurmRequeue | None = None) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
@@ -339,7 +521,16 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str,
 
     checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
                                  every_n_train_steps=tcfg.checkpoint_every_n_steps)
-    callbacks = [checkpoint, LogFilesCallback(loggers), *eval_callbacks, *(extra_callbacks or [])]
+    # SlurmRequeue's hooks before the evaluations': a requested stop at an epoch end comes first
+    callbacks = [checkpoint, LogFilesCallback(loggers), *([requeue.callback] if requeue else []), *eval_callbacks,
+                 *(extra_callbacks or [])]
+    plugins = []
+    if requeue is not None:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        # Lightning would pick SLURMEnvironment by itself, with auto_requeue=True: its SIGUSR1
+        # handler checkpoints mid-step (see SlurmRequeue); SlurmRequeue owns the signal instead.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     if tcfg.enable_progress_bar:
         callbacks.append(RichProgressBar())
     trainer = L.Trainer(
@@ -361,6 +552,7 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None) -> dict[str,
         enable_progress_bar=tcfg.enable_progress_bar,
         logger=loggers,
         callbacks=callbacks,
+        plugins=plugins or None,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=not cfg.model.allow_pickle)
 

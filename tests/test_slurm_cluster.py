@@ -1,0 +1,186 @@
+"""``slurm/train.sbatch`` on a real SLURM: a one-node cluster on this machine (``slurm/local-cluster.sh``).
+
+A 2-task gloo DDP run of a tiny OFA is warned with SIGUSR1 mid-run, as SLURM does 90 s before a
+time limit. It must checkpoint at a step boundary, requeue itself, and the requeued job (same job
+id and run folder) must continue from that exact step: ``metrics.jsonl`` holds every step once,
+the γ draws are those of one uninterrupted generator, and the W&B run id is the same.
+
+Needs root and either SLURM's Debian packages or apt-get with a reachable Debian mirror (the
+cluster script installs them); otherwise skipped with the reason. The cluster lives in a
+temporary folder on free ports and is brought down at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "slurm" / "local-cluster.sh"
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (slurmctld, slurmd)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    pytest.fail("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root (slurmd runs job steps as the submitting user)")
+    installed = all(shutil.which(c) for c in ("munged", "slurmctld", "slurmd", "sbatch"))
+    if not installed and not shutil.which("apt-get"):
+        pytest.skip("SLURM is not installed and there is no apt-get to install slurmctld slurmd slurm-client munge")
+    state = tmp_path_factory.mktemp("slurm")
+    env = dict(os.environ, UNICON_SLURM_DIR=str(state), UNICON_SLURM_PORT=str(_free_port_pair()))
+    proc = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        if not installed:  # apt-get failed: no network to the mirror, or no Debian
+            pytest.skip(f"could not install SLURM's Debian packages: {proc.stderr.strip()[-500:]}")
+        pytest.fail(f"local-cluster.sh up failed:\n{proc.stdout}{proc.stderr}")
+    env["SLURM_CONF"] = str(state / "slurm.conf")
+    try:
+        yield env
+    finally:
+        down = subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+
+
+def _job(env: dict, job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def _wait(what: str, cond, timeout: float, log: Path, env: dict, job_id: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        state = _job(env, job_id)
+        if state["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") or (
+                what != "the job to finish" and state["JobState"] == "COMPLETED") or (
+                state["JobState"] == "PENDING" and state.get("Reason") not in ("None", "Priority", "Resources",
+                                                                              "BeginTime")):  # never runs
+            break
+        time.sleep(0.2)
+    slurmctld = Path(env["UNICON_SLURM_DIR"]) / "log" / "slurmctld.log"
+    pytest.fail(f"waiting for {what}: job {job_id} is {state['JobState']} ({state.get('Reason')}); job log:\n"
+                f"{log.read_text()[-4000:] if log.is_file() else '(none)'}\nslurmctld.log:\n"
+                f"{slurmctld.read_text()[-2000:] if slurmctld.is_file() else '(none)'}")
+
+
+def _train_rows(metrics: Path) -> list[dict]:
+    if not metrics.is_file():
+        return []
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row being written
+            continue
+        if "train/loss" in row:
+            rows.append(row)
+    return rows
+
+
+def test_requeued_ddp_job_resumes_at_the_exact_step(slurm_cluster, tiny_shapes_world, tmp_path):
+    if not (REPO / ".venv" / "bin" / "unicon").is_file():
+        pytest.skip("needs the project's virtual environment (make setup), which the sbatch script activates")
+    env = dict(slurm_cluster, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("WANDB_MODE", None)  # the script sets offline
+    # Only CocoCon samples with contrasts: then every γ draw below γ is a consistency update, and the
+    # logged update counts spell out the draws.
+    world = tmp_path / "world"
+    shutil.copytree(tiny_shapes_world, world)
+    coco = json.loads((world / "cococon_train.json").read_text())
+    coco["annotations"] = [a for a in coco["annotations"] if a["contrast_sets"]]
+    (world / "cococon_train.json").write_text(json.dumps(coco))
+
+    seed, gamma, max_steps, signal_at = 3, 0.5, 30, 4
+    overrides = ["trainer=cpu", "trainer.strategy=ddp", f"data.root={world}", f"output_dir={tmp_path / 'runs'}",
+                 f"trainer.max_steps={max_steps}", "trainer.max_epochs=-1", "trainer.log_every_n_steps=1",
+                 "eval=none", f"seed={seed}", f"loss.gamma={gamma}", "data.batch_size=2",
+                 "data.contrast_batch_size=2", "trainer.enable_progress_bar=false",
+                 "model.arch.d_model=32", "model.arch.encoder_layers=1", "model.arch.decoder_layers=1",
+                 "model.arch.encoder_ffn_dim=64", "model.arch.decoder_ffn_dim=64"]
+    log = tmp_path / "job.out"
+    # The script's GPU allocation is overridden on the command line; 2 tasks = 2 DDP ranks.
+    submit = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+                             "--cpus-per-task=1", "--time=10", f"--output={log}", str(REPO / "slurm" / "train.sbatch"),
+                             *overrides], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    run = tmp_path / "runs" / f"unicon-train-{job_id}"
+    metrics = run / "metrics.jsonl"
+    t0 = time.monotonic()
+    try:
+        _wait(f"step {signal_at}", lambda: any(r["step"] >= signal_at for r in _train_rows(metrics)), 240, log,
+              env, job_id)
+        signalled_after = max(r["step"] for r in _train_rows(metrics))
+        # what `#SBATCH --signal=SIGUSR1@90` does before the time limit: USR1 to every task
+        subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True, timeout=30)
+        _wait("the requeue", lambda: int(_job(env, job_id).get("Restarts", 0)) >= 1, 120, log, env, job_id)
+        # SLURM holds a requeued job back for ~2 minutes (its BeginTime); a cluster has other jobs
+        # to run meanwhile, this test has not.
+        _wait("the job to be pending again", lambda: _job(env, job_id)["JobState"] in ("PENDING", "RUNNING"), 60,
+              log, env, job_id)
+        if _job(env, job_id)["JobState"] == "PENDING":
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env, check=True)
+        final = _wait("the job to finish",
+                      lambda: (s := _job(env, job_id)["JobState"]) not in ("PENDING", "RUNNING", "REQUEUED",
+                                                                           "COMPLETING", "CONFIGURING") and s, 300, log, env, job_id)
+    finally:
+        subprocess.run(["scancel", job_id], env=env, timeout=30)
+    out = log.read_text()
+    print(f"job {job_id}: {final} after {time.monotonic() - t0:.0f} s (cluster + job)\n{out[-3000:]}")
+    assert final == "COMPLETED", out[-4000:]
+    assert int(_job(env, job_id)["Restarts"]) == 1
+
+    # the first attempt checkpointed at a step boundary after the signal and requeued itself
+    hpc = run / "hpc_ckpt_1.ckpt"
+    assert hpc.is_file() and not (run / "hpc_ckpt_2.ckpt").exists()
+    step = torch.load(hpc, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+    assert signalled_after < step < max_steps
+    assert f"SLURM job {job_id} requeued" in out
+    # the second attempt resumed from it (not from an epoch-end last.ckpt), at its step
+    assert f"restarted (1x): resuming from {hpc}" in out
+    assert f"resume: {hpc} (run 'unicon-train-{job_id}', step {step})" in out
+    assert "dropped" not in out  # the first attempt stopped at the checkpoint: no rows to undo
+
+    rows = _train_rows(metrics)
+    assert [r["step"] for r in rows] == list(range(max_steps)), "every step logged exactly once"
+    # γ draws: one per step from one generator seeded with `seed`, across the requeue
+    gen = torch.Generator().manual_seed(seed)
+    drawn = [int(torch.rand((), generator=gen).item() < gamma) for _ in range(max_steps)]
+    counts = [0] + [int(r["train/consistency_updates"]) for r in rows]
+    assert [b - a for a, b in zip(counts, counts[1:])] == drawn
+    assert 0 < sum(drawn[step:]) < max_steps - step  # both update kinds after the resume
+
+    run_id = (run / "wandb_run_id").read_text().strip()
+    attempts = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(p.name.endswith(f"-{run_id}") for p in attempts), attempts
+    assert (run / "export" / "training_config.json").is_file()
