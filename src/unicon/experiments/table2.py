@@ -150,7 +150,7 @@ def markdown(summary: dict[str, Any], seeds: Sequence[int], overrides: Sequence[
     if any("probe/caption/acc@1" in s for s in summary["methods"].values()):
         cols += [("probe/caption/acc@1", "probe caption acc@1", 1), ("probe/mean/C_1", "probe mean C₁", 1)]
     lines = [
-        "# CocoCon Table 2 on this setup: K vs M" + (" vs hinge" if "hinge" in summary["methods"] else ""),
+        "# CocoCon Table 2 on this setup: " + " vs ".join(summary["methods"]),
         "",
         f"Seeds {list(seeds)}; common overrides: `{' '.join(overrides) or '(none)'}`. "
         "Mean ± std over seeds; C₁, acc in %. Paired differences against K: mean [95% t-interval].",
