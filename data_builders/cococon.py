@@ -80,7 +80,6 @@ import sqlite3
 import sys
 import tempfile
 import time
-import types
 from collections import Counter, defaultdict
 from functools import lru_cache
 from pathlib import Path
@@ -525,16 +524,6 @@ def _lazy(name: str, make):
     return _STATE[name]
 
 
-def _make_importable() -> None:
-    """The CLI loads this file by path, so its module name is not importable; worker processes
-    unpickle ``process_shard`` by module name. Register the name (forked workers inherit it)."""
-    name = process_shard.__module__
-    if sys.modules.get(name) is None or getattr(sys.modules[name], "process_shard", None) is not process_shard:
-        module = types.ModuleType(name)
-        module.__dict__.update(globals())
-        sys.modules[name] = module
-
-
 def shard_path(work: Path, shard: int) -> Path:
     return work / "shards" / f"shard-{shard:05d}.json"
 
@@ -854,7 +843,6 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         if todo and args.lexical == "wordnet":
             wordnet_filter()  # load once here; forked workers share it
         if workers > 1:
-            _make_importable()
             pool = mp.get_context("fork").Pool(workers, _init_worker, (state,))
             results = pool.imap_unordered(process_shard, todo)
         else:

@@ -36,7 +36,6 @@ import os
 import shutil
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -237,16 +236,6 @@ _STATE: dict[str, Any] = {}
 def _init_worker(state: dict[str, Any]) -> None:
     _STATE.clear()
     _STATE.update(state)
-
-
-def _make_importable() -> None:
-    """The CLI loads this file by path, so its module name is not importable; worker processes
-    unpickle ``process_scene`` by module name. Register the name (forked workers inherit it)."""
-    name = process_scene.__module__
-    if sys.modules.get(name) is None or getattr(sys.modules[name], "process_scene", None) is not process_scene:
-        module = types.ModuleType(name)
-        module.__dict__.update(globals())
-        sys.modules[name] = module
 
 
 def scene_name(scene_id: int, width: int) -> str:
@@ -535,8 +524,6 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
     evals, reason_train = reasoning_items(cfg, args, held_out)
     n_reason_images = len(reason_train) if args.reason_images is None else args.reason_images
     drift = []
-    if workers > 1:
-        _make_importable()
     pool = mp.get_context("fork").Pool(workers, _init_worker, (state,)) if workers > 1 else None
     if pool is None:
         _init_worker(state)

@@ -6,6 +6,7 @@ import filecmp
 import importlib.util
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ SMALL = ["--num-train", "120", "--num-val", "30", "--num-test", "30", "--num-rea
 def _builder():
     spec = importlib.util.spec_from_file_location("shapes_builder", REPO / "data_builders" / "shapes.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # as the CLI loads it: worker processes unpickle by module name
     spec.loader.exec_module(mod)
     return mod
 

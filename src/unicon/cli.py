@@ -84,6 +84,9 @@ def _resolve(target: str, func: str) -> Callable[[list[str]], int]:
             raise UserError(f"{path} not found (is unicon installed from a source checkout?)")
         spec = importlib.util.spec_from_file_location(f"unicon_builder_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
+        # registered under its name (importlib's recipe) so that a builder's forked worker processes
+        # can unpickle its functions by module name
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     else:
         module = importlib.import_module(target)

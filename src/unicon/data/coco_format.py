@@ -92,6 +92,11 @@ def _top_level_keys(path: Path) -> list[str]:
     return keys
 
 
+def _ijson_reason(e: Exception) -> str:
+    """The first line of an ijson error (ijson appends a multi-line pointer into the text)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def stream_records(path: str | Path, key: str, kind: str, what: str) -> Iterator[dict]:
     """Yield the validated records of the top-level list ``key`` of the JSON object in ``path``.
 
@@ -108,8 +113,7 @@ def stream_records(path: str | Path, key: str, kind: str, what: str) -> Iterator
                 yield _check(path, key, n - 1, rec, kind)
     except ijson.JSONError as e:  # IncompleteJSONError is a subclass
         after = f"after record {key}[{n - 1}]" if n else f"before the first record of '{key}'"
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__  # ijson adds a multi-line pointer
-        raise CocoFormatError(f"{path}: malformed or truncated {what} {after}: {reason}") from None
+        raise CocoFormatError(f"{path}: malformed or truncated {what} {after}: {_ijson_reason(e)}") from None
     except UnicodeDecodeError as e:
         raise CocoFormatError(f"{path}: {what} is not UTF-8 text (byte {e.start})") from None
     if n == 0 and key not in _top_level_keys(path):
@@ -159,8 +163,8 @@ def stream_candidate_file(path: str | Path) -> Iterator[tuple[int, list[str]]]:
                     raise CocoFormatError(f"{path}: question {k}: expected a list of answer strings, got {v!r}")
                 yield qid, v
     except ijson.JSONError as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CocoFormatError(f"{path}: malformed or truncated candidate file after {n} entries: {reason}") from None
+        raise CocoFormatError(f"{path}: malformed or truncated candidate file after {n} entries: "
+                              f"{_ijson_reason(e)}") from None
 
 
 # ---- writers -----------------------------------------------------------------------------------
