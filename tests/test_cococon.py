@@ -1,5 +1,6 @@
 """CocoCon: loader errors, Eq. 1/2 and rho by hand, an independent re-implementation over
-per_sample.jsonl, the real 1,500-sample file end to end, and DDP (2 gloo ranks) == 1 rank."""
+per_sample.jsonl, the real 1,500-sample file end to end, and ``evaluate_model`` on 2 gloo ranks
+== 1 process (long generated captions arrive whole)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import torch
 from PIL import Image
 
 from unicon.data.cococon import CocoConFormatError, load_cococon
-from unicon.evaluation import cococon as cc
+from unicon.evaluation.cococon import metrics, runner
+from unicon.evaluation.distributed import padding_repeats
+from unicon.evaluation.cococon.callback import CocoConCallback
+from unicon.evaluation.cococon.cli import cli
 from unicon.models.base import Scores, UnifiedModel, pil_to_tensor
 
 
@@ -141,7 +145,7 @@ def reference_metrics(rows, task, max_k=5):
     return C, n, ties, (sum(rhos) / len(rhos) if rhos else None), undefined
 
 
-def check_against_reference(results, rows, tasks=cc.TASKS):
+def check_against_reference(results, rows, tasks=metrics.TASKS):
     for task in tasks:
         C, n, ties, rho, undefined = reference_metrics(rows, task)
         r = results[task]
@@ -163,7 +167,7 @@ def check_against_reference(results, rows, tasks=cc.TASKS):
 # ---------------------------------------------------------------------------------------------
 def test_sample_consistency_by_hand():
     # caption order of contrasts by NLL: col2 (0.5), col1 (2.0), col3 (3.0)
-    r = cc.sample_consistency([1.0, 2.0, 0.5, 3.0], [1.0, 1.5, 2.0, 0.2], max_k=5)
+    r = metrics.sample_consistency([1.0, 2.0, 0.5, 3.0], [1.0, 1.5, 2.0, 0.2], max_k=5)
     assert r["order"] == [1, 0, 2]
     # k=1: caption prefers contrast, task prefers gold -> 0; k=2: gold in both -> 1; k=3: 0
     assert r["consistent"] == [False, True, False]
@@ -175,12 +179,12 @@ def test_sample_consistency_by_hand():
 
 
 def test_both_prefer_contrast_is_consistent():
-    r = cc.sample_consistency([2.0, 1.0], [5.0, 4.0], max_k=5)
+    r = metrics.sample_consistency([2.0, 1.0], [5.0, 4.0], max_k=5)
     assert r["consistent"] == [True] and r["task_acc"] == [False] and r["rho"] == pytest.approx(1.0)
 
 
 def test_ties_are_inconsistent_and_counted():
-    r = cc.sample_consistency([1.0, 1.0, 2.0], [0.0, 1.0, 1.0], max_k=5)
+    r = metrics.sample_consistency([1.0, 1.0, 2.0], [0.0, 1.0, 1.0], max_k=5)
     assert r["consistent"] == [False, True] and r["tie"] == [True, False]
     # average ranks x = [1.5,1.5,3], y = [1,2.5,2.5] -> Pearson of ranks = 0.75 / 1.5
     assert r["rho"] == pytest.approx(0.5)
@@ -188,12 +192,12 @@ def test_ties_are_inconsistent_and_counted():
 
 def test_constant_vector_rho_undefined_and_excluded():
     rows = [
-        cc.sample_consistency([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], max_k=5),  # constant task scores
-        cc.sample_consistency([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], max_k=5),  # rho = 1
-        cc.sample_consistency([1.0, 2.0], [3.0, 1.0], max_k=5),  # rho = -1
+        metrics.sample_consistency([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], max_k=5),  # constant task scores
+        metrics.sample_consistency([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], max_k=5),  # rho = 1
+        metrics.sample_consistency([1.0, 2.0], [3.0, 1.0], max_k=5),  # rho = -1
     ]
     assert rows[0]["rho"] is None and rows[0]["tie"] == [True, True]
-    agg = cc.aggregate(rows, max_k=5)
+    agg = metrics.aggregate(rows, max_k=5)
     assert agg["rho"] == pytest.approx(0.0) and agg["rho_n"] == 2 and agg["rho_undefined"] == 1
     # k=1: [tie -> 0, 1, 0] ; k=2: [0, 1] (third sample has a single contrast)
     assert agg["C_k"][1] == pytest.approx(100 / 3) and agg["n_k"][1] == 3 and agg["ties_k"][1] == 1
@@ -205,19 +209,23 @@ def test_constant_vector_rho_undefined_and_excluded():
 def test_missing_contrasts_ranked_among_present_ones():
     nan = float("nan")
     # localization: contrast 2 has no mutex_detection; ranking uses contrasts 1 and 3 only
-    r = cc.sample_consistency([1.0, 3.0, 0.1, 2.0], [1.0, 0.5, nan, 2.0], max_k=5)
+    r = metrics.sample_consistency([1.0, 3.0, 0.1, 2.0], [1.0, 0.5, nan, 2.0], max_k=5)
     assert r["order"] == [2, 0] and r["consistent"] == [True, False]
-    assert cc.sample_consistency([1.0, 2.0], [nan, nan], max_k=5)["consistent"] == []
+    assert metrics.sample_consistency([1.0, 2.0], [nan, nan], max_k=5)["consistent"] == []
 
 
 def test_generative_helpers():
-    assert cc.normalize_answer("Two Dogs.") == "2 dogs"
-    assert cc.normalize_answer("the blanket!") == "blanket"
-    assert cc.vqa_soft_accuracy("yes", ["yes"] * 3 + ["no"] * 7) == pytest.approx((7 * 1.0 + 3 * 2 / 3) / 10)
-    assert cc.box_iou([0, 0, 2, 2], [1, 1, 2, 2]) == pytest.approx(1 / 7)
+    assert metrics.normalize_answer("Two Dogs.") == "2 dogs"
+    assert metrics.normalize_answer("the blanket!") == "blanket"
+    assert metrics.vqa_soft_accuracy("yes", ["yes"] * 3 + ["no"] * 7) == pytest.approx((7 * 1.0 + 3 * 2 / 3) / 10)
+    assert metrics.normalize_answer("A cat's toy, an apple\nand 'ten' cats") == "cat's toy apple and 10 cats"
+    assert metrics.box_iou([0, 0, 2, 2], [1, 1, 2, 2]) == pytest.approx(1 / 7)
+    assert metrics.box_iou([0, 0, 10, 10], [5, 0, 10, 10]) == pytest.approx(50 / 150)
+    assert metrics.box_iou([0, 0, 0, 0], [0, 0, 0, 0]) == 0.0  # empty boxes: 0, not 0 / 0
+    assert metrics.box_iou([5, 5, -3, 4], [0, 0, 10, 10]) == 0.0  # an inverted box is empty
     refs = {0: ["a cat on a mat"], 1: ["a dog in the park"]}
-    perfect, _ = cc.cider_score(refs, {0: "a cat on a mat", 1: "a dog in the park"}, tokenizer="simple")
-    wrong, _ = cc.cider_score(refs, {0: "a dog in the park", 1: "a cat on a mat"}, tokenizer="simple")
+    perfect, _ = metrics.cider_score(refs, {0: "a cat on a mat", 1: "a dog in the park"}, tokenizer="simple")
+    wrong, _ = metrics.cider_score(refs, {0: "a dog in the park", 1: "a cat on a mat"}, tokenizer="simple")
     assert perfect > 100.0 and wrong < perfect
 
 
@@ -303,10 +311,14 @@ def test_missing_image_error_and_skip_missing(tmp_path):
 def test_scoring_end_to_end_matches_reference(tmp_path):
     data = load_cococon(_mini_file(tmp_path))
     model = HashModel()
-    result = cc.evaluate_model(model, data.samples, batch_size=3, cider_tokenizer="simple")
+    result = runner.evaluate_model(model, data.samples, batch_size=3, cider_tokenizer="simple")
     assert {"score_text", "score_boxes", "score_image"} <= set(model.calls)
     out = tmp_path / "out"
-    cc.write_outputs(result, out)
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    runner.write_outputs(result, out)
+    assert matplotlib.get_backend() == backend  # the plots leave the caller's backend alone
     results = json.loads((out / "results.json").read_text())
     rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == list(range(7))
@@ -335,8 +347,8 @@ def test_probe_words_report_the_samples_that_name_them(tmp_path):
         raw["annotations"][i]["answer"] = answer
     path.write_text(json.dumps(raw))
     data = load_cococon(path)
-    result = cc.evaluate_model(HashModel(), data.samples, batch_size=3, cider_tokenizer="simple", probe_words=["Gray"])
-    cc.write_outputs(result, tmp_path / "out")
+    result = runner.evaluate_model(HashModel(), data.samples, batch_size=3, cider_tokenizer="simple", probe_words=["Gray"])
+    runner.write_outputs(result, tmp_path / "out")
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "out" / "per_sample.jsonl").read_text().splitlines()]
     named = [r for r in rows if r["id"] in (0, 3, 5)]  # "grayish" is another word
@@ -347,7 +359,7 @@ def test_probe_words_report_the_samples_that_name_them(tmp_path):
     hardest = [r["nll"]["caption"][0] < r["nll"]["caption"][1 + r["vqa"]["order"][0]] for r in named]
     assert flat["cococon/probe/caption/acc@1"] == pytest.approx(100.0 * sum(hardest) / len(hardest))
     assert flat["cococon/probe/vqa/C_1"] == probe["vqa"]["C_k"]["1"] and flat["cococon/probe/num_samples"] == 3
-    assert "probe" not in cc.evaluate_model(HashModel(), data.samples, cider_tokenizer="simple").results
+    assert "probe" not in runner.evaluate_model(HashModel(), data.samples, cider_tokenizer="simple").results
 
 
 def test_real_cococon_file_flows_through(shared_data, tmp_path):
@@ -359,7 +371,7 @@ def test_real_cococon_file_flows_through(shared_data, tmp_path):
     rep = data.report
     assert (len(data), rep.num_contrast_sets, rep.num_localization) == (1500, 5091, 443)
     assert rep.no_contrast_sets == [] and rep.missing_images == []
-    result = cc.evaluate_model(HashModel(), data.samples, batch_size=64, generative=False)
+    result = runner.evaluate_model(HashModel(), data.samples, batch_size=64, generative=False)
     r = result.results
     assert r["num_samples"] == 1500 and r["vqa"]["n_k"][1] == 1500 and r["localization"]["n_k"][1] == 443
     assert r["t2i"]["n_k"][5] == 602  # samples with 5 contrast sets
@@ -369,45 +381,58 @@ def test_real_cococon_file_flows_through(shared_data, tmp_path):
 
 def test_cli_writes_results(tmp_path, monkeypatch):
     import unicon.models
+    from unicon.config import CocoConEvalConfig
+    from unicon.evaluation.cococon.cli import parser
+    from unicon.core import weights_fingerprint
 
     path = _mini_file(tmp_path)
     monkeypatch.setattr(unicon.models, "load_model", lambda p, **kw: HashModel(), raising=False)
     out = tmp_path / "cli"
     ckpt = tmp_path / "ckpt"  # a directory: the double loads nothing from it
     ckpt.mkdir()
-    rc = cc.cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--logger", "csv",
-                 "--max-samples", "5", "--cider-tokenizer", "simple"])
+    rc = cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--logger", "csv",
+              "--max-samples", "5", "--cider-tokenizer", "simple", "--image-seed", "3"])
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert results["num_samples"] == 5
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any("cococon/vqa/C_1" in m for m in metrics)
+    assert results["model_fingerprint"] == weights_fingerprint(HashModel())
+    assert {"versions.python", "versions.torch"} <= set(results["environment"])
+    assert results["generation"]["image"]["seed"] == 3
+    assert results["generation"]["caption_prompt"] == HashModel.caption_prompt
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("cococon/vqa/C_1" in m for m in logged)
     assert (out / "tables" / "cococon_samples.jsonl").is_file()
     from unicon.errors import UserError
 
     with pytest.raises(UserError, match="--max-samples must be >= 1, got 0"):
-        cc.cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--max-samples", "0"])
+        cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--max-samples", "0"])
     with pytest.raises(UserError, match=r"image file not found: .*images/0\.png.*--images"):
-        cc.cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--images", str(tmp_path / "cli")])
+        cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--images", str(tmp_path / "cli")])
+    # the flags that eval.cococon also has default to its values (--max-samples: the whole file)
+    args, config = parser().parse_args(["--ckpt", "x", "--data", "x", "--out", "x"]), CocoConEvalConfig()
+    for name in ("batch_size", "table_rows", "tasks", "generative", "skip_missing", "probe_words"):
+        assert getattr(args, name) == getattr(config, name), name
+    assert args.images == config.images_root and args.max_samples is None
 
 
 # ---------------------------------------------------------------------------------------------
-# DDP: 2 gloo ranks over a padded DistributedSampler == 1 process
+# DDP: evaluate_model (the path the callback takes) on 2 gloo ranks == 1 process
 # ---------------------------------------------------------------------------------------------
+class LongCaptionModel(HashModel):
+    """Generated captions of about 600 UTF-8 bytes, multi-byte characters included."""
+
+    def caption(self, images, prompt=None, **kw):
+        return [f"{im.size[0]}: " + "ein Kind schläft unter einer grünen Decke " * 14 for im in images]
+
+
 def _ddp_worker(rank, world, init_file, data_path, out_dir):
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from unicon.data.cococon import collate_samples
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         data = load_cococon(data_path)
-        ev = cc.CocoConEvaluator(data.samples, cider_tokenizer="simple")
-        sampler = DistributedSampler(data.samples, num_replicas=world, rank=rank, shuffle=False)  # pads 7 -> 8
-        for batch in DataLoader(data.samples, batch_size=2, sampler=sampler, collate_fn=collate_samples):
-            ev.update(HashModel(), batch)
-        result = ev.compute()
+        # 7 samples over 2 ranks: shard_indices pads rank 1 with a repeat of sample 0
+        result = runner.evaluate_model(LongCaptionModel(), data.samples, batch_size=2, cider_tokenizer="simple")
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps([result.results, result.per_sample]))
     finally:
         dist.destroy_process_group()
@@ -418,14 +443,25 @@ def test_ddp_two_ranks_match_single_process(tmp_path, fork_safe_threads):
     import torch.multiprocessing as mp
 
     path = _mini_file(tmp_path)
-    single = cc.evaluate_model(HashModel(), load_cococon(path).samples, batch_size=4, cider_tokenizer="simple")
+    single = runner.evaluate_model(LongCaptionModel(), load_cococon(path).samples, batch_size=4,
+                                   cider_tokenizer="simple")
     expected = json.loads(json.dumps([single.results, single.per_sample]))
+    captions = [row["generated"]["caption"] for row in expected[1]]
+    assert all(len(c.encode()) > 256 for c in captions)
+    assert captions[0] == "32: " + "ein Kind schläft unter einer grünen Decke " * 14  # image 0 is 32 pixels wide
     # fork: the children inherit the imported modules (spawn would re-import torch/torchmetrics twice)
     mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == expected
+
+
+def test_padding_repeats_are_the_samples_a_lower_rank_holds():
+    assert padding_repeats(7, 0, 2) == set() and padding_repeats(7, 1, 2) == {0}
+    assert padding_repeats(8, 1, 2) == set()
+    # more ranks than samples: ranks 2.. only repeat
+    assert [padding_repeats(2, r, 5) for r in range(5)] == [set(), set(), {0}, {1}, {0}]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,13 +489,13 @@ def tiny_world_model(tmp_path_factory):
 def test_cli_with_tiny_ofa_on_shapesworld(tiny_world_model, tmp_path):
     world, ckpt = tiny_world_model
     out = tmp_path / "out"
-    rc = cc.cli(["--ckpt", str(ckpt), "--data", str(world / "cococon_test.json"), "--out", str(out),
-                 "--logger", "csv", "--max-samples", "8", "--batch-size", "8", "--cider-tokenizer", "simple"])
+    rc = cli(["--ckpt", str(ckpt), "--data", str(world / "cococon_test.json"), "--out", str(out),
+              "--logger", "csv", "--max-samples", "8", "--batch-size", "8", "--cider-tokenizer", "simple"])
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
     assert results["num_samples"] == 8 and len(rows) == 8
-    for task in cc.TASKS:
+    for task in metrics.TASKS:
         assert results[task]["n_k"]["1"] > 0
     check_against_reference(results, rows)
     gen = results["generative"]
@@ -477,9 +513,9 @@ def test_cli_with_the_ofa_reference_fixture(ofa_fixture_dir, tiny_world_model, t
     """
     world, _ = tiny_world_model
     out = tmp_path / "out"
-    rc = cc.cli(["--ckpt", str(ofa_fixture_dir), "--data", str(world / "cococon_test.json"), "--out", str(out),
-                 "--logger", "none", "--max-samples", "6", "--tasks", "vqa", "localization",
-                 "--cider-tokenizer", "simple"])
+    rc = cli(["--ckpt", str(ofa_fixture_dir), "--data", str(world / "cococon_test.json"), "--out", str(out),
+              "--logger", "none", "--max-samples", "6", "--tasks", "vqa", "localization",
+              "--cider-tokenizer", "simple"])
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
@@ -496,7 +532,7 @@ def test_callback_logs_metrics_and_table(tmp_path):
     from torch.utils.data import DataLoader
 
     from unicon.config import RunConfig
-    from unicon.training.loggers import JsonlLogger, read_metrics
+    from unicon.loggers import JsonlLogger, read_metrics
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -513,7 +549,7 @@ def test_callback_logs_metrics_and_table(tmp_path):
     cfg = OmegaConf.structured(RunConfig)
     cfg.eval.cococon.data, cfg.eval.cococon.max_samples, cfg.eval.cococon.table_rows = str(path), 6, 3
     cfg.eval.fail_on_error = True
-    callback = cc.CocoConCallback.from_config(cfg)
+    callback = CocoConCallback.from_config(cfg)
     assert (callback.max_samples, callback.batch_size, callback.every_n_epochs) == (6, 16, 1)
     run_dir = tmp_path / "run"
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=JsonlLogger(run_dir), callbacks=[callback],
@@ -559,25 +595,12 @@ def test_real_file_subset_with_tiny_ofa(shared_data, tiny_world_model, tmp_path)
                  sample_size=64)
     model.image_tokenizer = VQGANTokenizer(vq, image_size=64)
     samples = [s for s in data if s.id in wanted]
-    result = cc.evaluate_model(model, samples, batch_size=6, generative=False)
+    result = runner.evaluate_model(model, samples, batch_size=6, generative=False)
     r = result.results
     assert r["num_samples"] == len(samples) and r["localization"]["n_k"][1] == 6
-    for task in cc.TASKS:
+    for task in metrics.TASKS:
         assert r[task]["n_k"][1] > 0 and r[task]["rho_n"] + r[task]["rho_undefined"] > 0
-    check_against_reference(json.loads(json.dumps(cc._nan_to_none(r))), json.loads(json.dumps(result.per_sample)))
-
-
-def test_metric_drops_duplicate_indices_and_checks_shapes():
-    m = cc.CocoConMetric(width=3)
-    nan = float("nan")
-    nll = {t: torch.tensor([[1.0, 2.0, nan], [0.5, 0.2, 0.3]], dtype=torch.float64) for t in cc.SCORED}
-    m.update(torch.tensor([4, 1]), nll)
-    m.update(torch.tensor([1]), {t: v[1:] for t, v in nll.items()})  # DistributedSampler padding repeat
-    state = m.compute()
-    assert state["index"].tolist() == [1, 4]
-    assert state["nll_vqa"][:, 0].tolist() == [0.5, 1.0]
-    with pytest.raises(ValueError, match=r"nll\['caption'\] has shape \(1, 2\), expected \(1, 3\)"):
-        m.update(torch.tensor([0]), {t: torch.zeros(1, 2) for t in cc.SCORED})
+    check_against_reference(json.loads(json.dumps(runner.nan_to_none(r))), json.loads(json.dumps(result.per_sample)))
 
 
 def test_t2i_scene_match_counts_exact_renders(tiny_world_model):
@@ -587,14 +610,14 @@ def test_t2i_scene_match_counts_exact_renders(tiny_world_model):
     world_root = tiny_world_model[0]
     cfg = load_world(world_root).config
     data = load_cococon(world_root / "cococon_test.json").subset(8)
-    scenes = {cc.normalize_text(s.caption): s.scene for s in data}
+    scenes = {runner.normalize_text(s.caption): s.scene for s in data}
 
     class RenderingModel(HashModel):
         def generate_image(self, prompts, context=None, config=None):
             return [render(Scene.from_dict(scenes[p]), cfg) if i % 2 == 0 else Image.new("RGB", (64, 64))
                     for i, p in enumerate(prompts)]
 
-    result = cc.evaluate_model(RenderingModel(), data.samples, batch_size=8, world_root=world_root,
+    result = runner.evaluate_model(RenderingModel(), data.samples, batch_size=8, world_root=world_root,
                                tasks=["t2i"], cider_tokenizer="simple")
     assert result.results["generative"]["t2i_scene_match"] == pytest.approx(50.0)
     assert "vqa" not in result.results and result.per_sample[0]["nll"]["vqa"] is None

@@ -19,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data_builders import cococon as cb  # noqa: E402
+import data_builders.cococon as cb  # noqa: E402
 from unicon.cli import main as unicon_main  # noqa: E402
 from unicon.data.cococon import load_cococon  # noqa: E402
 from unicon.data.shapes_coco import verify_contrasts  # noqa: E402
@@ -32,10 +32,10 @@ from unicon.errors import UserError  # noqa: E402
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     """A ShapesWorld with 36 test scenes, built with --coco-format."""
-    from data_builders.shapes import main as build_shapes
+    import data_builders.shapes
 
     root = tmp_path_factory.mktemp("cocoworld") / "world"
-    build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "36", "--quiet",
+    data_builders.shapes.main(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "36", "--quiet",
                   "--num-reason-train", "0", "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1",
                   "--vocab-size", "300", "--coco-format"])
     return root

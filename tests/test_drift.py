@@ -1,4 +1,5 @@
-"""Semantic drift chains: resume, MCD, GenEval rules, MGG, loaders, embedders."""
+"""Semantic drift chains: resume, MCD, GenEval rules, MGG, loaders, embedders, callback, CLI,
+2 gloo ranks == 1 process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import shutil
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -19,8 +21,11 @@ from unicon.data.drift_seeds import (
 )
 from unicon.data.geneval import GenEvalFormatError, load_geneval, parse_row
 from unicon.embedders.base import Embedder, EmbedderNotFound
-from unicon.evaluation import drift
-from unicon.evaluation.geneval import evaluate_detections, keep_detections, relative_position, summarize
+from unicon.evaluation.drift import bench, metrics, runner
+from unicon.evaluation.drift import cli as drift_cli
+from unicon.evaluation.drift.callback import DriftCallback
+from unicon.errors import UserError
+from unicon.evaluation.drift.geneval import evaluate_detections, keep_detections, relative_position, summarize
 from unicon.models.base import UnifiedModel
 
 
@@ -102,15 +107,15 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 def test_chain_layout_and_batching(tmp_path):
     seeds = make_seeds(tmp_path, 5)
     model = DoubleModel()
-    run = drift.run_chains(model, seeds, tmp_path / "run", generations=3, batch_size=2, i2t_prompt="describe")
+    run = runner.run_chains(model, seeds, tmp_path / "run", generations=3, batch_size=2, i2t_prompt="describe")
     out = tmp_path / "run"
     assert (out / "text-first" / "gen-0.csv").is_file() and (out / "text-first" / "gen-2.csv").is_file()
     assert sorted(p.name for p in (out / "text-first" / "gen-1").iterdir()) == [f"s{i}.png" for i in range(5)]
     assert (out / "image-first" / "gen-0" / "s3.png").is_file() and (out / "image-first" / "gen-3.csv").is_file()
-    rows = drift.read_csv(out / "text-first" / "gen-0.csv")
+    rows = runner.read_csv(out / "text-first" / "gen-0.csv")
     assert rows == [(f"s{i}.png", f"seed caption number {i}") for i in range(5)]
     # CSV round-trips quotes and newlines; captions were produced with the I2T prompt
-    t2 = drift.read_csv(out / "text-first" / "gen-2.csv")
+    t2 = runner.read_csv(out / "text-first" / "gen-2.csv")
     assert all(c.startswith("describe with pattern") and "\n" in c and '"quoted"' in c for _, c in t2)
     # batched across samples: 3 batches (2+2+1) per model generation, 3 model generations per chain
     assert model.batch_sizes == [2, 2, 1] * 6
@@ -123,11 +128,11 @@ def test_chain_layout_and_batching(tmp_path):
 def test_killed_run_resumes_to_identical_bytes(tmp_path, kill_after):
     seeds = make_seeds(tmp_path, 5)
     kw = dict(generations=4, batch_size=2, i2t_prompt="describe")
-    drift.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
+    runner.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
 
     killed = DoubleModel(kill_after=kill_after)
     with pytest.raises(Killed):
-        drift.run_chains(killed, seeds, tmp_path / "resumed", **kw)
+        runner.run_chains(killed, seeds, tmp_path / "resumed", **kw)
     # a half-written temporary file, as left by a kill inside a write
     (tmp_path / "resumed" / "text-first" / ".gen-1.tmp-999").write_bytes(b"\x89PNG half")
     # ... and a garbage file where a not-yet-journaled image of the interrupted generation goes
@@ -135,7 +140,7 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path, kill_after):
         (tmp_path / "resumed" / "text-first" / "gen-3").mkdir(parents=True, exist_ok=True)
         (tmp_path / "resumed" / "text-first" / "gen-3" / "s4.png").write_bytes(b"\x89PNG garbage")
     resumed = DoubleModel()
-    run = drift.run_chains(resumed, seeds, tmp_path / "resumed", **kw)
+    run = runner.run_chains(resumed, seeds, tmp_path / "resumed", **kw)
     assert tree_bytes(tmp_path / "clean") == tree_bytes(tmp_path / "resumed")
     # complete generations and journaled batches were not recomputed
     total_calls = 3 * 4 * 2  # batches x model generations x chains
@@ -145,28 +150,28 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path, kill_after):
 
 def test_resume_of_complete_run_does_nothing(tmp_path):
     seeds = make_seeds(tmp_path, 3)
-    drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
+    runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
     again = DoubleModel()
-    run = drift.run_chains(again, seeds, tmp_path / "r", generations=2, batch_size=2)
+    run = runner.run_chains(again, seeds, tmp_path / "r", generations=2, batch_size=2)
     assert again.calls == 0 and run.repairs == []
     # extending the chain computes only the new generations
     more = DoubleModel()
-    drift.run_chains(more, seeds, tmp_path / "r", generations=3, batch_size=2)
+    runner.run_chains(more, seeds, tmp_path / "r", generations=3, batch_size=2)
     assert more.calls == 2 * 2  # gen 3 of both chains, 2 batches each
 
 
 def test_corrupt_image_and_csv_are_reported_and_regenerated(tmp_path, caplog):
     seeds = make_seeds(tmp_path, 4)
     kw = dict(generations=3, batch_size=2)
-    drift.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
+    runner.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
     shutil.copytree(tmp_path / "clean", tmp_path / "bad")
     bad_img = tmp_path / "bad" / "text-first" / "gen-1" / "s2.png"
     bad_img.write_bytes(bad_img.read_bytes()[:40])  # truncated PNG
     csv_path = tmp_path / "bad" / "image-first" / "gen-1.csv"
-    csv_path.write_bytes(drift.csv_bytes(drift.read_csv(csv_path)[:-1]))  # a row went missing
+    csv_path.write_bytes(runner.csv_bytes(runner.read_csv(csv_path)[:-1]))  # a row went missing
     model = DoubleModel()
     with caplog.at_level("WARNING"):
-        run = drift.run_chains(model, seeds, tmp_path / "bad", **kw)
+        run = runner.run_chains(model, seeds, tmp_path / "bad", **kw)
     assert any(str(bad_img) in r for r in run.repairs)
     assert any(str(csv_path) in r and "rows do not match" in r for r in run.repairs)
     assert str(bad_img) in caplog.text
@@ -177,22 +182,22 @@ def test_corrupt_image_and_csv_are_reported_and_regenerated(tmp_path, caplog):
 
 def test_reordered_csv_is_rewritten_without_model_calls(tmp_path):
     seeds = make_seeds(tmp_path, 3)
-    drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
+    runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
     path = tmp_path / "r" / "text-first" / "gen-2.csv"
     clean = path.read_bytes()
-    rows = drift.read_csv(path)
-    path.write_bytes(drift.csv_bytes(rows[::-1] + rows[:1]))  # reversed, one duplicated row
+    rows = runner.read_csv(path)
+    path.write_bytes(runner.csv_bytes(rows[::-1] + rows[:1]))  # reversed, one duplicated row
     model = DoubleModel()
-    run = drift.run_chains(model, seeds, tmp_path / "r", generations=2, batch_size=2)
+    run = runner.run_chains(model, seeds, tmp_path / "r", generations=2, batch_size=2)
     assert model.calls == 0 and path.read_bytes() == clean
     assert any(str(path) in r for r in run.repairs)
 
 
 def test_resume_refuses_other_settings(tmp_path):
     seeds = make_seeds(tmp_path, 2)
-    drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="a")
+    runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="a")
     with pytest.raises(Exception, match="different i2t_prompt"):
-        drift.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="b")
+        runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="b")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,9 +228,9 @@ def write_chain(out: Path, chain: str, items: dict[int, dict[str, object]]):
     """items[g][id] = caption str or RGB colour tuple (a solid 4x4 image)."""
     d = out / chain
     for g, per in items.items():
-        if drift.modality(chain, g) == "text":
+        if metrics.modality(chain, g) == "text":
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"gen-{g}.csv").write_bytes(drift.csv_bytes([(f"{i}.png", c) for i, c in per.items()]))
+            (d / f"gen-{g}.csv").write_bytes(runner.csv_bytes([(f"{i}.png", c) for i, c in per.items()]))
         else:
             (d / f"gen-{g}").mkdir(parents=True, exist_ok=True)
             for i, color in per.items():
@@ -242,7 +247,9 @@ def test_mcd_matches_hand_computation(tmp_path):
     write_chain(tmp_path, "image-first", {
         0: {"x": A, "y": C}, 1: {"x": "a", "y": "c"}, 2: {"x": C, "y": C}, 3: {"x": "b", "y": "b"}, 4: {"x": A, "y": B},
     })
-    r = drift.compute_mcd(tmp_path, ["x", "y"], {"table": TableEmbedder(table)}, generations=4)
+    sims = runner.chain_similarities(runner.ChainLayout(tmp_path), ["x", "y"], {"table": TableEmbedder(table)},
+                                     generations=4, chains=metrics.CHAINS)
+    r = metrics.mcd([sims["x"], sims["y"]], generations=4)
     s2 = 1 / math.sqrt(2)
     # S_t2t(2) = mean(cos(a,c), cos(b,b)) ; S_t2t(4) = mean(cos(a,b), cos(b,c))
     S_t2t = {2: (s2 + 1) / 2, 4: (0 + s2) / 2}
@@ -273,11 +280,11 @@ def test_text_only_embedder_does_not_claim_cross_modal(tmp_path):
 def test_decay_fit_recovers_parameters_and_fails_gracefully():
     g = np.arange(1, 11)
     y = 0.4 * np.exp(-0.3 * g) + 0.5
-    fit = drift.fit_decay(g, y)
+    fit = metrics.fit_decay(g, y)
     assert fit["a"] == pytest.approx(0.4, rel=1e-3) and fit["b"] == pytest.approx(0.3, rel=1e-3)
     assert fit["c"] == pytest.approx(0.5, rel=1e-3) and fit["rmse"] < 1e-6
-    assert "error" in drift.fit_decay([1, 2], [0.5, 0.4])
-    assert "error" in drift.fit_decay([1, 2, 3], [0.5, float("nan"), 0.4])
+    assert "error" in metrics.fit_decay([1, 2], [0.5, 0.4])
+    assert "error" in metrics.fit_decay([1, 2, 3], [0.5, float("nan"), 0.4])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -504,6 +511,7 @@ def test_dino_embedder_tiny_local_model(tmp_path):
 # ShapesWorld: scene embedder, exact detector, MGG of a competent vs a random model, shapes CLIP
 # ---------------------------------------------------------------------------------------------------------
 import unicon.worlds.shapes as shapes  # noqa: E402
+import unicon.worlds.shapes_text as shapes_text  # noqa: E402
 
 SHAPES_GENEVAL = [
     {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"},
@@ -531,8 +539,6 @@ SHAPES_GENEVAL = [
 
 def scene_for(spec, cfg, rng):
     """A scene that satisfies a caption spec; relation pairs share a row/column (unambiguous geometry)."""
-    from unicon.worlds.shapes_text import spec_matches
-
     G = cfg.grid
     for _ in range(500):
         free = {(r, c) for r in range(G) for c in range(G)}
@@ -565,7 +571,7 @@ def scene_for(spec, cfg, rng):
                 put(cl.object, *obj)
         if ok:
             scene = shapes.Scene(tuple(objs))
-            if spec_matches(spec, scene):
+            if shapes_text.spec_matches(spec, scene):
                 return scene
     raise AssertionError(f"could not build a scene for {spec.text()!r}")
 
@@ -591,8 +597,8 @@ class ShapesModel(DoubleModel):
     def caption(self, images, prompt=None, **kw):
         self._tick(len(images))
         if not self.competent:
-            return [shapes.describe_scene(self._random_scene(self._rng(np.asarray(im).tobytes()))) for im in images]
-        return [shapes.describe_scene(shapes.parse(im, self.cfg)) for im in images]
+            return [shapes_text.describe_scene(self._random_scene(self._rng(np.asarray(im).tobytes()))) for im in images]
+        return [shapes_text.describe_scene(shapes.parse(im, self.cfg)) for im in images]
 
     def generate_image(self, prompts, context=None, config=None):
         self._tick(len(prompts))
@@ -600,7 +606,7 @@ class ShapesModel(DoubleModel):
         for p in prompts:
             rng = self._rng(p.encode())
             if self.competent:
-                scene = scene_for(shapes.parse_caption(p, self.cfg), self.cfg, rng)
+                scene = scene_for(shapes_text.parse_caption(p, self.cfg), self.cfg, rng)
             else:
                 scene = self._random_scene(rng)
             out.append(shapes.render(scene, self.cfg, seed=0))
@@ -629,7 +635,7 @@ def test_scene_embedder_exact_similarity(world_cfg):
 
 
 def test_shapes_detector_feeds_geneval_rules(world_cfg, tmp_path):
-    from unicon.evaluation.geneval import ShapesDetector, score_images
+    from unicon.evaluation.drift.geneval import ShapesDetector, score_images
 
     f = tmp_path / "g.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
@@ -650,7 +656,7 @@ def test_shapes_detector_feeds_geneval_rules(world_cfg, tmp_path):
 def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
     """Competent = oracle test double (renders the caption's scene, describes the parsed scene); the trained OFA
     is not used here. Random = ignores its input."""
-    from unicon.evaluation.geneval import ShapesDetector
+    from unicon.evaluation.drift.geneval import ShapesDetector
 
     f = tmp_path / "g.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
@@ -659,8 +665,8 @@ def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
     reports = {}
     for name, competent in (("oracle", True), ("random", False)):
         model = ShapesModel(world_cfg, competent)
-        reports[name] = drift.evaluate_drift(model, tmp_path / name, geneval_seeds=seeds, generations=4,
-                                             batch_size=6, detector=det_)
+        reports[name] = runner.evaluate_drift(model, tmp_path / name, geneval_seeds=seeds, generations=4,
+                                              batch_size=6, detector=det_, strips=0)
     oracle, rand = reports["oracle"], reports["random"]
     assert oracle["mgg"]["per_generation"][1]["overall"] == 1.0
     assert set(oracle["mgg"]["per_generation"]) == {1, 3}
@@ -668,7 +674,7 @@ def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
     stored = json.loads((tmp_path / "oracle" / "drift.json").read_text())
     assert stored["MGG"] == pytest.approx(oracle["MGG"])
     assert (tmp_path / "oracle" / "mgg_heatmap.png").is_file()
-    m = drift.drift_metrics(oracle)
+    m = metrics.drift_metrics(oracle)
     assert m["drift/MGG"] == oracle["MGG"] and "drift/MGG_counting" in m
 
 
@@ -682,19 +688,28 @@ def test_mcd_end_to_end_with_scene_embedder_and_outputs(world_cfg, tmp_path):
         scene = model._random_scene(rng)
         p = tmp_path / f"{i}.png"
         shapes.render(scene, world_cfg, seed=0).save(p)
-        seeds.append(DriftSeed(id=f"w{i}", caption=shapes.describe_scene(scene), image=p, scene=scene.to_dict()))
+        seeds.append(DriftSeed(id=f"w{i}", caption=shapes_text.describe_scene(scene), image=p, scene=scene.to_dict()))
     emb = {"scene": SceneEmbedder(world_cfg)}
-    rep_oracle = drift.evaluate_drift(ShapesModel(world_cfg, True), tmp_path / "o", seeds=seeds, generations=3,
-                                      batch_size=4, embedders=emb, strips=1)
-    rep_random = drift.evaluate_drift(model, tmp_path / "r", seeds=seeds, generations=3, batch_size=4, embedders=emb,
-                                      strips=1)
+    backend = matplotlib.get_backend()
+    rep_oracle = runner.evaluate_drift(ShapesModel(world_cfg, True), tmp_path / "o", seeds=seeds, generations=3,
+                                       batch_size=4, embedders=emb, strips=1)
+    rep_random = runner.evaluate_drift(model, tmp_path / "r", seeds=seeds, generations=3, batch_size=4,
+                                       embedders=emb, strips=1)
+    assert matplotlib.get_backend() == backend  # the plots leave the caller's backend alone
     # the oracle preserves the object multiset exactly in every mapping
     assert rep_oracle["MCD"] == pytest.approx({"t2t": 1.0, "t2i": 1.0, "i2i": 1.0, "i2t": 1.0})
     assert rep_random["MCD_avg"] < 0.8
     for f in ("drift.json", "drift_curves.png", "strips.png"):
         assert (tmp_path / "o" / f).is_file()
-    rows = drift.strip_rows(tmp_path / "o" / "mcd", ["w0"], 3, drift.CHAINS)
-    assert len(rows) == 2 and isinstance(rows[0][2], Image.Image) and rows[0][3].startswith("g0: ")
+    # one strip per chain direction of the first seed: its images side by side, its captions by generation
+    strips = rep_oracle["strips"]
+    assert [(e["chain"], e["id"]) for e in strips] == [("text-first", "w0"), ("image-first", "w0")]
+    captions = strips[0]["captions"].splitlines()
+    assert len(captions) == 2 and captions[0] == f"g0: {seeds[0].caption}" and captions[1].startswith("g2: ")
+    with Image.open(tmp_path / "o" / strips[1]["image"]) as im:
+        assert im.size == (2 * (128 + 4), 128)  # image-first, G = 3: images at generations 0 and 2
+    report = json.loads((tmp_path / "o" / "drift.json").read_text())
+    assert report["image_generation"]["do_sample"] is False and "versions.torch" in report["environment"]
 
 
 def test_train_shapes_clip_saves_open_clip_checkpoint(world_cfg, tmp_path):
@@ -710,7 +725,7 @@ def test_train_shapes_clip_saves_open_clip_checkpoint(world_cfg, tmp_path):
             scene = gen._random_scene(rng)
             shapes.render(scene, world_cfg, seed=i).save(tmp_path / "world" / "images" / f"{i}.png")
             f.write(json.dumps({"id": i, "task": "caption", "image": f"images/{i}.png", "text": None,
-                                "target": shapes.describe_scene(scene)}) + "\n")
+                                "target": shapes_text.describe_scene(scene)}) + "\n")
             f.write(json.dumps({"id": 100 + i, "task": "vqa", "image": f"images/{i}.png", "text": "q", "target": "a"}) + "\n")
     tiny = {"embed_dim": 16, "vision_cfg": {"image_size": 64, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},
             "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
@@ -739,64 +754,157 @@ def make_world(root: Path, cfg, n: int = 4) -> Path:
         for i in range(n):
             scene = gen._random_scene(rng)
             shapes.render(scene, cfg, seed=0).save(root / "images" / f"{i}.png")
-            f.write(json.dumps({"id": f"{i:05d}", "image": f"images/{i}.png", "caption": shapes.describe_scene(scene),
+            f.write(json.dumps({"id": f"{i:05d}", "image": f"images/{i}.png", "caption": shapes_text.describe_scene(scene),
                                 "scene": scene.to_dict()}) + "\n")
     (root / "geneval_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
     return root
 
 
-def test_drift_callback_logs_metrics(world_cfg, tmp_path):
+def run_config(data_root: Path, **drift):
+    """A RunConfig with ``data.root`` and ``eval.drift`` settings, as ``unicon train`` passes it."""
+    from omegaconf import OmegaConf
+
+    from unicon.config import RunConfig
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.data.root = str(data_root)
+    for key, value in drift.items():
+        cfg.eval.drift[key] = value
+    return cfg
+
+
+def fake_trainer(run_dir: Path, rank: int = 0, loggers=()):
     from types import SimpleNamespace
 
-    from unicon.config import DriftEvalConfig
-    from unicon.training.loggers import JsonlLogger
+    return SimpleNamespace(default_root_dir=str(run_dir), current_epoch=0, global_step=7, loggers=list(loggers),
+                           sanity_checking=False, is_global_zero=rank == 0)
+
+
+def test_drift_callback_logs_metrics(world_cfg, tmp_path):
+    from unicon.loggers import JsonlLogger
 
     world = make_world(tmp_path / "world", world_cfg)
-    cfg = DriftEvalConfig(num_chains=3, generations=2, embedders=["scene", "clip"], clip=str(tmp_path / "no_clip"),
-                          batch_size=4, strips=1)
-    cb = drift.DriftCallback(cfg, world)
+    cfg = run_config(world, num_chains=3, generations=2, embedders=["scene", "clip"], clip=str(tmp_path / "no_clip"),
+                     batch_size=4, strips=1)
+    cb = DriftCallback.from_config(cfg)
     logger = JsonlLogger(tmp_path / "run")
-    trainer = SimpleNamespace(default_root_dir=str(tmp_path / "run"), current_epoch=0, global_step=7,
-                              loggers=[logger], sanity_checking=False)
-    metrics = cb.evaluate(trainer, ShapesModel(world_cfg, competent=True))
+    result = cb.evaluate(fake_trainer(tmp_path / "run", loggers=[logger]), ShapesModel(world_cfg, competent=True))
     # the missing CLIP was skipped (warning), the scene embedder covers all four mappings
-    assert metrics["drift/MCD_avg"] == pytest.approx(1.0)
-    assert {f"drift/MCD_{m}" for m in drift.MAPPINGS} <= set(metrics)
-    assert 0.8 <= metrics["drift/MGG"] <= 1.0
+    assert result["drift/MCD_avg"] == pytest.approx(1.0)
+    assert {f"drift/MCD_{m}" for m in metrics.MAPPINGS} <= set(result)
+    assert 0.8 <= result["drift/MGG"] <= 1.0
     out = tmp_path / "run" / "eval" / "drift" / "epoch-1"
     assert (out / "drift.json").is_file() and (out / "mgg" / "text-first" / "gen-1").is_dir()
     table = (tmp_path / "run" / "tables" / "drift_strips.jsonl").read_text().splitlines()
     assert len(table) == 2 and json.loads(table[0])["chain"] == "text-first"
 
 
-def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, capsys):
+def test_drift_callback_on_data_that_is_not_a_shapes_world(world_cfg, tmp_path):
+    """Real-data training: seeds from a file, no ShapesWorld piece is built, MGG needs the world."""
     world = make_world(tmp_path / "world", world_cfg)
-    monkeypatch.setattr(drift, "_load_model", lambda ckpt: ShapesModel(world_cfg, competent=True))
-    monkeypatch.setattr(drift, "load_model_for", lambda args: ShapesModel(world_cfg, competent=True))
+    data = tmp_path / "coco"  # a data root without world.json
+    data.mkdir()
+    cfg = run_config(data, seeds=str(world / "drift_seeds.jsonl"), num_chains=2, generations=1,
+                     embedders=["scene"], geneval=False, strips=0)
+    cb = DriftCallback.from_config(cfg)
+    assert cb.detector is None and cb.geneval_seeds == [] and cb.embedders == {} and len(cb.seeds) == 2
+    cb.evaluate(fake_trainer(tmp_path / "run"), ShapesModel(world_cfg, competent=True))
+    assert (tmp_path / "run" / "eval" / "drift" / "epoch-1" / "mcd" / "image-first" / "gen-1.csv").is_file()
+    with pytest.raises(UserError, match=r"eval\.drift\.geneval.*not a ShapesWorld"):
+        DriftCallback.from_config(run_config(data, seeds=str(world / "drift_seeds.jsonl")))
+    with pytest.raises(UserError, match=r"eval\.drift\.seeds: not set"):
+        DriftCallback.from_config(run_config(data, geneval=False))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DDP: the epoch-end callback on 2 gloo ranks == 1 process
+# ---------------------------------------------------------------------------------------------------------
+DDP_SETTINGS = dict(num_chains=3, generations=3, embedders=["scene"], batch_size=2, strips=2)  # 3 seeds: padded
+
+
+def _ddp_drift_rank(rank, world_size, init_file, world_root, run_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cb = DriftCallback.from_config(run_config(Path(world_root), **DDP_SETTINGS))
+        result = cb.evaluate(fake_trainer(Path(run_dir), rank), ShapesModel(shapes.WorldConfig(), competent=False))
+        Path(run_dir, f"metrics-rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_ranks_match_single_process(world_cfg, tmp_path, fork_safe_threads):
+    import torch.multiprocessing as mp
+
+    world = make_world(tmp_path / "world", world_cfg)
+    cb = DriftCallback.from_config(run_config(world, **DDP_SETTINGS))
+    single = cb.evaluate(fake_trainer(tmp_path / "single"), ShapesModel(world_cfg, competent=False))
+    # fork: the children inherit the imported modules and this module's test doubles
+    mp.start_processes(_ddp_drift_rank, args=(2, str(tmp_path / "init"), str(world), str(tmp_path / "ddp")),
+                       nprocs=2, join=True, start_method="fork")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "ddp" / f"metrics-rank{rank}.json").read_text()) == single
+    one, two = (tmp_path / d / "eval" / "drift" / "epoch-1" for d in ("single", "ddp"))
+    # the whole report: per-chain similarities and GenEval verdicts in seed order, strips, repairs
+    assert json.loads((two / "drift.json").read_text()) == json.loads((one / "drift.json").read_text())
+    assert tree_bytes(two / "strips") == tree_bytes(one / "strips")
+    # each rank ran its share of the seeds (rank 1's second seed is rank 0's first: the padding)
+    ids = [json.loads((two / "mcd" / f"rank-{r}" / "run.json").read_text())["ids"] for r in (0, 1)]
+    assert ids == [["00000", "00002"], ["00001", "00000"]]
+    assert not (one / "mcd" / "rank-0").exists()
+
+
+def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, capsys):
+    from unicon.loggers import environment_info
+    from unicon.core import weights_fingerprint
+
+    world = make_world(tmp_path / "world", world_cfg)
+    monkeypatch.setattr(bench, "_load_model", lambda ckpt: ShapesModel(world_cfg, competent=True))
+    monkeypatch.setattr(drift_cli, "load_model_for", lambda args: ShapesModel(world_cfg, competent=True))
     out = tmp_path / "out"
-    rc = drift.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
-                    "--embedders", "scene", "--logger", "csv", "--batch-size", "3"])
+    rc = drift_cli.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
+                        "--embedders", "scene", "--logger", "csv", "--batch-size", "3", "--image-seed", "5"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["MCD_avg"] == pytest.approx(1.0) and summary["MGG"] > 0.8 and summary["repairs"] == 0
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged[0]["drift/MCD_avg"] == pytest.approx(1.0)
+    report = json.loads((out / "drift.json").read_text())
+    assert report["image_generation"]["seed"] == 5  # --image-seed overrides the model's setting
+    assert report["model_fingerprint"] == weights_fingerprint(ShapesModel(world_cfg, competent=True))
+    assert report["environment"] == environment_info()  # git commit, package versions
     # a second invocation resumes: nothing recomputed
-    rc = drift.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
-                    "--embedders", "scene", "--batch-size", "3", "--logger", "none"])
+    rc = drift_cli.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
+                        "--embedders", "scene", "--batch-size", "3", "--logger", "none", "--image-seed", "5"])
     assert rc == 0
     with pytest.raises(SystemExit):
-        drift.cli(["--help"])
+        drift_cli.cli(["--help"])
     capsys.readouterr()
-    rc = drift.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "3", "--generations", "1",
+    rc = bench.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "3", "--generations", "1",
                           "--t2i-base-codes", "2"])
-    bench = json.loads(capsys.readouterr().out)
-    assert rc == 0 and bench["batched_batch_size"] == 3 and bench["sequential_batch_size"] == 1
-    assert bench["speedup"] == pytest.approx(bench["batched_steps_per_s"] / bench["sequential_steps_per_s"])
+    bench_result = json.loads(capsys.readouterr().out)
+    assert rc == 0 and bench_result["batched_batch_size"] == 3 and bench_result["sequential_batch_size"] == 1
+    assert bench_result["speedup"] == pytest.approx(bench_result["batched_steps_per_s"]
+                                                    / bench_result["sequential_steps_per_s"])
+
+
+def test_cli_defaults_are_the_epoch_end_settings():
+    from unicon.config import DriftEvalConfig
+
+    args = drift_cli.build_parser().parse_args(["--ckpt", "x", "--out", "y"])
+    cfg = DriftEvalConfig()
+    assert (args.generations, args.batch_size, args.i2t_prompt, args.clip, args.dino, args.sentence, args.strips,
+            args.seeds, args.geneval, args.long) == (cfg.generations, cfg.batch_size, cfg.i2t_prompt, cfg.clip,
+                                                     cfg.dino, cfg.sentence, cfg.strips, cfg.seeds,
+                                                     cfg.geneval_prompts, cfg.long_prompts)
+    assert args.embedders.split(",") == list(cfg.embedders)
+    assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_clip_color_classifier_crops_boxes_and_averages_templates():
-    from unicon.evaluation.geneval import COLORS, ClipColorClassifier, Detection
+    from unicon.evaluation.drift.geneval import COLORS, ClipColorClassifier, Detection
 
     rgb = {"red": (255, 0, 0), "blue": (0, 0, 255), "green": (0, 255, 0)}
     seen_texts = []
@@ -830,7 +938,7 @@ def test_clip_color_classifier_crops_boxes_and_averages_templates():
 def test_owlv2_detector_wiring_on_a_tiny_random_model(tmp_path):
     import standins
 
-    from unicon.evaluation.geneval import Owlv2Detector
+    from unicon.evaluation.drift.geneval import Owlv2Detector
 
     standins.owlv2(tmp_path / "owl")  # 1 layer, letter vocabulary, 32x32 input, 8x8 patches
     det_ = Owlv2Detector(str(tmp_path / "owl"))

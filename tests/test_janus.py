@@ -474,7 +474,7 @@ def _mini_cococon(tmp_path: Path) -> Path:
 
 
 def test_cococon_evaluation_end_to_end(model, tmp_path):
-    import unicon.evaluation.cococon as cc
+    import unicon.evaluation.cococon.runner as cc
     from unicon.data.cococon import load_cococon
 
     data = load_cococon(_mini_cococon(tmp_path))
@@ -494,7 +494,7 @@ def test_cococon_evaluation_end_to_end(model, tmp_path):
 
 
 def test_drift_two_generations_end_to_end(model, tmp_path):
-    import unicon.evaluation.drift as drift
+    import unicon.evaluation.drift.runner as drift
     from unicon.data.drift_seeds import DriftSeed
 
     seeds = []
@@ -504,7 +504,9 @@ def test_drift_two_generations_end_to_end(model, tmp_path):
         seeds.append(DriftSeed(id=f"s{i}", caption=f"a blue square number {i}", image=p))
     run = drift.run_chains(model, seeds, tmp_path / "chains", generations=2, batch_size=2,
                            image_config=ImageGenerationConfig(seed=0))
-    assert run is not None
+    assert (run.ids, run.generations) == (["s0", "s1"], 2)
+    assert run.computed == {chain: [0, 1, 2] for chain in run.chains}  # generation 0: the seeds
+    assert run.model_steps == len(run.chains) * 2 * len(seeds) and not run.repairs
     files = [p.name for p in (tmp_path / "chains").rglob("*") if p.is_file()]
     assert any(f.endswith(".png") for f in files) and any(f.endswith(".csv") for f in files)
     for png in (tmp_path / "chains").rglob("*.png"):
@@ -513,9 +515,9 @@ def test_drift_two_generations_end_to_end(model, tmp_path):
 
 
 def test_ureason_settings_end_to_end(model, tmp_path):
-    import unicon.evaluation.ureason as ur
+    import unicon.evaluation.ureason.runner as ur
     from unicon.data.ureason import UReasonInstance
-    from unicon.evaluation.judges import Judge, Verdict
+    from unicon.evaluation.ureason.judges import Judge, Verdict
 
     class BrightJudge(Judge):
         name = "bright"

@@ -15,7 +15,8 @@ import torch
 from conftest import float32_tol
 from transformers import ClassifierFreeGuidanceLogitsProcessor
 
-from unicon.models.base import ImageGenerationConfig, ImageTokenizer
+from unicon.core import ImageTokenizer
+from unicon.models.base import ImageGenerationConfig
 from unicon.models.ofa.tokenization import BOS_ID, OFATokenizer
 from unicon.models.ofa.unified import (
     ClassifierFreeGuidance,

@@ -13,7 +13,8 @@ from conftest import float32_tol
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from unicon.models.base import ImageGenerationConfig, ImageTokenizer, Scores
+from unicon.core import ImageTokenizer
+from unicon.models.base import ImageGenerationConfig, Scores
 from unicon.models.ofa.tokenization import BOS_ID, EOS_ID, OFATokenizer
 from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
 
@@ -420,13 +421,10 @@ TINY_ARCH = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attenti
 
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory):
-    import importlib.util
+    import data_builders.shapes
 
-    spec = importlib.util.spec_from_file_location("shapes_builder_ofa", REPO / "data_builders" / "shapes.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
     out = tmp_path_factory.mktemp("ofa_world") / "shapes"
-    builder.main(["--out", str(out), "--num-train", "20", "--num-val", "4", "--num-test", "12",
+    data_builders.shapes.main(["--out", str(out), "--num-train", "20", "--num-val", "4", "--num-test", "12",
                   "--num-reason-train", "0", "--num-ureason", "2", "--geneval-per-tag", "2",
                   "--num-drift-seeds", "2", "--quiet"])
     return out
@@ -521,15 +519,6 @@ def test_load_model_accepts_save_pretrained_dirs_and_lightning_ckpts(tiny_world,
         load_model(tmp_path / "broken.ckpt")
 
 
-def test_box_iou_by_hand():
-    from unicon.worlds.shapes_eval import box_iou
-
-    assert box_iou([0, 0, 10, 10], [0, 0, 10, 10]) == 1.0
-    assert box_iou([0, 0, 10, 10], [5, 0, 10, 10]) == pytest.approx(50 / 150)
-    assert box_iou([0, 0, 10, 10], [20, 20, 5, 5]) == 0.0
-    assert box_iou([0, 0, 0, 0], [0, 0, 0, 0]) == 0.0
-
-
 class _Oracle(torch.nn.Module):
     """Answers from the parsed image with the world's own functions (or wrongly, when ``wrong``)."""
 
@@ -579,7 +568,7 @@ class _Oracle(torch.nn.Module):
 
 
 def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_world):
-    from unicon.worlds.shapes_eval import shapes_task_accuracies
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
 
     good = shapes_task_accuracies(_Oracle(tiny_world), tiny_world, "test", limit=8)
     bad = shapes_task_accuracies(_Oracle(tiny_world, wrong=True), tiny_world, "test", limit=8)
@@ -590,13 +579,13 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
 
 
 def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, monkeypatch):
-    import unicon.evaluation.shapes as shapes_cli
-    import unicon.models
+    import unicon.core
+    import unicon.evaluation.shapes.cli as shapes_cli
     from unicon.cli import main
 
     oracle = _Oracle(tiny_world)
     monkeypatch.setattr(shapes_cli, "load_model_for", lambda args: oracle)
-    monkeypatch.setattr(unicon.models, "weights_fingerprint", lambda model: "oracle")
+    monkeypatch.setattr(unicon.core, "weights_fingerprint", lambda model: "oracle")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     out = tmp_path / "out"
@@ -620,7 +609,7 @@ def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, m
 
 
 def test_shapes_task_accuracies_runs_the_real_model(tiny_world):
-    from unicon.worlds.shapes_eval import shapes_task_accuracies
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
 
     acc = shapes_task_accuracies(_world_model(tiny_world), tiny_world, "test", limit=3)
     assert set(acc) >= {"vqa_accuracy", "caption_match", "loc_iou50", "t2i_match", "loc_miou"}

@@ -396,7 +396,8 @@ def test_mgg_scores_the_geneval_file_given_as_seeds(world, trained, tmp_path):
 
 
 def test_cococon_and_ureason_outputs_record_their_model(world, trained, tmp_path):
-    from unicon.models import load_model, weights_fingerprint
+    from unicon.core import weights_fingerprint
+    from unicon.models import load_model
 
     fp = weights_fingerprint(load_model(trained / "export"))
     ckpt = str(trained / "export")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +21,6 @@ from unicon.worlds.shapes import (
     ShapeObject,
     ShapesTokenizer,
     WorldConfig,
-    answer_question,
-    caption_matches,
-    check_criterion,
-    check_geneval,
     codes_to_scene,
     detect,
     load_world,
@@ -36,7 +30,15 @@ from unicon.worlds.shapes import (
     scene_to_codes,
 )
 from unicon.worlds.shapes_reasoning import REFINED_MARKER, make_reasoning_item
-from unicon.worlds.shapes_text import mentions_concept, mentions_kind, parse_caption, pattern_matches
+from unicon.worlds.shapes_text import (
+    answer_question,
+    caption_matches,
+    mentions_concept,
+    mentions_kind,
+    parse_caption,
+    pattern_matches,
+)
+from unicon.worlds.shapes_verify import check_criterion, check_geneval
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = WorldConfig()
@@ -45,11 +47,9 @@ SMALL = ["--num-train", "120", "--num-val", "30", "--num-test", "30", "--num-rea
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("shapes_builder", REPO / "data_builders" / "shapes.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # as the CLI loads it: worker processes unpickle by module name
-    spec.loader.exec_module(mod)
-    return mod
+    import data_builders.shapes
+
+    return data_builders.shapes
 
 
 def _random_scene(rng, cfg=CFG) -> Scene:

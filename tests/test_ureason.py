@@ -1,4 +1,5 @@
-"""UReason: loader, refined-prompt extraction, strict judge parsing, metrics, judges, settings run."""
+"""UReason: loader, refined-prompt extraction, strict judge parsing, metrics, judges, settings run,
+the CLI and callback, and DDP (2 gloo ranks) == 1 process."""
 
 from __future__ import annotations
 
@@ -10,15 +11,21 @@ import pytest
 import torch
 from PIL import Image
 
+from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import (
     CATEGORIES,
     UReasonFormatError,
     UReasonInstance,
+    load_instances,
     load_shapes_ureason,
     load_ureason,
+    subset,
+    world_root_of,
 )
-from unicon.evaluation import ureason as ur
-from unicon.evaluation.judges import (
+from unicon.evaluation.ureason import cli as ureason_cli
+from unicon.evaluation.ureason import runner as ur
+from unicon.evaluation.ureason.callback import UReasonCallback
+from unicon.evaluation.ureason.judges import (
     REASONING_CHAIN_PROMPT,
     VISUAL_VERIFICATION_PROMPT,
     Judge,
@@ -30,6 +37,8 @@ from unicon.evaluation.judges import (
     parse_answer,
     verdict_from_reply,
 )
+from unicon.evaluation.ureason.metrics import SETTING_NAMES, UReasonMetric, compute_metrics, markdown_table
+from unicon.errors import UserError
 from unicon.models.base import TextGeneration, UnifiedModel
 
 
@@ -243,6 +252,10 @@ def _sample(i, cat, statuses, images=(True, True, True), chain=None, rule="refin
     return s
 
 
+def _records(samples):
+    return [ur.sample_record(s, {}) for s in samples]
+
+
 def test_metrics_by_hand_missing_image_is_a_failure():
     samples = [
         _sample(1, "code", ("no", "yes", "yes"), chain="yes"),
@@ -251,7 +264,7 @@ def test_metrics_by_hand_missing_image_is_a_failure():
         _sample(4, "text", ("no", "unparseable", "yes"), chain="yes"),
         _sample(5, "text", ("no_input", "no", "yes"), images=(False, True, True), chain="unparseable"),
     ]
-    m = ur.compute_metrics(samples)
+    m = compute_metrics(_records(samples))
     assert m["n"] == 5
     assert m["acc_s1"] == pytest.approx(100 * 1 / 5)
     assert m["acc_s2"] == pytest.approx(100 * 2 / 5)
@@ -268,7 +281,7 @@ def test_metrics_by_hand_missing_image_is_a_failure():
     assert (m["missing_s1"], m["missing_s2"], m["missing_s3"]) == (1, 0, 1)
     assert (m["unparseable_s1"], m["unparseable_s2"], m["unparseable_s3"]) == (0, 1, 0)
     assert m["chain_unparseable"] == 1
-    table = ur.markdown_table(m, ["code", "text"])
+    table = markdown_table(m, ["code", "text"])
     assert "| 3 De-contextualized | 66.7 | +0.0 | 100.0 | +100.0 | 80.0 | +40.0 |" in table
     assert "| 1 Direct | 33.3 | - | 0.0 | - | 20.0 | - |" in table
 
@@ -398,7 +411,7 @@ def test_truncated_trace_is_flagged(tmp_path):
 
 def test_subset_is_round_robin_over_categories():
     inst = [_inst(i, c) for c, n in (("code", 3), ("text", 1), ("spatial", 2)) for i in range(n)]
-    got = ur.subset(inst, 4)
+    got = subset(inst, 4)
     assert [(i.category, i.id) for i in got] == [("code", 0), ("text", 0), ("spatial", 0), ("code", 1)]
 
 
@@ -415,31 +428,43 @@ def test_cli_and_loggers(tmp_path, monkeypatch):
     import unicon.models as models
 
     monkeypatch.setattr(models, "load_model", lambda path, **kw: ColorDouble(), raising=False)
-    monkeypatch.setattr(ur, "build_judge", lambda spec, **kw: ColorJudge())
-    from unicon.errors import UserError
+    monkeypatch.setattr(ureason_cli, "build_judge", lambda spec, **kw: ColorJudge())
 
     ckpt, vlm = tmp_path / "ckpt", tmp_path / "vlm"  # local directories (the doubles load nothing from them)
     ckpt.mkdir()
     vlm.mkdir()
     with pytest.raises(UserError, match="judge 'exact' needs ShapesWorld prompts"):
-        ur.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
+        ureason_cli.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
     out = tmp_path / "out"
-    assert ur.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(out), "--logger", "none",
+    assert ureason_cli.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(out), "--logger", "none",
                    "--device", "cpu", "--judge", f"vlm:{vlm}"]) == 0
-    metrics = json.loads((out / "ureason.json").read_text())["metrics"]
+    saved = json.loads((out / "ureason.json").read_text())
+    metrics = saved["metrics"]
     assert metrics["acc_s3"] == 100.0 and metrics["acc_s1/code"] == 0.0
+    # the run records what produced it
+    assert saved["generation"]["max_new_tokens"] == UReasonEvalConfig.max_new_tokens
+    assert saved["generation"]["image"]["seed"] is None and saved["judge"] == "color"
+    assert saved["model_fingerprint"] and "versions.torch" in saved["environment"]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged[0]["ureason/acc_s3"] == 100.0
     table = [json.loads(line) for line in (out / "tables" / "ureason_samples.jsonl").read_text().splitlines()]
     assert len(table) == 4 and all(Path(out / "tables" / t["image_s1"]).is_file() for t in table)
     with pytest.raises(SystemExit):
-        ur.cli(["--help"])
+        ureason_cli.cli(["--help"])
+
+
+def test_cli_defaults_are_the_config_defaults():
+    args = ureason_cli.build_parser().parse_args(["--ckpt", "c", "--out", "o", "--data", "d"])
+    config = UReasonEvalConfig()
+    for name in ("judge", "chain_judge", "max_new_tokens", "batch_size", "table_rows"):
+        assert getattr(args, name) == getattr(config, name), name
+    assert args.max_samples is None  # the standalone benchmark runs every instance
 
 
 def test_callback_logs_headline_metrics(tmp_path):
     import lightning.pytorch as pl
 
-    from unicon.training.loggers import JsonlLogger
+    from unicon.loggers import JsonlLogger
 
     data = tmp_path / "data"
     data.mkdir()
@@ -462,7 +487,7 @@ def test_callback_logs_headline_metrics(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    cb = ur.UReasonCallback(data, judge=ColorJudge(), max_samples=3, fail_on_error=True)
+    cb = UReasonCallback(data, judge=ColorJudge(), max_samples=3, fail_on_error=True)
     trainer = pl.Trainer(max_epochs=1, logger=[JsonlLogger(tmp_path)], callbacks=[cb], default_root_dir=tmp_path,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          accelerator="cpu")
@@ -529,6 +554,10 @@ def test_vlm_judge_wiring_with_a_tiny_qwen2_vl(tmp_path):
     expected = _reference_replies(judge.model, judge.tokenizer, inputs, 6)
     for v, (reply, hit) in zip([verdicts[0], verdicts[2]], expected):
         assert v.reply == reply and v.truncated == hit and v.status == parse_answer(reply)
+    # judge dtypes are the names of unicon.core.DTYPES (aliases included) or "auto"
+    assert VLMJudge.from_pretrained(str(tmp_path / "vlm"), dtype="bf16").model.dtype == torch.bfloat16
+    with pytest.raises(UserError, match="judge dtype must be one of float32, .*auto, got 'int8'"):
+        VLMJudge.from_pretrained(str(tmp_path / "vlm"), dtype="int8")
 
 
 def test_chain_judge_wiring_with_a_tiny_llama(tmp_path):
@@ -581,13 +610,13 @@ PATTERN = {"objects": [{"shape": "circle", "color": "red"}, {"shape": "square", 
     ],
 )
 def test_refined_prompt_implies_pattern(text, ok):
-    from unicon.evaluation.judges import refined_prompt_implies
+    from unicon.evaluation.ureason.judges import refined_prompt_implies
 
     assert refined_prompt_implies(text, PATTERN) is ok
 
 
 def test_exact_judge_on_rendered_scenes():
-    from unicon.evaluation.judges import ShapesJudge
+    from unicon.evaluation.ureason.judges import ShapesJudge
     from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, render
 
     cfg = WorldConfig()
@@ -627,7 +656,7 @@ class ShapesDouble(ColorDouble):
 
 def test_shapes_run_reports_all_three_settings(tmp_path):
     """A ShapesWorld-format run (the tiny trained OFA is not used here: a deterministic test double)."""
-    from unicon.evaluation.judges import ShapesJudge
+    from unicon.evaluation.ureason.judges import ShapesJudge
     from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig
 
     cfg = WorldConfig()
@@ -641,7 +670,7 @@ def test_shapes_run_reports_all_three_settings(tmp_path):
                                                   "target_scene": t} for i, p, t in items])
         _write(world / f"{cat}.jsonl", [{"id": i, "prompt": "think: " + p, "expect_en": "c", "category": cat,
                                            "target_scene": t} for i, p, t in items])
-    instances = ur.load_instances(tmp_path / "world")
+    instances = load_instances(tmp_path / "world")
     drawings = {
         "a red circle": Scene((ShapeObject("circle", "red", 1, 1),)),
         "two red circles and a blue square": Scene((ShapeObject("circle", "red", 0, 0),
@@ -661,18 +690,14 @@ def test_shapes_run_reports_all_three_settings(tmp_path):
     assert metrics["delta_23"] == 100.0 and metrics["fallback_rate"] == 0.0
     table = (tmp_path / "out" / "table.md").read_text()
     for k in (1, 2, 3):
-        assert f"| {k} {ur.SETTING_NAMES[k]} |" in table
+        assert f"| {k} {SETTING_NAMES[k]} |" in table
 
 
 @pytest.fixture(scope="module")
 def shapes_world(tmp_path_factory):
     """A small ShapesWorld built by ``unicon build-data shapes`` (3 UReason prompts per category)."""
-    import importlib.util
+    import data_builders.shapes as builder
 
-    spec = importlib.util.spec_from_file_location(
-        "shapes_builder", Path(__file__).resolve().parents[1] / "data_builders" / "shapes.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
     out = tmp_path_factory.mktemp("ureason_world") / "world"
     assert builder.main(["--out", str(out), "--seed", "5", "--num-train", "60", "--num-val", "10", "--num-test", "10",
                          "--num-reason-train", "10", "--num-ureason", "3", "--geneval-per-tag", "2",
@@ -682,9 +707,9 @@ def shapes_world(tmp_path_factory):
 
 def test_shapes_gold_traces_pass_extraction_and_the_exact_chain_check(shapes_world):
     """The builder's own think-then-draw traces are the ideal chains: all must be judged correct."""
-    from unicon.evaluation.judges import ShapesJudge
+    from unicon.evaluation.ureason.judges import ShapesJudge
 
-    instances = ur.load_instances(shapes_world)
+    instances = load_instances(shapes_world)
     assert {i.category for i in instances} == {"arithmetic", "attribute", "spatial", "code"} and len(instances) == 12
     gold = {}
     for cat in ("arithmetic", "attribute", "spatial", "code"):
@@ -705,8 +730,9 @@ def test_shapes_run_with_a_tiny_ofa(shapes_world, tmp_path):
     """The real OFA backend (randomly initialised tiny preset; no trained checkpoint here) through
     all three settings with the exact judge; verdicts re-checked from the saved PNGs."""
     from unicon.models import build_model
-    from unicon.evaluation.judges import build_judge
-    from unicon.worlds.shapes import check_criterion, load_world
+    from unicon.evaluation.ureason.judges import build_judge
+    from unicon.worlds.shapes import load_world
+    from unicon.worlds.shapes_verify import check_criterion
 
     torch.manual_seed(0)
     model = build_model({"backend": "ofa", "preset": "shapes-tiny",
@@ -714,8 +740,8 @@ def test_shapes_run_with_a_tiny_ofa(shapes_world, tmp_path):
                                   "max_new_tokens": 16, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
                                   "encoder_attention_heads": 2, "decoder_attention_heads": 2,
                                   "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}}, shapes_world)
-    instances = ur.subset(ur.load_instances(shapes_world), 4)
-    judge = build_judge("exact", world_root=ur.world_root_of(shapes_world))
+    instances = subset(load_instances(shapes_world), 4)
+    judge = build_judge("exact", world_root=world_root_of(shapes_world))
     out = tmp_path / "out"
     metrics, samples = ur.evaluate_ureason(model, instances, judge, out_dir=out, max_new_tokens=16, batch_size=4)
     cfg = load_world(shapes_world).config
@@ -738,8 +764,8 @@ def test_shapes_run_with_a_tiny_ofa(shapes_world, tmp_path):
                                                                for r in rows) / 4)
 
 
-def test_sharded_counts_sum_to_the_full_metrics():
-    """The callback's DDP path: per-rank count matrices summed == metrics over all samples."""
+def test_metric_states_summed_over_shards_give_the_full_metrics():
+    """What torchmetrics' sync does under DDP: states of disjoint shards added == one pass over all."""
     samples = [
         _sample(1, "code", ("no", "yes", "yes"), chain="yes"),
         _sample(2, "code", ("no", "no", "yes"), chain="no", rule="last_paragraph"),
@@ -748,9 +774,57 @@ def test_sharded_counts_sum_to_the_full_metrics():
         _sample(5, "code", ("yes", "yes", "yes"), chain="yes"),
     ]
     cats = ["code", "text"]
-    summed = ur.count_matrix(samples[0::2], cats) + ur.count_matrix(samples[1::2], cats)
-    full = ur.compute_metrics(samples, cats)
-    sharded = ur.metrics_from_counts(summed, cats)
-    assert sharded.keys() == full.keys()
+    shards = [UReasonMetric(cats), UReasonMetric(cats)]
+    shards[0].update(_records(samples[0::2]))
+    shards[1].update(_records(samples[1::2]))
+    shards[0].merge_state(shards[1])
+    full = compute_metrics(_records(samples), cats)
+    sharded = shards[0].compute()
+    assert list(sharded) == list(full)
     for k in full:
         assert sharded[k] == pytest.approx(full[k], nan_ok=True), k
+    with pytest.raises(ValueError, match="category 'spatial'"):
+        UReasonMetric(cats).update(_records([_sample(6, "spatial", ("yes", "yes", "yes"))]))
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP: the production path in 2 gloo ranks == 1 process
+# ---------------------------------------------------------------------------------------------
+def _ddp_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        metrics, samples = ur.evaluate_ureason(ColorDouble(fail_on="blue"), _ddp_instances(), ColorJudge(),
+                                               out_dir=Path(out_dir) / "ddp", batch_size=2)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"metrics": metrics,
+                                                                 "ids": [s.instance.id for s in samples]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_instances():
+    # 5 instances on 2 ranks: the sampler pads rank 1 with a repeat of instance 0
+    extra = UReasonInstance(id=5, category="spatial", direct_prompt="draw green", prompt="the answer is blue",
+                            expect_en="blue")
+    return [*_color_instances(), extra]
+
+
+@pytest.mark.timeout(180)
+def test_ddp_two_gloo_ranks_match_one_process(tmp_path, fork_safe_threads):
+    import torch.multiprocessing as mp
+
+    one, _ = ur.evaluate_ureason(ColorDouble(fail_on="blue"), _ddp_instances(), ColorJudge(),
+                                 out_dir=tmp_path / "one", batch_size=2)
+    assert one["n"] == 5 and one["missing_s3"] == 2.0  # the blue refined prompts fail to draw
+    # fork: the children inherit the imported modules and this file's test doubles
+    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["ids"] for r in ranks] == [[1, 3, 5], [2, 4, 1]]  # instance 1 evaluated twice, counted once
+    for r in ranks:
+        assert r["metrics"] == json.loads(json.dumps(one))
+    for name in ("samples.jsonl", "ureason.json", "table.md"):
+        assert (tmp_path / "ddp" / name).read_text() == (tmp_path / "one" / name).read_text(), name
+    images = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*.png"))
+    assert images and images == sorted(p.relative_to(tmp_path / "ddp") for p in (tmp_path / "ddp").rglob("*.png"))

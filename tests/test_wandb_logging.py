@@ -155,7 +155,9 @@ def _overrides(world: Path, export: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tiny_shapes_world, tmp_path_factory):
     """``{"run_dir", "export", "first", "resumed", "evaluate": {suite: OfflineRun}}``."""
-    from unicon.evaluation import cococon, drift, ureason
+    from unicon.evaluation.cococon.cli import cli as cococon_cli
+    from unicon.evaluation.drift.cli import cli as drift_cli
+    from unicon.evaluation.ureason.cli import cli as ureason_cli
     from unicon.models import build_model
     from unicon.training.run import compose_run, train
 
@@ -173,11 +175,11 @@ def runs(tiny_shapes_world, tmp_path_factory):
         assert resumed["global_step"] == 3 * STEPS_PER_EPOCH
         common = ["--ckpt", str(export), "--device", "cpu", "--logger", "wandb"]
         evaluated = {}
-        assert cococon.cli([*common, "--data", str(tiny_shapes_world / "cococon_test.json"), "--max-samples", "4",
+        assert cococon_cli([*common, "--data", str(tiny_shapes_world / "cococon_test.json"), "--max-samples", "4",
                             "--no-generative", "--out", str(root / "cococon")]) == 0
-        assert drift.cli([*common, "--world", str(tiny_shapes_world), "--num-chains", "1", "--generations", "1",
+        assert drift_cli([*common, "--world", str(tiny_shapes_world), "--num-chains", "1", "--generations", "1",
                           "--embedders", "scene", "--out", str(root / "drift")]) == 0
-        assert ureason.cli([*common, "--data", str(tiny_shapes_world), "--max-samples", "2",
+        assert ureason_cli([*common, "--data", str(tiny_shapes_world), "--max-samples", "2",
                             "--out", str(root / "ureason")]) == 0
         for suite in ("cococon", "drift", "ureason"):
             (evaluated[suite],) = offline_runs(root / suite)
@@ -210,8 +212,9 @@ def test_every_epoch_end_logs_every_table_figure_and_scalar(runs):
 def test_run_config_is_the_flattened_config_with_git_versions_and_fingerprint(runs):
     import importlib.metadata
 
-    from unicon.models import load_model, weights_fingerprint
-    from unicon.training.loggers import git_state
+    from unicon.core import weights_fingerprint
+    from unicon.loggers import git_state
+    from unicon.models import load_model
 
     config = runs["first"].config
     expected = {"model.backend": "ofa", "model.preset": "shapes-tiny", "loss.type": "spearman",
@@ -272,7 +275,7 @@ def test_standalone_evaluations_log_tables_and_figures(runs):
 # Pieces
 # ---------------------------------------------------------------------------------------------
 def test_summary_rules():
-    from unicon.training.loggers import summary_for
+    from unicon.loggers import summary_for
 
     assert summary_for("cococon/t2i/C_3") == summary_for("cococon/probe/vqa/rho") == "max,last"
     assert summary_for("drift/clip/MCD_i2t") == summary_for("drift/MGG_counting") == "max,last"
@@ -281,7 +284,7 @@ def test_summary_rules():
 
 
 def test_flatten_config_keeps_lists_and_empty_sections():
-    from unicon.training.loggers import flatten_config
+    from unicon.loggers import flatten_config
 
     flat = flatten_config(compose(["loss.lambda_=0.5"]))
     assert flat["loss.lambda_"] == 0.5 and isinstance(flat["loss.tasks"], list) and "loss" not in flat
@@ -289,7 +292,7 @@ def test_flatten_config_keeps_lists_and_empty_sections():
 
 
 def test_persistent_run_id_is_made_once_and_checked(tmp_path):
-    from unicon.training.loggers import WANDB_ID_FILE, persistent_run_id
+    from unicon.loggers import WANDB_ID_FILE, persistent_run_id
 
     first = persistent_run_id(tmp_path)
     assert re.fullmatch(r"[a-z0-9]{8}", first) and persistent_run_id(tmp_path) == first
@@ -300,7 +303,7 @@ def test_persistent_run_id_is_made_once_and_checked(tmp_path):
 
 def test_git_state_outside_a_checkout_is_empty(tmp_path, monkeypatch):
     import unicon
-    from unicon.training.loggers import environment_info, git_state
+    from unicon.loggers import environment_info, git_state
 
     (tmp_path / "__init__.py").write_text("")
     monkeypatch.setattr(unicon, "__file__", str(tmp_path / "__init__.py"))

@@ -4,19 +4,19 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 
 =========================  ==============================================
 ``unicon train``           ``unicon.training.run.cli``
-``unicon evaluate cococon`` ``unicon.evaluation.cococon.cli``
-``unicon evaluate drift``   ``unicon.evaluation.drift.cli``
-``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli``
-``unicon evaluate shapes``  ``unicon.evaluation.shapes.cli``
-``unicon build-data shapes`` ``data_builders/shapes.py: main``
-``unicon build-data cococon`` ``data_builders/cococon.py: main``
+``unicon evaluate cococon`` ``unicon.evaluation.cococon.cli.cli``
+``unicon evaluate drift``   ``unicon.evaluation.drift.cli.cli``
+``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli.cli``
+``unicon evaluate shapes``  ``unicon.evaluation.shapes.cli.cli``
+``unicon build-data shapes`` ``data_builders.shapes.main``
+``unicon build-data cococon`` ``data_builders.cococon.main``
 ``unicon experiment table2`` ``unicon.experiments.table2.cli``
 ``unicon report``          ``unicon.report.cli``
 ``unicon bench scoring``   ``unicon.models.bench.cli``
 ``unicon bench train``     ``unicon.training.bench.cli``
 ``unicon bench pretrain``  ``unicon.training.bench.pretrain_cli``
-``unicon bench chains``    ``unicon.evaluation.drift.bench_cli``
-``unicon bench build-cococon`` ``data_builders/cococon.py: bench_main``
+``unicon bench chains``    ``unicon.evaluation.drift.bench.bench_cli``
+``unicon bench build-cococon`` ``data_builders.cococon.bench_main``
 =========================  ==============================================
 
 User mistakes (:class:`unicon.errors.UserError`, :class:`unicon.config.ConfigError`, a missing
@@ -28,30 +28,25 @@ all errors.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
-from pathlib import Path
-from typing import Callable
 
 from unicon.config import ConfigError
 from unicon.errors import UserError
 from unicon.evaluation.preemption import Preempted
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 # command -> (module, function, one-line help); nested dicts are command groups
 COMMANDS: dict = {
     "train": ("unicon.training.run", "cli", "train a unified model (consistency training or pretraining)"),
     "evaluate": {
-        "cococon": ("unicon.evaluation.cococon", "cli", "CocoCon cross-task consistency C_k, rho_rank, accuracies"),
-        "drift": ("unicon.evaluation.drift", "cli", "semantic drift chains (MCD, MGG)"),
-        "ureason": ("unicon.evaluation.ureason", "cli", "UReason reasoning-to-image, three settings"),
-        "shapes": ("unicon.evaluation.shapes", "cli", "ShapesWorld task accuracies (VQA, caption, loc, T2I)"),
+        "cococon": ("unicon.evaluation.cococon.cli", "cli", "CocoCon cross-task consistency C_k, rho_rank, accuracies"),
+        "drift": ("unicon.evaluation.drift.cli", "cli", "semantic drift chains (MCD, MGG)"),
+        "ureason": ("unicon.evaluation.ureason.cli", "cli", "UReason reasoning-to-image, three settings"),
+        "shapes": ("unicon.evaluation.shapes.cli", "cli", "ShapesWorld task accuracies (VQA, caption, loc, T2I)"),
     },
     "build-data": {
-        "shapes": ("data_builders/shapes.py", "main", "build the embedded ShapesWorld datasets"),
-        "cococon": ("data_builders/cococon.py", "main", "CocoCon contrast sets from COCO + VQAv2 (section 4.1)"),
+        "shapes": ("data_builders.shapes", "main", "build the embedded ShapesWorld datasets"),
+        "cococon": ("data_builders.cococon", "main", "CocoCon contrast sets from COCO + VQAv2 (section 4.1)"),
     },
     "experiment": {
         "table2": ("unicon.experiments.table2", "cli", "CocoCon Table 2: K vs M vs hinge across seeds, paired CIs"),
@@ -61,8 +56,8 @@ COMMANDS: dict = {
         "scoring": ("unicon.models.bench", "cli", "batched vs naive likelihood scoring (samples/s)"),
         "train": ("unicon.training.bench", "cli", "consistency vs standard update throughput"),
         "pretrain": ("unicon.training.bench", "pretrain_cli", "pretraining examples/s, FLOPs, share of a matmul peak"),
-        "chains": ("unicon.evaluation.drift", "bench_cli", "batched vs one-at-a-time drift chains"),
-        "build-cococon": ("data_builders/cococon.py", "bench_main", "CocoCon builder pairs/s and peak memory"),
+        "chains": ("unicon.evaluation.drift.bench", "bench_cli", "batched vs one-at-a-time drift chains"),
+        "build-cococon": ("data_builders.cococon", "bench_main", "CocoCon builder pairs/s and peak memory"),
     },
 }
 
@@ -75,22 +70,6 @@ def _usage(table: dict, prefix: str) -> str:
         lines.append(f"  {name:<12} {desc}")
     lines += ["", f"Run '{prefix} <command> --help' for the options of a command."]
     return "\n".join(lines)
-
-
-def _resolve(target: str, func: str) -> Callable[[list[str]], int]:
-    if target.endswith(".py"):  # a builder script at the repository root
-        path = REPO_ROOT / target
-        if not path.is_file():
-            raise UserError(f"{path} not found (is unicon installed from a source checkout?)")
-        spec = importlib.util.spec_from_file_location(f"unicon_builder_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        # registered under its name (importlib's recipe) so that a builder's forked worker processes
-        # can unpickle its functions by module name
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    return getattr(module, func)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         table = entry
     try:
-        return int(_resolve(entry[0], entry[1])(argv) or 0)
+        command = getattr(importlib.import_module(entry[0]), entry[1])
+        return int(command(argv) or 0)
     except (UserError, ConfigError, FileNotFoundError) as e:
         if debug:
             raise

@@ -10,17 +10,26 @@ A run's config is ``RunConfig`` (the schema below) merged, in order, with:
 
 Groups are ``model data trainer loss eval logger``; a group file holds the body of
 that section (``configs/loss/spearman.yaml`` holds ``type: spearman`` ...).
+
+An experiment may extend another with ``extends: <experiment name>``: the parent's ``defaults:``
+and body come first, the child's on top (mappings merge key by key, a list or a value is
+replaced), and a parent may extend a grandparent. ``shapes_consistency_control`` is
+``shapes_consistency`` with ``defaults: {loss: none}`` and its own ``name``.
+
 Every layer is validated against the schema: an unknown key or a wrong type raises
-:class:`ConfigError` naming the key and the file (or "command line") it came from.
+:class:`ConfigError` naming the key and the file (or "command line") it came from. Fields with
+a fixed set of values are declared with :func:`choice` and checked right after composition, so a
+bad value fails at compose time, before anything is built, naming the file or "command line".
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, get_type_hints
+from typing import Any, Callable, Optional, Sequence, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -32,13 +41,29 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override; its message is one readable line."""
 
 
+#: backends that ``unicon.models`` registers (``@register_backend`` in their modules; a test checks
+#: this list against the registry). Installed packages add theirs through the entry-point group.
+IN_TREE_BACKENDS = ("ofa", "janus", "decoupled")
+BACKEND_ENTRY_POINTS = "unicon.backends"
+
+
+def backend_names() -> tuple[str, ...]:
+    """The allowed ``model.backend`` values: the in-tree backends, then those that installed
+    packages declare in the ``unicon.backends`` entry-point group (read from package metadata,
+    so composing a config never imports a model)."""
+    plugins = sorted({ep.name for ep in importlib.metadata.entry_points(group=BACKEND_ENTRY_POINTS)})
+    return IN_TREE_BACKENDS + tuple(name for name in plugins if name not in IN_TREE_BACKENDS)
+
+
 # ---------------------------------------------------------------------------------------------
 # Schema. ``choice(...)`` and ``bounded(...)`` declare the allowed values of a field; they are
 # checked by :func:`validate` right after composition, before anything is built.
 # ---------------------------------------------------------------------------------------------
-def choice(default: Any, allowed: Sequence[str], *, optional: bool = False, each: bool = False):
-    """A field whose value (or, with ``each``, every list element) must be one of ``allowed``."""
-    meta = {"choices": tuple(allowed), "optional": optional, "each": each}
+def choice(default: Any, allowed: Sequence[str] | Callable[[], Sequence[str]], *, optional: bool = False,
+           each: bool = False):
+    """A field whose value (or, with ``each``, every list element) must be one of ``allowed``
+    (a sequence, or a function returning one when the values are only known at run time)."""
+    meta = {"choices": allowed if callable(allowed) else tuple(allowed), "optional": optional, "each": each}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -71,7 +96,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    backend: str = choice("ofa", ("ofa", "janus"))
+    backend: str = choice("ofa", lambda: backend_names())
     preset: Optional[str] = None  # named architecture preset of the backend (e.g. "shapes-tiny")
     pretrained: Optional[str] = None  # local directory or hub id for from_pretrained
     arch: dict[str, Any] = field(default_factory=dict)  # overrides of the backend config class
@@ -105,6 +130,20 @@ class DataConfig:
     # unconditional model that classifier-free guidance (image_generation.guidance_scale) contrasts with
     # (ShapesWorld, 0.1: guidance 2-3 gave T2I 0%; results/shapes_consistency.md)
     t2i_prompt_dropout: float = bounded(0.0, 0.0, 1.0)
+    # where mixture rows come from: "shapes" = <root>/mixture_train.jsonl; "coco" = the files below
+    # (unicon.data.coco_mixture; configs/data/coco.yaml derives them from the three *_root keys)
+    source: str = choice("shapes", ("shapes", "coco"))
+    coco_root: Optional[str] = None  # COCO folder (annotations/, train2014/): only the paths below use it
+    vqa_root: Optional[str] = None  # VQAv2 folder: only the paths below use it
+    refcoco_root: Optional[str] = None  # folder of refcoco/ refcoco+/ refcocog/: only the paths below use it
+    coco_images: Optional[str] = None  # the folder COCO's file_name values are relative to
+    captions_file: Optional[str] = None  # COCO captions_*.json: caption and t2i rows
+    vqa_questions_file: Optional[str] = None  # VQAv2 questions JSON
+    vqa_annotations_file: Optional[str] = None  # VQAv2 annotations JSON
+    refcoco_files: list[str] = field(default_factory=list)  # refs as JSON/JSONL (a .p pickle: allow_pickle)
+    refcoco_instances_file: Optional[str] = None  # COCO instances JSON with the refs' ann_id boxes
+    refcoco_split: str = choice("train", ("train", "val", "test", "testA", "testB"))  # the refs trained on (RefCOCO's val/test images are COCO train images)
+    allow_pickle: bool = False  # read RefCOCO's released refs(*).p pickles (they can run code)
 
 
 @dataclass
@@ -324,6 +363,49 @@ def _dotlist(dotlist: list[str]) -> DictConfig:
         raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
 
 
+def _pop_defaults(cfg: DictConfig, path: Path, allowed: Sequence[str] = GROUPS) -> dict[str, str]:
+    """The ``defaults:`` mapping (group -> file name) of a config file, removed from ``cfg``."""
+    defaults = cfg.pop("defaults", None)
+    if defaults is None:
+        return {}
+    if not isinstance(defaults, DictConfig):
+        raise ConfigError(f"{path}: defaults: expected a mapping 'group: name' (e.g. 'loss: spearman'), "
+                          f"got {defaults!r}")
+    unknown = sorted(set(defaults) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{path}: unknown config group(s) in defaults: {unknown} "
+                          f"(groups: {', '.join(allowed)})")
+    return dict(defaults)
+
+
+def _experiment_chain(configs: Path, name: str) -> list[tuple[Path, DictConfig]]:
+    """``configs/experiment/<name>.yaml`` and the experiments it ``extends:``, as ``(path, body)``
+    pairs, the root parent first; each body without its ``extends:`` key. An unknown parent or a
+    cycle raises :class:`ConfigError` naming the file that extends it."""
+    chain: list[tuple[Path, DictConfig]] = []
+    names = [name]
+    extender: Path | None = None  # the file whose extends: named names[-1]
+    while True:
+        path = configs / "experiment" / f"{names[-1]}.yaml"
+        try:
+            body = _load_yaml(path)
+        except ConfigError as e:
+            if extender is None:
+                raise
+            raise ConfigError(f"{extender}: extends: {e}") from None
+        chain.append((path, body))
+        parent = body.pop("extends", None)
+        if parent is None:
+            return chain[::-1]
+        if not isinstance(parent, str) or not parent:
+            raise ConfigError(f"{path}: extends: expected the name of one experiment of {path.parent}, "
+                              f"got {parent!r}")
+        if parent in names:
+            raise ConfigError(f"{path}: extends: cycle {' -> '.join([*names, parent])}")
+        names.append(parent)
+        extender = path
+
+
 def compose(overrides: list[str] | None = None, configs: Path | None = None) -> DictConfig:
     """Build the validated run config from base + groups + experiment + ``overrides``.
 
@@ -331,9 +413,10 @@ def compose(overrides: list[str] | None = None, configs: Path | None = None) -> 
 
     1. the schema defaults (``RunConfig``);
     2. one file per group: ``configs/config.yaml``'s ``defaults:``, replaced by the experiment's
-       ``defaults:``, replaced by ``group=name`` on the command line;
+       ``defaults:`` (those of the experiments it extends first), replaced by ``group=name`` on the
+       command line;
     3. the body of ``configs/config.yaml``;
-    4. the body of the experiment file;
+    4. the body of the experiment file (after those of the experiments it extends, parent first);
     5. the group files chosen on the command line, once more -- so ``eval=none`` after
        ``experiment=X`` turns X's evaluations off: a command-line choice beats the experiment;
     6. ``key.sub=value`` dotlist overrides.
@@ -341,17 +424,13 @@ def compose(overrides: list[str] | None = None, configs: Path | None = None) -> 
     configs = configs or config_dir()
     choices, dotlist = split_overrides(list(overrides or []))
     base = _load_yaml(configs / "config.yaml")
-    defaults = dict(base.pop("defaults", {}) or {})
+    defaults = _pop_defaults(base, configs / "config.yaml", allowed=(*GROUPS, "experiment"))
 
-    experiment_cfg = None
     exp_name = choices.pop("experiment", None) or defaults.pop("experiment", None)
-    if exp_name:
-        experiment_cfg = _load_yaml(configs / "experiment" / f"{exp_name}.yaml")
-        defaults.update(dict(experiment_cfg.pop("defaults", {}) or {}))
+    experiments = _experiment_chain(configs, exp_name) if exp_name else []
+    for path, body in experiments:
+        defaults.update(_pop_defaults(body, path))
     defaults.update(choices)
-    unknown = sorted(set(defaults) - set(GROUPS))
-    if unknown:
-        raise ConfigError(f"{configs / 'config.yaml'}: unknown config group(s) in defaults: {unknown}")
 
     c = _Composer()
     group_layers = {}
@@ -368,8 +447,9 @@ def compose(overrides: list[str] | None = None, configs: Path | None = None) -> 
             raise ConfigError(f"command line: {group}={name}: {e}") from None
         c.add(*group_layers[group])
     c.add(base, str(configs / "config.yaml"))
-    if experiment_cfg is not None:
-        c.add(experiment_cfg, str(configs / "experiment" / f"{exp_name}.yaml"))
+    for path, body in experiments:
+        c.add(body, str(path))
+    if exp_name:
         c.cfg.experiment = exp_name
     for group in choices:
         c.add(*group_layers[group])
@@ -438,7 +518,7 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
                 continue
             meta = f.metadata
             if "choices" in meta:
-                allowed = meta["choices"]
+                allowed = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
                 values = list(value) if meta["each"] else [value]
                 if meta["each"] and not values:
                     fail(key, [], f"must name at least one of: {', '.join(allowed)}")

@@ -19,8 +19,8 @@ ShapesWorld convention of names relative to the world root). Problems are handle
 * a sample without contrast sets, or with ``boxes`` but no ``detection`` (or the reverse), is kept
   and listed in the :class:`LoadReport` (it cannot contribute to ``C_k`` resp. localization).
 
-``CocoConData`` is a plain sequence of :class:`CocoConSample` and can be handed to a torch
-``DataLoader`` with a collate function that keeps the samples as a list.
+``CocoConData`` is a plain sequence of :class:`CocoConSample`. This module reads the JSON file
+and, on request (:meth:`CocoConSample.load_image`), one image; it calls no model.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import math
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from PIL import Image
 
@@ -140,11 +140,6 @@ class CocoConData:
         if max_samples < 1:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
         return CocoConData(self.path, self.images_root, self.samples[:max_samples], self.report)
-
-
-def collate_samples(batch: Sequence[CocoConSample]) -> list[CocoConSample]:
-    """``DataLoader`` collate function that keeps samples as a list (texts are ragged)."""
-    return list(batch)
 
 
 def _read_json(path: Path) -> Any:

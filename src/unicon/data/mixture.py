@@ -1,4 +1,5 @@
-"""The standard pretraining mixture: ``mixture_<split>.jsonl`` of a ShapesWorld root.
+"""The pretraining mixture's row format and datasets: ``mixture_<split>.jsonl`` of a ShapesWorld root,
+whose rows the COCO source (:mod:`unicon.data.coco_mixture`) also produces.
 
 One row per task example::
 
@@ -17,7 +18,8 @@ setting 2 gives ``generate_image``. Every task but ``reason`` needs an image. Wh
 trains on is ``data.tasks``.
 
 :class:`MixtureDataset` reads and validates the rows once (a bad row is a ``ValueError``
-naming ``file:line`` and the key) and opens images lazily in ``__getitem__`` so that
+naming ``file:line`` and the key); its base :class:`MixtureRowsDataset` (also the dataset of the
+COCO mixture, :mod:`unicon.data.coco_mixture`) opens images lazily in ``__getitem__`` so that
 multi-worker loading decodes PNGs in parallel. Decoded images are kept in a least-recently-used
 cache of ``image_cache_mb`` megabytes per process (``data.image_cache_mb``): a ShapesWorld
 image is shared by ~10 rows and the whole train split (6000 images of 64x64) takes 74 MB, so
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -95,56 +98,106 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
     return rows
 
 
-class MixtureDataset(Dataset):
-    """Examples of ``<root>/mixture_<split>.jsonl`` with their images loaded as RGB PIL (see the
-    module docstring for ``image_cache_mb``; 0 decodes every time)."""
+@dataclass(frozen=True)
+class ImageResize:
+    """The geometric part of a backend's image preprocessing, done where the image is decoded (the
+    loader workers): ``keep_aspect=False`` resizes to ``side x side``; ``keep_aspect=True`` makes the
+    longer side ``side`` (the other ``max(round(s * side / longer), min_side)``). Bicubic, as the
+    backends resize. A grounding box is scaled with its image, so that the box normalised by the
+    image size -- what the models' ``score_boxes`` encode -- is unchanged."""
 
-    def __init__(self, root: str | Path, split: str = "train", tasks: Sequence[str] = TASKS,
-                 image_cache_mb: float = 256.0):
+    side: int
+    keep_aspect: bool
+    min_side: int = 1
+
+    def size(self, width: int, height: int) -> tuple[int, int]:
+        if not self.keep_aspect:
+            return self.side, self.side
+        scale = self.side / max(width, height)
+        return max(round(width * scale), self.min_side), max(round(height * scale), self.min_side)
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        size = self.size(*image.size)
+        return image if image.size == size else image.resize(size, Image.BICUBIC)
+
+
+def scale_box(box: Sequence[float], from_size: tuple[int, int], to_size: tuple[int, int]) -> list[float]:
+    """``[x, y, w, h]`` in pixels of an image of ``from_size`` -> pixels of the same image at ``to_size``."""
+    sx, sy = to_size[0] / from_size[0], to_size[1] / from_size[1]
+    return [box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy]
+
+
+class MixtureRowsDataset(Dataset):
+    """Validated mixture rows with their images loaded lazily as RGB PIL (in the loader workers).
+
+    ``image`` values are relative to ``images_root``; ``source`` names the rows' origin in messages.
+    Decoded images are kept in a least-recently-used cache of ``image_cache_mb`` megabytes per
+    process (0 decodes every time). ``image_resize`` (:class:`ImageResize`), when given, is applied
+    before caching, and grounding targets are scaled with the image."""
+
+    def __init__(self, rows: list[dict[str, Any]], images_root: str | Path, source: str,
+                 image_cache_mb: float = 256.0, image_resize: ImageResize | None = None):
         if image_cache_mb < 0:
             raise ValueError(f"image_cache_mb must be >= 0, got {image_cache_mb}")
-        self.root = Path(root)
-        self.path = self.root / f"mixture_{split}.jsonl"
-        self.rows = read_mixture(self.path, tasks)
+        self.rows = rows
+        self.images_root = Path(images_root)
+        self.source = source
+        self.image_resize = image_resize
         self.cache_bytes = int(image_cache_mb * 2**20)
-        self._cache: OrderedDict[str, Image.Image] = OrderedDict()
+        # image key -> (image as the model receives it, size of the file's image)
+        self._cache: OrderedDict[str, tuple[Image.Image, tuple[int, int]]] = OrderedDict()
         self._cached_bytes = 0
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _image(self, row: dict[str, Any]) -> Image.Image:
+    def _image(self, row: dict[str, Any]) -> tuple[Image.Image, tuple[int, int]]:
         key = row["image"]
-        image = self._cache.get(key)
-        if image is not None:
+        hit = self._cache.get(key)
+        if hit is not None:
             self._cache.move_to_end(key)
-            return image
-        image_path = self.root / key
+            return hit
+        image_path = self.images_root / key
         try:
             with Image.open(image_path) as im:
                 image = im.convert("RGB")
         except (FileNotFoundError, OSError) as e:
-            raise ValueError(f"{self.path}: row id={row['id']}: cannot open image {image_path} ({e})") from None
-        size = image.width * image.height * 3
+            raise ValueError(f"{self.source}: row id={row['id']}: cannot open image {image_path} ({e})") from None
+        entry = (image if self.image_resize is None else self.image_resize(image), image.size)
+        size = entry[0].width * entry[0].height * 3
         if size <= self.cache_bytes:
-            self._cache[key] = image
+            self._cache[key] = entry
             self._cached_bytes += size
             while self._cached_bytes > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
+                _, (old, _) = self._cache.popitem(last=False)
                 self._cached_bytes -= old.width * old.height * 3
-        return image
+        return entry
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         row = self.rows[idx]
-        image = None if row["task"] in IMAGE_FREE_TASKS else self._image(row)
+        image, target = None, row.get("target")
+        if row["task"] not in IMAGE_FREE_TASKS:
+            image, file_size = self._image(row)
+            if row["task"] == "grounding" and image.size != file_size:
+                target = scale_box(target, file_size, image.size)
         return {
             "id": str(row["id"]),
             "task": row["task"],
             "text": row.get("text"),
-            "target": row.get("target"),
+            "target": target,
             "context": row.get("context"),
             "image": image,
         }
+
+
+class MixtureDataset(MixtureRowsDataset):
+    """Examples of a ShapesWorld's ``<root>/mixture_<split>.jsonl`` (images relative to the world root)."""
+
+    def __init__(self, root: str | Path, split: str = "train", tasks: Sequence[str] = TASKS,
+                 image_cache_mb: float = 256.0):
+        self.root = Path(root)
+        self.path = self.root / f"mixture_{split}.jsonl"
+        super().__init__(read_mixture(self.path, tasks), self.root, str(self.path), image_cache_mb)
 
 
 def collate_mixture(examples: list[dict[str, Any]]) -> dict[str, Any]:

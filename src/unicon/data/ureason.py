@@ -18,6 +18,7 @@ layout is not public yet, so two layouts are accepted for ``split=...``: a sub-d
 ShapesWorld's reasoning prompts (``<world>/ureason/``, written by ``unicon build-data shapes``)
 use the same schema plus ``"target_scene"`` (a scene dict) for the exact checker, with the
 categories arithmetic, attribute, spatial and code; :func:`load_shapes_ureason` reads them.
+:func:`load_instances` takes either kind of directory, :func:`subset` a round-robin subset.
 
 Criteria: in the public release 20 pairs (code/attribute) differ only by a doubled space between
 the two files' ``expect_en``; criteria are compared and stored whitespace-normalised, and a real
@@ -35,8 +36,6 @@ from unicon.errors import UserError
 
 #: categories of the public release (paper sec. 2.1)
 CATEGORIES = ("code", "arithmetic", "spatial", "attribute", "text")
-#: categories of ShapesWorld's reasoning prompts (no text rendering in ShapesWorld)
-SHAPES_CATEGORIES = ("arithmetic", "attribute", "spatial", "code")
 SPLITS = ("test", "testmini")
 REQUIRED_KEYS = ("id", "prompt", "expect_en", "category")
 
@@ -154,13 +153,12 @@ def load_ureason(
     root: str | Path,
     categories: Sequence[str] | None = None,
     split: str | None = None,
-    max_per_category: int | None = None,
 ) -> list[UReasonInstance]:
     """All instances under ``root`` (a directory of ``direct_<cat>.jsonl`` / ``<cat>.jsonl`` pairs).
 
     ``categories``: default every category with a ``direct_`` file. ``split`` (``test`` or
     ``testmini``) selects ``<root>/<split>/`` if it exists, else rows whose ``"split"`` field
-    matches. ``max_per_category`` keeps the first N of each category (callback subsets).
+    matches.
     """
     root = Path(root)
     if not root.is_dir():
@@ -179,8 +177,7 @@ def load_ureason(
         raise UReasonFormatError(f"{root}: no files for categories {unknown} (available: {available})")
     instances: list[UReasonInstance] = []
     for cat in categories:
-        rows = load_category(root, cat, split=split)
-        instances.extend(rows[:max_per_category] if max_per_category is not None else rows)
+        instances.extend(load_category(root, cat, split=split))
     if split is not None and not instances:
         raise UReasonFormatError(f"{root}: no rows with split '{split}' (and no {root / split} directory)")
     return instances
@@ -194,3 +191,40 @@ def load_shapes_ureason(world_root: str | Path, **kwargs) -> list[UReasonInstanc
         if inst.target_scene is None:
             raise UReasonFormatError(f"{inst.source}: ShapesWorld row has no 'target_scene'")
     return instances
+
+
+def load_instances(data: str | Path, split: str | None = None,
+                   categories: Sequence[str] | None = None) -> list[UReasonInstance]:
+    """``data`` is a UReason directory (``direct_<cat>.jsonl`` pairs) or a ShapesWorld root."""
+    data = Path(data)
+    if not data.exists():
+        raise UserError(f"UReason data {data} does not exist")
+    if not any(data.glob("direct_*.jsonl")) and (data / "ureason").is_dir():
+        return load_shapes_ureason(data, split=split, categories=categories)
+    return load_ureason(data, split=split, categories=categories)
+
+
+def world_root_of(data: str | Path) -> str | None:
+    """The ShapesWorld root (holding ``world.json``) of a data path, if it is one."""
+    data = Path(data)
+    for root in (data, data.parent):
+        if (root / "world.json").is_file():
+            return str(root)
+    return None
+
+
+def subset(instances: Sequence[UReasonInstance], n: int | None) -> list[UReasonInstance]:
+    """The first ``n`` instances taken round-robin over categories (so every category appears)."""
+    if n is None or n >= len(instances):
+        return list(instances)
+    by_cat: dict[str, list[UReasonInstance]] = {}
+    for inst in instances:
+        by_cat.setdefault(inst.category, []).append(inst)
+    out: list[UReasonInstance] = []
+    depth = 0
+    while len(out) < n:
+        for rows in by_cat.values():
+            if depth < len(rows) and len(out) < n:
+                out.append(rows[depth])
+        depth += 1
+    return out

@@ -4,6 +4,7 @@
 ``clip.ClipEmbedder`` (open_clip; text<->image, text->text, image->image), ``dino.DinoEmbedder``
 (transformers; image->image), ``sentence.SentenceEmbedder`` (sentence-transformers; text->text) and
 ``scene.SceneEmbedder`` (ShapesWorld's exact symbolic similarity, all four mappings).
+``factory.load_embedders`` builds them by name from local weights.
 """
 
 from unicon.embedders.base import Embedder, EmbedderNotFound, normalize

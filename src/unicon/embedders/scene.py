@@ -44,7 +44,7 @@ class SceneEmbedder(Embedder):
         return v
 
     def caption_vector(self, text: str) -> torch.Tensor:
-        from unicon.worlds.shapes import CaptionParseError, parse_caption
+        from unicon.worlds.shapes_text import CaptionParseError, parse_caption
 
         v = torch.zeros(self.dim)
         try:

@@ -19,12 +19,12 @@ Logging helpers, used by the callbacks and by ``unicon evaluate ...``:
   the files in the suite's output folder;
 * :func:`log_wandb` -- any other W&B value (custom charts); the path the two above take to W&B;
 * :func:`log_eval_config` -- a standalone evaluation's arguments, weights fingerprint and
-  environment as the run config (training runs: :func:`unicon.training.loggers.log_run_config`).
+  environment as the run config (training runs: :func:`unicon.loggers.log_run_config`).
 
 Everything for W&B goes through ``WandbLogger.log_metrics(values, step)``: a new history row with
 ``trainer/global_step = step``, W&B numbering its own step. Never ``wandb.log(..., step=...)``:
 W&B ignores a row whose explicit step is below its current one, and Lightning has moved that
-step on by the time an epoch-end evaluation logs (see :mod:`unicon.training.loggers`).
+step on by the time an epoch-end evaluation logs (see :mod:`unicon.loggers`).
 
 Under DDP every rank calls ``evaluate`` (the suites shard their work and sync metric states);
 the loggers write on rank zero only.
@@ -90,7 +90,7 @@ def log_figures(loggers: Sequence[Logger], suite: str, out_dir: str | Path, name
 def log_eval_config(loggers: Sequence[Logger], args: argparse.Namespace, fingerprint: str | None) -> None:
     """The config of a standalone ``unicon evaluate`` run: its arguments (``args.<name>``), the
     weights fingerprint (``weights.fingerprint``) and the environment (git commit, versions)."""
-    from unicon.training.loggers import environment_info, flatten_config
+    from unicon.loggers import environment_info, flatten_config
 
     params = {**flatten_config({"args": vars(args)}), **environment_info()}
     if fingerprint:

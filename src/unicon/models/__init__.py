@@ -1,5 +1,12 @@
 """Unified model backends behind one interface (``base.UnifiedModel``), and the two ways to get one.
 
+Backends are registered classes (:mod:`unicon.models.registry`): this package imports the in-tree
+backend modules (OFA, Janus, and the VQGAN image tokenizer) so that their decorators run; plugins
+come through the ``unicon.backends`` entry points. This package imports ``unicon.core``,
+``unicon.config`` and ``unicon.data.jsonl``, never a world: a from-scratch model gets its
+vocabulary from the world directory it is given, and a saved model's image tokenizer is rebuilt
+through the registry of :mod:`unicon.core`.
+
 * :func:`build_model` -- a fresh (or ``pretrained``) model from the ``model:`` config section.
 * :func:`load_model` -- any checkpoint a user holds: a ``save_pretrained`` directory, an
   OFA-Sys checkpoint directory, or a Lightning ``.ckpt`` written by ``unicon train``.
@@ -17,7 +24,7 @@ OFA model configs (``configs/model/ofa_*.yaml``)::
 Wrapper keys (``num_bins`` and the fields of :class:`OFAWrapperConfig`) are split off ``arch``;
 everything else must be an ``OFAConfig`` key. Without ``pretrained``, the text vocabulary is the
 ShapesWorld world's ``tokenizer.json`` under ``world_root`` and the image codes are its exact
-``ShapesTokenizer``; ``vocab_size`` is then text + codes + bins.
+``ShapesTokenizer``; ``vocab_size`` is then text + codes + bins (``OFAUnifiedModel.from_config``).
 """
 
 from __future__ import annotations
@@ -29,15 +36,17 @@ from typing import Any
 
 import torch
 
+from unicon.core import torch_dtype
 from unicon.errors import UserError
+from unicon.models import decoupled, janus, vqgan  # noqa: F401  (in-tree backends and image tokenizers register on import)
 from unicon.models.base import UnifiedModel
+from unicon.models.ofa import unified  # noqa: F401
+from unicon.models.registry import backend_class, backend_for_model_type
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["UnifiedModel", "apply_model_options", "build_model", "check_same_architecture", "load_model",
-           "read_training_checkpoint", "recorded_model_section", "weights_fingerprint"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+           "read_training_checkpoint", "recorded_model_section"]
 
 
 def _as_dict(cfg: Any) -> dict:
@@ -56,17 +65,10 @@ def _as_dict(cfg: Any) -> dict:
 
 
 def build_model(model_cfg: Any, world_root: str | Path | None = None) -> UnifiedModel:
-    """The model described by a ``model:`` config section (``unicon.config.ModelConfig``)."""
+    """The model described by a ``model:`` config section (``unicon.config.ModelConfig``), built by
+    the class registered for its ``backend`` (:mod:`unicon.models.registry`)."""
     cfg = _as_dict(model_cfg)
-    backend = cfg.get("backend", "ofa")
-    if backend == "ofa":
-        model = _build_ofa(cfg, world_root)
-    elif backend == "janus":
-        from unicon.models.janus import JanusUnifiedModel
-
-        model = JanusUnifiedModel.from_config(model_cfg)
-    else:
-        raise UserError(f"model.backend {backend!r} is unknown; expected 'ofa' or 'janus'")
+    model = backend_class(cfg.get("backend", "ofa")).from_config(cfg, world_root=world_root)
     return apply_model_options(model, cfg)
 
 
@@ -74,11 +76,9 @@ def apply_model_options(model: UnifiedModel, model_cfg: Any) -> UnifiedModel:
     """``model.dtype``, ``model.freeze_batchnorm`` and ``model.freeze`` of a config section, applied
     to a built or loaded model (``build_model`` does it; a run started ``init_from`` a checkpoint too)."""
     cfg = _as_dict(model_cfg)
-    dtype = cfg.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise UserError(f"model.dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    if DTYPES[dtype] != torch.float32:
-        model.to(DTYPES[dtype])
+    dtype = torch_dtype(cfg.get("dtype", "float32"))
+    if dtype != torch.float32:
+        model.to(dtype)
     if cfg.get("freeze_batchnorm"):
         model.freeze_batchnorm()
     prefixes = list(cfg.get("freeze") or [])
@@ -91,70 +91,6 @@ def apply_model_options(model: UnifiedModel, model_cfg: Any) -> UnifiedModel:
             if any(n.startswith(p) for p in prefixes):
                 param.requires_grad_(False)
     return model
-
-
-def _build_ofa(cfg: dict, world_root: str | Path | None) -> UnifiedModel:
-    from unicon.models.ofa.configuration_ofa import OFA_PRESETS, preset_config
-    from unicon.models.ofa.modeling_ofa import OFAModel
-    from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
-
-    arch = dict(cfg.get("arch") or {})
-    wrapper_keys = set(OFAWrapperConfig.__dataclass_fields__) - {"image_tokenizer", "backend"}
-    settings = {k: arch.pop(k) for k in list(arch) if k in wrapper_keys}
-    num_bins = arch.pop("num_bins", None)
-
-    if cfg.get("pretrained"):
-        if arch or num_bins is not None:
-            raise UserError(f"model.arch keys {sorted(arch) + (['num_bins'] if num_bins else [])} cannot change "
-                            f"the architecture of the pretrained model {cfg['pretrained']}")
-        return OFAUnifiedModel.from_pretrained(cfg["pretrained"], settings=settings,
-                                               allow_pickle=cfg.get("allow_pickle", False))
-
-    preset = cfg.get("preset")
-    if preset is None:
-        raise UserError("model.preset is required for backend 'ofa' without model.pretrained "
-                        f"(one of {sorted(OFA_PRESETS)})")
-    if preset not in OFA_PRESETS:
-        raise UserError(f"model.preset {preset!r} is unknown; choose one of {sorted(OFA_PRESETS)}")
-    if world_root is None:
-        raise UserError(f"model preset {preset!r} from scratch needs a world (data.root) for its vocabulary")
-    tokenizer, image_tokenizer = _world_vocab(Path(world_root), num_bins or 1000,
-                                              settings.get("max_target_length", 128))
-    try:
-        config = preset_config(preset, **arch, vocab_size=len(tokenizer))
-    except (TypeError, ValueError) as e:
-        raise UserError(f"model.arch: {e}") from None
-    image_size = settings.pop("image_size", None) or config.patch_image_size or 64
-    grid = image_tokenizer.grid_size[0]
-    if config.code_image_size // 8 != grid:
-        raise UserError(f"model.arch.code_image_size {config.code_image_size} gives a {config.code_image_size // 8}"
-                        f"-wide decoder code grid, but the world's image tokenizer is {grid}x{grid}")
-    spec = {"type": "shapes", "world": _world_config_dict(image_tokenizer)}
-    wrapper = OFAWrapperConfig.from_dict({**settings, "image_size": image_size, "image_tokenizer": spec})
-    return OFAUnifiedModel(OFAModel(config), tokenizer, wrapper, image_tokenizer)
-
-
-def _world_vocab(root: Path, num_bins: int, max_length: int):
-    """(OFATokenizer, ShapesTokenizer) of the ShapesWorld world at ``root``."""
-    from unicon.models.ofa.tokenization import OFATokenizer
-    from unicon.worlds.shapes import ShapesTokenizer, load_world
-
-    if not (root / "tokenizer.json").is_file():
-        raise UserError(f"{root}: no ShapesWorld tokenizer.json (build it: unicon build-data shapes --out {root})")
-    world = load_world(root)
-    image_tokenizer = ShapesTokenizer(world.config)
-    tokenizer = OFATokenizer.from_file(root / "tokenizer.json", image_tokenizer.codebook_size, num_bins,
-                                       max_length=max(max_length + 1, 128))
-    return tokenizer, image_tokenizer
-
-
-def _world_config_dict(image_tokenizer) -> dict:
-    cfg = image_tokenizer.cfg if hasattr(image_tokenizer, "cfg") else image_tokenizer.config
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    from dataclasses import asdict
-
-    return asdict(cfg)
 
 
 def load_model(path: str | Path, **kwargs) -> UnifiedModel:
@@ -182,25 +118,20 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
 
 def _load_directory(p: Path, **kwargs) -> UnifiedModel:
     meta = p / "unicon_model.json"
-    backend = None
     if meta.is_file():
         backend = _json_object(meta).get("backend", "ofa")
     elif (p / "config.json").is_file():
-        backend = _json_object(p / "config.json").get("model_type")
-        backend = "ofa" if backend == "ofa" else backend
-    if backend == "ofa":
-        from unicon.models.ofa.unified import OFAUnifiedModel
-
-        kwargs.pop("world_root", None)  # the directory holds its own vocabulary and world config
-        map_location = kwargs.pop("map_location", None)
-        model = OFAUnifiedModel.from_pretrained(str(p), **kwargs)
-        return model.to(map_location) if map_location else model
-    if backend == "janus" or (backend or "").startswith("multi_modality"):
-        from unicon.models.janus import JanusUnifiedModel
-
-        return JanusUnifiedModel.from_pretrained(str(p), **kwargs)
-    raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
-                    f"model_type is {backend!r})")
+        model_type = _json_object(p / "config.json").get("model_type")
+        backend = backend_for_model_type(model_type)
+        if backend is None:
+            raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
+                            f"model_type is {model_type!r})")
+    else:
+        raise UserError(f"{p}: not a unicon model directory (no unicon_model.json or config.json)")
+    kwargs.pop("world_root", None)  # a saved directory holds its own vocabulary and image tokenizer spec
+    map_location = kwargs.pop("map_location", None)
+    model = backend_class(backend).from_pretrained(str(p), **kwargs)
+    return model.to(map_location) if map_location else model
 
 
 def _json_object(path: Path) -> dict:
@@ -254,37 +185,19 @@ def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str |
                         "config vs checkpoint): drop the model= choice / model.* overrides, or init_from")
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of a model's weights: BLAKE2b over every parameter and buffer (name, dtype, shape and
-    bytes, in name order). Equal weights give equal fingerprints on any machine; it reads every
-    byte once (about a second per few GB). Evaluation outputs record it so that a resumed
-    evaluation can refuse to continue under another model."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=16)
-    state = model.state_dict()
-    for name in sorted(state):
-        t = state[name].detach()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-WORLD_VOCABULARY_FILES = ("tokenizer.json", "world.json")
-
-
 def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str, str]:
-    """Text of the world files a from-scratch OFA model's vocabulary comes from (``{}`` otherwise).
+    """Text of the world files a from-scratch model's vocabulary comes from (``{}`` otherwise): the
+    ``world_vocabulary_files`` its backend class names (OFA: ``tokenizer.json``, ``world.json``).
 
     ``unicon train`` stores them in every ``.ckpt`` (key ``unicon_world_files``), so a checkpoint
     loads without the world, and rebuilding the world cannot change an old run's vocabulary.
     """
     cfg = _as_dict(model_cfg)
-    if cfg.get("backend", "ofa") != "ofa" or cfg.get("pretrained") or world_root is None:
+    if cfg.get("pretrained") or world_root is None:
         return {}
+    names = getattr(backend_class(cfg.get("backend", "ofa")), "world_vocabulary_files", ())
     root = Path(world_root)
-    return {name: (root / name).read_text() for name in WORLD_VOCABULARY_FILES if (root / name).is_file()}
+    return {name: (root / name).read_text() for name in names if (root / name).is_file()}
 
 
 PICKLE_OPT_IN = "model.allow_pickle=true (unicon train) or --allow-pickle (unicon evaluate)"
@@ -350,7 +263,8 @@ def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = Non
     # the weights are then replaced by the trained ones.
     stored = ckpt.get("unicon_world_files") or {}
     if world_root is None and stored:
-        unknown = sorted(set(stored) - set(WORLD_VOCABULARY_FILES))
+        known = getattr(backend_class(cfg.model.backend), "world_vocabulary_files", ())
+        unknown = sorted(set(stored) - set(known))
         if unknown:
             raise UserError(f"{p}: unexpected stored world files {unknown}")
         with tempfile.TemporaryDirectory() as tmp:

@@ -3,8 +3,8 @@
 A *unified model* understands images (captioning, VQA, grounding: I2T) and
 generates them (T2I). Everything else in unicon -- consistency training,
 CocoCon, drift chains, UReason -- talks to a model only through
-:class:`UnifiedModel`, so a new backend (OFA, Janus, ...) is one file/folder in
-``unicon.models`` that subclasses it.
+:class:`UnifiedModel`, so a new backend (OFA, Janus, ...) is one module that subclasses it and
+registers itself with ``@register_backend(name)`` (:mod:`unicon.models.registry`).
 
 Conventions shared by all backends
 ----------------------------------
@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Sequence
 
 import torch
 from PIL import Image
 from torch import nn
 
-ImageBatch = Union[Sequence[Image.Image], torch.Tensor]
+from unicon.core import ImageBatch, ImageTokenizer
+
 Box = Sequence[float]  # [x, y, w, h] in pixels
 
 
@@ -94,33 +95,6 @@ class ImageGenerationConfig:
     guidance_scale: float = 1.0
     seed: int | None = None
     extra: dict = field(default_factory=dict)
-
-
-class ImageTokenizer(abc.ABC):
-    """Discrete image tokenizer: pixels <-> a grid of code indices.
-
-    Implemented by the exact ShapesWorld tokenizer (one code per grid cell),
-    and by VQ tokenizers (VQGAN for OFA, Janus's VQ-VAE).
-
-    * ``encode(images)`` takes a float tensor ``[B, 3, H, W]`` in ``[0, 1]`` (or a
-      list of PIL images) and returns ``LongTensor [B, h, w]`` of indices in
-      ``[0, codebook_size)``.
-    * ``decode(codes)`` takes ``LongTensor [B, h, w]`` and returns a float tensor
-      ``[B, 3, H, W]`` in ``[0, 1]``.
-    """
-
-    codebook_size: int
-    grid_size: tuple[int, int]  # (h, w) of the code grid
-    image_size: tuple[int, int]  # (H, W) of decoded images
-
-    @abc.abstractmethod
-    def encode(self, images: ImageBatch) -> torch.Tensor: ...
-
-    @abc.abstractmethod
-    def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
-
-    def decode_to_pil(self, codes: torch.Tensor) -> list[Image.Image]:
-        return tensor_to_pil(self.decode(codes))
 
 
 class UnifiedModel(nn.Module, abc.ABC):
@@ -249,12 +223,6 @@ class UnifiedModel(nn.Module, abc.ABC):
 
 
 # ---- small shared helpers ---------------------------------------------------------------
-
-def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
-    """``[B, 3, H, W]`` floats in [0, 1] -> list of RGB PIL images."""
-    arr = (images.detach().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return [Image.fromarray(a, mode="RGB") for a in arr]
-
 
 def pil_to_tensor(images: Sequence[Image.Image]) -> torch.Tensor:
     """List of PIL images (same size) -> ``[B, 3, H, W]`` floats in [0, 1]; non-RGB is converted."""

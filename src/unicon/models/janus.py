@@ -71,17 +71,18 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from unicon.core import ImageBatch, ImageTokenizer, torch_dtype
 from unicon.errors import UserError
 from unicon.models.base import (
     Box,
-    ImageBatch,
     ImageGenerationConfig,
-    ImageTokenizer,
     Scores,
     TextGeneration,
     UnifiedModel,
     check_candidates,
 )
+from unicon.models.lora import inject_lora, merge_lora
+from unicon.models.registry import register_backend
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +122,6 @@ _BOX_RE = re.compile(r"\[" + ",".join([_NUM] * 4) + r"\]")
 _SENTINEL = "\u2063UNICON_TEXT\u2063"
 _MARKER_FILE = "unicon_model.json"
 _LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
 
 
 class NotAJanusCheckpoint(UserError, ValueError):
@@ -198,14 +194,6 @@ def _to_dict(cfg: Any) -> dict:
     if is_dataclass(cfg):
         return asdict(cfg)
     raise TypeError(f"expected a mapping/ModelConfig, got {type(cfg).__name__}")
-
-
-def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ValueError(f"model.dtype: unknown dtype '{name}' (choose from {sorted(_DTYPES)})")
-    return _DTYPES[name]
 
 
 class _ConditionalRows(torch.nn.Module):
@@ -290,10 +278,10 @@ def _check_pil(images) -> list:
 # ---------------------------------------------------------------------------------------------
 # The unified model
 # ---------------------------------------------------------------------------------------------
+@register_backend("janus", model_types=("multi_modality",))
 class JanusUnifiedModel(UnifiedModel):
     """Janus / Janus-Pro as a unified model (see module docstring for prompts and scores)."""
 
-    backend = "janus"
     #: instruction used for captioning and for scoring captions (read by training and CocoCon)
     caption_prompt = CAPTION_PROMPT
     #: parameter-name prefixes (of this module) frozen by default: SigLIP encoder + VQ-VAE
@@ -315,9 +303,10 @@ class JanusUnifiedModel(UnifiedModel):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_config(cls, model_cfg: Any) -> "JanusUnifiedModel":
+    def from_config(cls, model_cfg: Any, world_root: Any = None) -> "JanusUnifiedModel":
         """The model of a ``ModelConfig`` section: random weights from ``arch`` (``JanusConfig`` overrides,
-        no download), or ``from_pretrained(pretrained)`` when ``pretrained`` is set.
+        no download), or ``from_pretrained(pretrained)`` when ``pretrained`` is set. ``world_root`` is
+        accepted for ``unicon.models.build_model`` and ignored (Janus has its own tokenizer).
 
         ``dtype`` and ``freeze`` are applied here; LoRA (``model.lora``) and gradient checkpointing are
         applied by the training run (``unicon.training.run.build_training_model``), or with
@@ -441,13 +430,14 @@ class JanusUnifiedModel(UnifiedModel):
             ) from None
         if getattr(config, "model_type", None) != "janus":
             raise NotAJanusCheckpoint(f"{path}: model_type '{config.model_type}'; expected {expected}")
-        torch_dtype = _dtype(dtype if dtype is not None else cfg.get("dtype"))
+        load_dtype = dtype if dtype is not None else cfg.get("dtype")
+        load_dtype = torch_dtype(load_dtype) if load_dtype is not None else None
         try:
             janus = JanusForConditionalGeneration.from_pretrained(
                 path,
                 config=config,
                 use_safetensors=None if allow_pickle else True,
-                dtype=torch_dtype,
+                dtype=load_dtype,
                 trust_remote_code=trust_remote_code,
                 **hf_kwargs,
             )
@@ -465,7 +455,7 @@ class JanusUnifiedModel(UnifiedModel):
         return model._apply_dtype(cfg)
 
     def _apply_dtype(self, cfg: dict) -> "JanusUnifiedModel":
-        dtype = _dtype(cfg.get("dtype"))
+        dtype = torch_dtype(cfg["dtype"]) if cfg.get("dtype") is not None else None
         if dtype is not None and dtype != self.janus.dtype:
             self.janus.to(dtype)
         return self
@@ -530,7 +520,7 @@ class JanusUnifiedModel(UnifiedModel):
         ``lora_cfg`` has the fields of ``unicon.config.LoraConfig``; ``target_modules`` are module-name
         suffixes resolved inside the language model only (empty = :attr:`default_lora_targets`).
         """
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import LoraConfig
 
         lora_cfg = _to_dict(lora_cfg)
         wanted = list(lora_cfg.get("target_modules") or [])
@@ -544,31 +534,16 @@ class JanusUnifiedModel(UnifiedModel):
             lora_dropout=float(lora_cfg.get("dropout", 0.0)),
             target_modules=targets,
         )
-        for p in self.parameters():
-            p.requires_grad_(False)
-        inject_adapter_in_model(config, self)
-        for n, p in self.named_parameters():
-            p.requires_grad_("lora_" in n)
+        inject_lora(self, config)
 
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
-        """State dict of ``self.janus`` with any LoRA adapters folded into the base weights."""
-        from peft.tuners.lora import LoraLayer
-
-        state = self.janus.state_dict()
-        for name, module in self.janus.named_modules():
-            if not isinstance(module, LoraLayer):
-                continue
-            base = module.get_base_layer()
-            weight = base.weight.detach().clone()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    weight += module.get_delta_weight(adapter).to(weight.dtype)
-            for key in [k for k in state if k.startswith(name + ".")]:
-                del state[key]
-            state[f"{name}.weight"] = weight
-            if getattr(base, "bias", None) is not None:
-                state[f"{name}.bias"] = base.bias.detach().clone()
-        return state
+        """State dict of ``self.janus`` with any LoRA adapters folded into the base weights; the live
+        model keeps its adapters (the merge runs on a copy, through PEFT's ``merge_and_unload``)."""
+        if not any("lora_" in name for name, _ in self.named_parameters()):
+            return self.janus.state_dict()
+        merged = copy.deepcopy(self)
+        merge_lora(merged)
+        return merged.janus.state_dict()
 
     # ---- persistence --------------------------------------------------------------------
     def save_pretrained(self, path: str) -> None:

@@ -1,10 +1,17 @@
-"""LoRA adapters through PEFT: which layers of a unified model get them, and nothing else trains.
+"""LoRA adapters through PEFT: which layers of a unified model get them, nothing else trains, and merging.
 
 ``apply_lora(model, cfg.model.lora)`` is called by training (before the optimizer is built) and
 by checkpoint loading (so that a ``.ckpt`` of a LoRA run loads its adapter weights). A backend
 with an ``add_lora(lora_cfg)`` method places the adapters itself (Janus: the language model's
-projections only, never the vision encoder); otherwise the adapters go on every ``nn.Linear``
-whose name ends in ``lora.target_modules`` (default :data:`DEFAULT_LORA_TARGETS`).
+projections only, never the vision encoder) through :func:`inject_lora`; otherwise the adapters
+go on every ``nn.Linear`` whose name ends in ``lora.target_modules`` (default
+:data:`DEFAULT_LORA_TARGETS`).
+
+The adapters are injected in place (parameter names stay ``<layer>.base_layer.weight`` plus
+``<layer>.lora_A/B.default.weight``, so checkpoints keep their keys). :func:`inject_lora` keeps
+PEFT's ``LoraModel`` tuner that did the injection in the model's ``__dict__`` (not as a submodule,
+so it is no part of ``state_dict``), and :func:`merge_lora` unloads through it with PEFT's own
+``merge_and_unload`` / ``unload``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+_TUNER_ATTRIBUTE = "_lora_tuner"
 
 # suffixes of the attention and MLP projections of common backbones (OFA/BART, LLaMA-style, ViT)
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2",
@@ -27,7 +36,6 @@ def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     present in the model.
     """
     from peft import LoraConfig as PeftLoraConfig
-    from peft import inject_adapter_in_model
 
     if hasattr(model, "add_lora"):  # the backend knows which projections are its language model's
         model.add_lora(lora_cfg)
@@ -45,7 +53,33 @@ def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=targets
     )
-    inject_adapter_in_model(peft_cfg, model)
-    for name, p in model.named_parameters():
-        p.requires_grad = "lora_" in name
+    inject_lora(model, peft_cfg)
     return wrapped
+
+
+def inject_lora(model: torch.nn.Module, peft_config: Any) -> None:
+    """Inject the adapters of a PEFT ``LoraConfig`` into ``model`` in place (what
+    ``peft.inject_adapter_in_model`` does) and keep the tuner for :func:`merge_lora`; afterwards
+    only the adapters are trainable."""
+    from peft.tuners.lora import LoraModel
+
+    if _TUNER_ATTRIBUTE in model.__dict__:
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters")
+    model.__dict__[_TUNER_ATTRIBUTE] = LoraModel(model, peft_config, adapter_name="default")
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
+def merge_lora(model: torch.nn.Module, merge: bool = True) -> None:
+    """Fold the adapters of :func:`inject_lora` into their base layers (PEFT's ``merge_and_unload``;
+    ``merge=False``: ``unload``, the adapters are dropped and the base weights kept) and unwrap them,
+    in place. The model has its original parameter names again, all of them trainable."""
+    tuner = model.__dict__.pop(_TUNER_ATTRIBUTE, None)
+    if tuner is None:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters injected by unicon.models.lora.inject_lora")
+    if merge:
+        tuner.merge_and_unload()
+    else:
+        tuner.unload()
+    for p in model.parameters():
+        p.requires_grad_(True)

@@ -2,7 +2,7 @@
 
 OFA represents an image as a grid of VQGAN codebook indices (8192 entries) that the decoder
 predicts as ``<code_i>`` tokens. This module wraps a diffusers :class:`~diffusers.VQModel`
-loaded from a *local* directory as a :class:`unicon.models.base.ImageTokenizer`:
+loaded from a *local* directory as a :class:`unicon.core.ImageTokenizer`:
 
 * ``encode``: pixels in [0, 1] -> ``2x − 1`` -> encoder -> ``quant_conv`` -> codes ``[B, h, w]``
   (nearest codebook entry; or, for Gumbel-quantized VQGANs, ``argmax`` of the Gumbel
@@ -37,7 +37,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .base import ImageBatch, ImageTokenizer, pil_to_tensor
+from unicon.core import ImageBatch, ImageTokenizer, register_image_tokenizer
+from unicon.models.base import pil_to_tensor
 
 GUMBEL_FILE = "gumbel_proj.safetensors"
 
@@ -234,3 +235,9 @@ class VQGANTokenizer(ImageTokenizer):
         quant = self.vq.quantize.get_codebook_entry(codes.reshape(-1), shape)
         x = self.vq.decode(quant, force_not_quantize=True).sample
         return ((x.float() + 1) / 2).clamp(0, 1)
+
+
+@register_image_tokenizer("vqgan")
+def vqgan_from_spec(spec: dict[str, Any]) -> VQGANTokenizer:
+    """A saved model's ``{"type": "vqgan", "path": dir}``: the VQGAN in ``dir``."""
+    return VQGANTokenizer.from_pretrained(spec["path"])

@@ -5,9 +5,9 @@ resolved RunConfig) and the ConsistencyModule's ``state_dict`` whose keys are ``
 With LoRA on (``model.lora.enabled``), the wrapped projections appear as
 ``<name>.base_layer.weight`` plus ``<name>.lora_A/B.default.weight``.
 
-* :func:`merge_lora` folds the adapters into the base weights in place and removes the PEFT
-  wrappers, so the model has its original parameter names again;
-* :func:`export_model` writes ``save_pretrained`` (merged when ``merge=True``);
+* :func:`export_model` writes ``save_pretrained``, the adapters merged (``merge=True``) or dropped
+  by :func:`unicon.models.lora.merge_lora` (PEFT's ``merge_and_unload`` / ``unload``), so the
+  model has its original parameter names again;
 * :func:`export_checkpoint`: ``.ckpt`` -> ``save_pretrained`` directory, through
   :func:`unicon.models.load_lightning_checkpoint` (which re-applies LoRA adapters).
 """
@@ -20,25 +20,8 @@ from typing import Any
 
 import torch
 
-
-def merge_lora(model: torch.nn.Module, merge: bool = True) -> int:
-    """Fold every PEFT LoRA layer into its base layer (``merge``) and unwrap it, in place.
-
-    With ``merge=False`` the adapters are dropped and the base weights kept unchanged.
-    Returns the number of unwrapped layers; all parameters are trainable again afterwards.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
-    for name, module in targets:
-        if merge:
-            module.merge()
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, module.get_base_layer())
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return len(targets)
+from unicon.models import TRAINING_CONFIG_NAME, load_lightning_checkpoint
+from unicon.models.lora import merge_lora
 
 
 def has_lora(model: torch.nn.Module) -> bool:
@@ -66,16 +49,12 @@ def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True
         merge_lora(model, merge=merge)
     model.save_pretrained(str(out))
     if run_config is not None:
-        from unicon.models import TRAINING_CONFIG_NAME
-
         (out / TRAINING_CONFIG_NAME).write_text(json.dumps(run_config, indent=2, sort_keys=True) + "\n")
     return out
 
 
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True, **kw: Any) -> Path:
     """``.ckpt`` -> ``save_pretrained`` directory (merged LoRA)."""
-    from unicon.models import load_lightning_checkpoint
-
     from omegaconf import OmegaConf
 
     model, cfg = load_lightning_checkpoint(ckpt_path, **kw)

@@ -11,15 +11,23 @@ randomness in what a step does, identical on every rank.
   contrast sets each. :func:`collate_contrast` drops samples without any contrast set
   (counted in ``num_skipped``) and pads the ragged candidate lists ``[gold] + contrasts``
   to ``K = 1 + max_b(#contrasts)`` with a bool ``candidate_mask`` (real candidates first).
-* mixture batches -- :class:`unicon.data.mixture.MixtureDataset` of ``mixture_train.jsonl`` in
-  the order of :class:`MixtureSampler`: ``data.task_weights`` sets how many rows of each task an
-  epoch holds, and ``data.batching=by_task`` makes every batch hold a single task.
+* mixture batches -- rows of the mixture format (:mod:`unicon.data.mixture`) from
+  ``data.source``: ``shapes`` reads the world's ``mixture_train.jsonl``
+  (:class:`~unicon.data.mixture.MixtureDataset`), ``coco`` reads COCO captions, VQAv2 and
+  RefCOCO/+/g (:func:`unicon.data.coco_mixture.read_coco_mixture`); in the order of
+  :class:`MixtureSampler`: ``data.task_weights`` sets how many rows of each task an epoch holds,
+  and ``data.batching=by_task`` makes every batch hold a single task.
 
-Images are decoded in the loader workers (``data.num_workers``) and kept as PIL.
+Images are decoded in the loader workers (``data.num_workers``) and kept as PIL. With the COCO
+source, ``image_resize`` (the backend's resize, :func:`unicon.data.coco_mixture.image_resize_for`)
+is applied there too, to mixture and contrast images alike (boxes scaled with them), and contrast
+samples whose image is missing are skipped and counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,29 +36,38 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from unicon.data.coco_mixture import read_coco_mixture
 from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
-from unicon.data.mixture import MixtureDataset, collate_mixture
+from unicon.data.mixture import ImageResize, MixtureDataset, MixtureRowsDataset, collate_mixture, scale_box
 from unicon.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class ContrastDataset(Dataset):
-    """CocoCon samples with their image, truncated to ``max_contrast`` contrast sets."""
+    """CocoCon samples with their image, truncated to ``max_contrast`` contrast sets; with
+    ``image_resize`` the image is resized here and the sample's gold boxes scaled with it."""
 
-    def __init__(self, data: CocoConData, max_contrast: int):
+    def __init__(self, data: CocoConData, max_contrast: int, image_resize: ImageResize | None = None):
         if max_contrast < 1:
             raise ValueError(f"data.max_contrast must be >= 1, got {max_contrast}")
         self.data = data
         self.max_contrast = max_contrast
+        self.image_resize = image_resize
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         sample: CocoConSample = self.data[idx]
+        image = sample.load_image()
+        resized = image if self.image_resize is None else self.image_resize(image)
+        if resized.size != image.size and sample.boxes:
+            sample = dataclasses.replace(sample, boxes=[scale_box(b, image.size, resized.size) for b in sample.boxes])
         return {
             "sample": sample,
             "contrasts": sample.contrast_sets[: self.max_contrast],
-            "image": sample.load_image(),
+            "image": resized,
         }
 
 
@@ -180,24 +197,34 @@ class RankShare(DistributedSampler):
 class ConsistencyDataModule(L.LightningDataModule):
     """Contrast sets + pretraining mixture for :class:`~unicon.training.module.ConsistencyModule`."""
 
-    def __init__(self, data_cfg: Any, seed: int = 0, with_contrast: bool = True):
+    def __init__(self, data_cfg: Any, seed: int = 0, with_contrast: bool = True,
+                 image_resize: ImageResize | None = None):
         super().__init__()
         self.cfg = data_cfg
         self.seed = seed
+        self.image_resize = image_resize  # the COCO source's worker-side resize (module docstring)
         # False when no step can be a consistency update (loss.gamma = 0, pretraining): the contrast
         # sets are then neither read nor loaded, and an epoch is one pass over the mixture
         self.with_contrast = with_contrast
         self.root = Path(data_cfg.root)
         self.contrast: ContrastDataset | None = None
-        self.mixture: MixtureDataset | None = None
+        self.mixture: MixtureRowsDataset | None = None
         self._resume_batches = 0  # set by load_state_dict on a run resumed mid-epoch
 
     @property
     def contrast_file(self) -> Path:
-        return Path(self.cfg.contrast_file) if self.cfg.contrast_file else self.root / "cococon_train.json"
+        if self.cfg.contrast_file:
+            return Path(self.cfg.contrast_file)
+        if self.cfg.source == "coco":
+            raise UserError("data.contrast_file is not set: data.source=coco trains on the contrast sets of "
+                            "`unicon build-data cococon` (<out>/cococon.json)")
+        return self.root / "cococon_train.json"
 
     def setup(self, stage: str | None = None) -> None:
         if self.mixture is not None:
+            return
+        if self.cfg.source == "coco":
+            self._setup_coco()
             return
         if not self.root.is_dir():
             raise UserError(f"data.root {self.root} does not exist; build it with `unicon build-data shapes --out {self.root}`")
@@ -212,6 +239,23 @@ class ConsistencyDataModule(L.LightningDataModule):
                                           image_cache_mb=float(self.cfg.image_cache_mb))
         except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from None
+
+    def _setup_coco(self) -> None:
+        """COCO captions + VQAv2 + RefCOCO/+/g rows and the builder's contrast sets (images missing
+        on disk are skipped and counted, reported once each)."""
+        rows, report = read_coco_mixture(self.cfg)
+        log.info(report.summary())
+        if self.with_contrast:
+            if not self.contrast_file.is_file():
+                raise UserError(f"data.contrast_file: file not found: {self.contrast_file}")
+            # samples of missing images are skipped and counted (load_cococon warns once)
+            data = load_cococon(self.contrast_file, images_root=self.cfg.images_root, skip_missing=True)
+            if not len(data):
+                raise UserError(f"data.contrast_file {self.contrast_file}: no sample has its image under "
+                                f"data.images_root={self.cfg.images_root}")
+            self.contrast = ContrastDataset(data, self.cfg.max_contrast, self.image_resize)
+        self.mixture = MixtureRowsDataset(rows, self.cfg.coco_images, f"COCO mixture ({self.cfg.captions_file})",
+                                          float(self.cfg.image_cache_mb), self.image_resize)
 
     def _loader(self, dataset: Dataset, batch_size: int, collate, sampler: Sampler | None = None) -> DataLoader:
         workers = int(self.cfg.num_workers)

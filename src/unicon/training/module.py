@@ -45,12 +45,14 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from unicon.config import EVAL_TASKS
 from unicon.data.mixture import TASKS as MIXTURE_TASKS
-from unicon.losses.consistency import LOSS_TYPES, consistency_loss, rank_diagnostics
+from unicon.losses.consistency import consistency_loss, rank_diagnostics
 from unicon.models import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
 
-EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's names (evaluation.cococon.TASKS)
+#: ``optim.scheduler`` -> the name ``transformers.get_scheduler`` knows it by
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
 #: Mixture tasks scored by one encoder/decoder call per standard step: caption and VQA rows are
@@ -109,22 +111,13 @@ def task_candidates(sample: Any, contrasts: Sequence[Any], task: str) -> tuple[l
 
 
 class ConsistencyModule(L.LightningModule):
-    """Algorithm 1 around ``self.model`` (a :class:`UnifiedModel`); ``cfg`` is the resolved RunConfig."""
+    """Algorithm 1 around ``self.model`` (a :class:`UnifiedModel`); ``cfg`` is a RunConfig from
+    :func:`unicon.config.compose`, which validated its values (``loss.type``, ``loss.gamma``, ...)."""
 
     def __init__(self, model: UnifiedModel, cfg: DictConfig):
         super().__init__()
         self.model = model
         self.cfg = cfg
-        loss = cfg.loss
-        if loss.type not in LOSS_TYPES:
-            raise ValueError(f"loss.type must be one of {', '.join(LOSS_TYPES)}, got {loss.type!r}")
-        if not 0.0 <= loss.gamma <= 1.0:
-            raise ValueError(f"loss.gamma must be in [0, 1], got {loss.gamma}")
-        if loss.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"loss.on_nonfinite must be 'stop' or 'skip', got {loss.on_nonfinite!r}")
-        bad = set(loss.tasks) - set(EVAL_TASKS)
-        if bad or not loss.tasks:
-            raise ValueError(f"loss.tasks must be a non-empty subset of {list(EVAL_TASKS)}, got {list(loss.tasks)}")
         self.gamma_rng = torch.Generator().manual_seed(int(cfg.seed))
         # read once: every checkpoint carries the vocabulary files the run started with
         self.world_files = world_vocabulary(cfg.model, cfg.data.root)
@@ -286,10 +279,11 @@ class ConsistencyModule(L.LightningModule):
     def _log_counts(self) -> None:
         for key, value in self.counts.items():
             self.log(f"train/{key}", float(value), reduce_fx="max", batch_size=1)
-        if self._trainer is not None and self.trainer.optimizers:
-            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=1)
 
     def configure_optimizers(self):
+        """AdamW with weight decay on the matrices only, and ``optim.scheduler`` stepped every
+        optimizer step. Lightning's ``LearningRateMonitor`` (:func:`unicon.training.run.train`) logs
+        the learning rate as ``train/lr/decay`` and ``train/lr/no_decay``, the param-group names."""
         from transformers import get_scheduler
 
         ocfg = self.cfg.optim
@@ -303,18 +297,17 @@ class ConsistencyModule(L.LightningModule):
         # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update
         fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in decay + no_decay)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": decay, "weight_decay": ocfg.weight_decay, "name": "decay"},
+             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}],
             lr=ocfg.lr, betas=tuple(ocfg.betas), fused=fused,
         )
-        names = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
-        if ocfg.scheduler not in names:
-            raise ValueError(f"optim.scheduler must be one of {', '.join(names)}, got {ocfg.scheduler!r}")
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_scheduler(
-            names[ocfg.scheduler], optimizer,
+            SCHEDULERS[ocfg.scheduler], optimizer,
             num_warmup_steps=math.ceil(ocfg.warmup_ratio * total), num_training_steps=total,
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["unicon_config"] = OmegaConf.to_container(self.cfg, resolve=True)

@@ -13,8 +13,9 @@
    :class:`~unicon.training.datamodule.ConsistencyDataModule`;
 4. ``Trainer.fit`` with the strategy of ``trainer.strategy`` (``auto``, ``ddp``, ``fsdp``,
    ``deepspeed_zero2[_offload]``, ``deepspeed_zero3[_offload]`` -- the DeepSpeed ones read
-   ``configs/strategy/<name>.json``), ModelCheckpoint in the run directory, a rich progress bar,
-   the loggers of ``unicon.training.loggers.make_loggers`` (the W&B run id kept in
+   ``configs/strategy/<name>.json``), ModelCheckpoint in the run directory, Lightning's
+   LearningRateMonitor (``train/lr/decay``, ``train/lr/no_decay``), a rich progress bar,
+   the loggers of ``unicon.loggers.make_loggers`` (the W&B run id kept in
    ``<run_dir>/wandb_run_id``; the flattened config, git commit, package versions and weights
    fingerprint as the W&B config) and the enabled epoch-end evaluations;
    ``resume=<ckpt>`` restores optimizer, scheduler, step, the γ generator and the data order, and
@@ -46,14 +47,14 @@ from omegaconf import DictConfig
 
 from omegaconf import OmegaConf
 
-from unicon.config import GROUPS, STRATEGIES, ConfigError, compose, compose_resume, config_dir, to_yaml
+from unicon.config import GROUPS, ConfigError, compose, compose_resume, config_dir, to_yaml
 from unicon.errors import UserError
 
 # suite -> (module, callback class)
 EVAL_CALLBACKS = {
-    "cococon": ("unicon.evaluation.cococon", "CocoConCallback"),
-    "drift": ("unicon.evaluation.drift", "DriftCallback"),
-    "ureason": ("unicon.evaluation.ureason", "UReasonCallback"),
+    "cococon": ("unicon.evaluation.cococon.callback", "CocoConCallback"),
+    "drift": ("unicon.evaluation.drift.callback", "DriftCallback"),
+    "ureason": ("unicon.evaluation.ureason.callback", "UReasonCallback"),
 }
 
 EXAMPLES = """\
@@ -68,7 +69,8 @@ examples:
 
 precedence (later wins): schema defaults < group files (config.yaml defaults < experiment defaults
 < group=name on the command line) < config.yaml body < experiment body < group files chosen on the
-command line < key=value overrides. With resume=CKPT: the config stored in CKPT < command line.
+command line < key=value overrides. An experiment file with `extends: <experiment>` comes after its
+parent's defaults and body. With resume=CKPT: the config stored in CKPT < command line.
 
 main keys:
   name, seed, output_dir (run dir = <output_dir>/<name>), init_from, resume, overwrite
@@ -308,9 +310,8 @@ class SlurmRequeue:
 
 # ---- pieces of train() ------------------------------------------------------------------------
 def make_strategy(name: str):
-    """Lightning strategy object/name for ``trainer.strategy``; checks CUDA for DeepSpeed up front."""
-    if name not in STRATEGIES:
-        raise UserError(f"trainer.strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+    """Lightning strategy object/name for ``trainer.strategy`` (one of ``unicon.config.STRATEGIES``,
+    checked at compose time); checks CUDA for DeepSpeed up front."""
     if name.startswith("deepspeed"):
         if not torch.cuda.is_available():
             raise UserError(f"trainer.strategy={name} needs CUDA GPUs, but torch.cuda.is_available() is False "
@@ -499,11 +500,12 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
 
 def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: SlurmRequeue | None = None) -> dict[str, Any]:
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
     from unicon.training.checkpoints import export_model
+    from unicon.data.coco_mixture import image_resize_for
     from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.training.loggers import LogFilesCallback, log_run_config, make_loggers, wandb_run_dir
+    from unicon.loggers import LogFilesCallback, log_run_config, make_loggers, wandb_run_dir
     from unicon.training.module import ConsistencyModule
 
     tcfg = cfg.trainer
@@ -515,15 +517,17 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: Slu
     model = build_training_model(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))  # after the checks: a refused run leaves no files
     module = ConsistencyModule(model, cfg)
-    datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0)
+    datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
+                                       image_resize=image_resize_for(model))
     loggers = make_loggers(cfg, run_dir, persist_run_id=True)  # resume / requeue: the same W&B run
     log_run_config(loggers, cfg, model)  # flattened config, git commit, versions, weights fingerprint
 
     checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
                                  every_n_train_steps=tcfg.checkpoint_every_n_steps)
-    # SlurmRequeue's hooks before the evaluations': a requested stop at an epoch end comes first
-    callbacks = [checkpoint, LogFilesCallback(loggers), *([requeue.callback] if requeue else []), *eval_callbacks,
-                 *(extra_callbacks or [])]
+    # SlurmRequeue's hooks before the LR monitor's and the evaluations': a stop requested at a batch
+    # start or an epoch end comes before anything logs a row for a step the checkpoint does not hold
+    callbacks = [checkpoint, LogFilesCallback(loggers), *([requeue.callback] if requeue else []),
+                 LearningRateMonitor(logging_interval="step"), *eval_callbacks, *(extra_callbacks or [])]
     plugins = []
     if requeue is not None:
         from lightning.fabric.plugins.environments import SLURMEnvironment

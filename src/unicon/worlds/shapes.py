@@ -20,8 +20,12 @@ shape stays inside its cell, so cells never interact. That makes three things ex
 Language (captions, questions, referring expressions, contrast sets) lives in
 :mod:`unicon.worlds.shapes_text`, the UReason-style reasoning prompts in
 :mod:`unicon.worlds.shapes_reasoning`, and the exact GenEval and criterion checkers in
-:mod:`unicon.worlds.shapes_verify`. The public names of the text and verifier modules are
-re-exported here, so ``unicon.worlds.shapes`` is the one import for the world's API.
+:mod:`unicon.worlds.shapes_verify`; those modules import this one, never the reverse.
+
+Saved models name their image tokenizer ``{"type": "shapes", "world": <WorldConfig dict>}``;
+:func:`shapes_image_tokenizer` is registered for that type in :mod:`unicon.core`, which is how
+the model layer rebuilds a :class:`ShapesTokenizer` without importing this module. This module
+imports only :mod:`unicon.core` of unicon.
 
 Relations are grid relations: ``a`` is *left of* ``b`` iff ``a.col < b.col`` and *above* ``b``
 iff ``a.row < b.row`` (rows grow downwards, as in image coordinates).
@@ -30,7 +34,6 @@ iff ``a.row < b.row`` (rows grow downwards, as in image coordinates).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from unicon.models.base import ImageTokenizer
+from unicon.core import ImageTokenizer, register_image_tokenizer
 
 DEFAULT_SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond")
 # Palette chosen so that every colour is far from the background and from the others in RGB.
@@ -614,6 +617,12 @@ class World:
         return self.root / pattern.format(split)
 
 
+@register_image_tokenizer("shapes")
+def shapes_image_tokenizer(spec: dict[str, Any]) -> ShapesTokenizer:
+    """A saved model's ``{"type": "shapes", "world": <WorldConfig dict>}``: that world's exact tokenizer."""
+    return ShapesTokenizer(WorldConfig.from_dict(spec["world"]))
+
+
 def load_world(root: str | Path) -> World:
     """Open a built world; a missing or malformed ``world.json`` is a ``FileNotFoundError``/``ValueError``."""
     root = Path(root)
@@ -628,30 +637,8 @@ def load_world(root: str | Path) -> World:
     return World(root, cfg, info)
 
 
-# Language and verifiers live in their own modules (which import this one); they are re-exported
-# lazily (PEP 562) so that importing either module first works.
-_REEXPORTS = {
-    "CaptionParseError": "unicon.worlds.shapes_text",
-    "answer_question": "unicon.worlds.shapes_text",
-    "caption_matches": "unicon.worlds.shapes_text",
-    "describe_scene": "unicon.worlds.shapes_text",
-    "parse_caption": "unicon.worlds.shapes_text",
-    "resolve_expression": "unicon.worlds.shapes_text",
-    "check_criterion": "unicon.worlds.shapes_verify",
-    "check_geneval": "unicon.worlds.shapes_verify",
-}
-
-
-def __getattr__(name: str):
-    if name in _REEXPORTS:
-        return getattr(importlib.import_module(_REEXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "WorldConfig", "ShapeObject", "Scene", "Detection", "NotAShapesWorldImage", "ShapesTokenizer", "World",
     "render", "parse", "parse_cells", "detect", "object_box", "scene_boxes", "scene_to_codes", "codes_to_scene",
-    "relation_holds", "relations_between", "load_world", "shape_coverage", "caption_matches", "parse_caption", "describe_scene",
-    "answer_question", "resolve_expression", "CaptionParseError", "check_geneval", "check_criterion",
-    "RELATIONS", "SPLITS", "UREASON_CATEGORIES",
+    "relation_holds", "relations_between", "load_world", "shape_coverage", "shapes_image_tokenizer", "RELATIONS", "SPLITS", "UREASON_CATEGORIES",
 ]

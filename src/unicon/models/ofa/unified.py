@@ -57,18 +57,22 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
+from unicon.core import ImageBatch, ImageTokenizer, build_image_tokenizer
+from unicon.data.jsonl import read_json
+from unicon.errors import UserError
 from unicon.models.base import (
     Box,
-    ImageBatch,
     ImageGenerationConfig,
-    ImageTokenizer,
     Scores,
     TextGeneration,
     UnifiedModel,
     check_candidates,
     pil_to_tensor,
 )
+from unicon.models.ofa.configuration_ofa import OFA_PRESETS, preset_config
+from unicon.models.ofa.modeling_ofa import OFAModel
 from unicon.models.ofa.tokenization import BOS_ID, EOS_ID, PAD_ID, OFATokenizer
+from unicon.models.registry import register_backend
 
 logger = logging.getLogger(__name__)
 
@@ -111,22 +115,16 @@ class OFAWrapperConfig:
         return cls(**d)
 
 
-def build_image_tokenizer(spec: dict[str, Any] | None) -> ImageTokenizer | None:
-    """The image tokenizer named by ``OFAWrapperConfig.image_tokenizer``."""
-    if spec is None:
-        return None
-    kind = spec.get("type")
-    if kind == "shapes":
-        from unicon.worlds.shapes import ShapesTokenizer, WorldConfig
-
-        world = spec["world"]
-        cfg = WorldConfig.from_dict(world) if hasattr(WorldConfig, "from_dict") else WorldConfig(**world)
-        return ShapesTokenizer(cfg)
-    if kind == "vqgan":
-        from unicon.models.vqgan import VQGANTokenizer
-
-        return VQGANTokenizer.from_pretrained(spec["path"])
-    raise ValueError(f"unknown image tokenizer type {kind!r} (expected 'shapes' or 'vqgan')")
+def world_image_tokenizer_spec(root: Path) -> dict[str, Any]:
+    """The image tokenizer spec of the ShapesWorld world at ``root``: ``{"type": "shapes", "world": <its
+    world.json config>}``, rebuilt by the builder ``unicon.worlds.shapes`` registers for type ``shapes``."""
+    for name in OFAUnifiedModel.world_vocabulary_files:
+        if not (root / name).is_file():
+            raise UserError(f"{root}: no ShapesWorld {name} (build it: unicon build-data shapes --out {root})")
+    info = read_json(root / "world.json", what="ShapesWorld world.json")
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
+        raise UserError(f"{root / 'world.json'}: not a ShapesWorld world.json (no 'config' object)")
+    return {"type": "shapes", "world": info["config"]}
 
 
 class ClassifierFreeGuidance(LogitsProcessor):
@@ -169,10 +167,12 @@ def image_code_processors(cfg: ImageGenerationConfig) -> LogitsProcessorList:
     return LogitsProcessorList(procs)
 
 
+@register_backend("ofa")
 class OFAUnifiedModel(UnifiedModel):
     """OFA as a :class:`UnifiedModel`. ``self.ofa`` is the ``OFAModel`` network."""
 
-    backend = "ofa"
+    #: the files of a world directory a from-scratch model's vocabulary is read from
+    world_vocabulary_files = ("tokenizer.json", "world.json")
 
     def __init__(self, ofa: torch.nn.Module, tokenizer: OFATokenizer, settings: OFAWrapperConfig | None = None,
                  image_tokenizer: ImageTokenizer | None = None):
@@ -193,6 +193,48 @@ class OFAUnifiedModel(UnifiedModel):
             raise ValueError(
                 f"image tokenizer has {image_tokenizer.codebook_size} codes but the vocabulary only "
                 f"{tokenizer.num_codes} <code_i> tokens")
+
+    @classmethod
+    def from_config(cls, model_cfg: dict[str, Any], world_root: str | Path | None = None) -> "OFAUnifiedModel":
+        """The model of an OFA ``model:`` section (see :mod:`unicon.models`): ``pretrained`` loaded,
+        or ``preset`` + ``arch`` at random init with the vocabulary of the world at ``world_root``."""
+        arch = dict(model_cfg.get("arch") or {})
+        wrapper_keys = set(OFAWrapperConfig.__dataclass_fields__) - {"image_tokenizer", "backend"}
+        settings = {k: arch.pop(k) for k in list(arch) if k in wrapper_keys}
+        num_bins = arch.pop("num_bins", None)
+
+        if model_cfg.get("pretrained"):
+            if arch or num_bins is not None:
+                raise UserError(f"model.arch keys {sorted(arch) + (['num_bins'] if num_bins else [])} cannot change "
+                                f"the architecture of the pretrained model {model_cfg['pretrained']}")
+            return cls.from_pretrained(model_cfg["pretrained"], settings=settings,
+                                       allow_pickle=model_cfg.get("allow_pickle", False))
+
+        preset = model_cfg.get("preset")
+        if preset is None:
+            raise UserError("model.preset is required for backend 'ofa' without model.pretrained "
+                            f"(one of {sorted(OFA_PRESETS)})")
+        if preset not in OFA_PRESETS:
+            raise UserError(f"model.preset {preset!r} is unknown; choose one of {sorted(OFA_PRESETS)}")
+        if world_root is None:
+            raise UserError(f"model preset {preset!r} from scratch needs a world (data.root) for its vocabulary")
+        root = Path(world_root)
+        image_tokenizer_spec = world_image_tokenizer_spec(root)
+        image_tokenizer = build_image_tokenizer(image_tokenizer_spec)
+        tokenizer = OFATokenizer.from_file(root / "tokenizer.json", image_tokenizer.codebook_size, num_bins or 1000,
+                                           max_length=max(settings.get("max_target_length", 128) + 1, 128))
+        try:
+            config = preset_config(preset, **arch, vocab_size=len(tokenizer))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"model.arch: {e}") from None
+        image_size = settings.pop("image_size", None) or config.patch_image_size or 64
+        grid = image_tokenizer.grid_size[0]
+        if config.code_image_size // 8 != grid:
+            raise UserError(f"model.arch.code_image_size {config.code_image_size} gives a {config.code_image_size // 8}"
+                            f"-wide decoder code grid, but the world's image tokenizer is {grid}x{grid}")
+        wrapper = OFAWrapperConfig.from_dict({**settings, "image_size": image_size,
+                                              "image_tokenizer": image_tokenizer_spec})
+        return cls(OFAModel(config), tokenizer, wrapper, image_tokenizer)
 
     @property
     def caption_prompt(self) -> str:
@@ -596,8 +638,6 @@ class OFAUnifiedModel(UnifiedModel):
     def from_pretrained(cls, path: str, **kwargs) -> "OFAUnifiedModel":
         """Restore :meth:`save_pretrained`'s directory. ``kwargs`` go to ``OFAModel.from_pretrained``
         (e.g. ``allow_pickle``), except ``settings`` (a dict of wrapper overrides)."""
-        from unicon.models.ofa.modeling_ofa import OFAModel
-
         src = Path(path)
         if not src.is_dir():
             raise FileNotFoundError(f"no model directory {src}")
@@ -615,4 +655,5 @@ class OFAUnifiedModel(UnifiedModel):
             logger.warning("%s has no tokenizer files; using a byte-level vocabulary of %d entries "
                            "(text bytes, then location bins)", src, ofa.config.vocab_size)
             tokenizer = OFATokenizer.byte_level(ofa.config.vocab_size)
-        return cls(ofa, tokenizer, settings, build_image_tokenizer(settings.image_tokenizer))
+        image_tokenizer = build_image_tokenizer(settings.image_tokenizer) if settings.image_tokenizer else None
+        return cls(ofa, tokenizer, settings, image_tokenizer)

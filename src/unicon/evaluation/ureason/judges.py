@@ -9,7 +9,7 @@ One interface, :class:`Judge`, three implementations:
   Fig. 20 prompt whether the thought process ``R`` implies ``C`` (the paper's Table 3). It
   judges text only, so it is combined with an image judge through :class:`JudgePanel`.
 * :class:`ShapesJudge` -- the exact verifier for ShapesWorld prompts: images are checked with
-  ``unicon.worlds.shapes.check_criterion(target_scene, image)``; a reasoning chain counts as
+  ``unicon.worlds.shapes_verify.check_criterion(target_scene, image)``; a reasoning chain counts as
   correct when its refined prompt, parsed with the world's caption grammar, states the target
   pattern (:func:`refined_prompt_implies`).
 
@@ -25,7 +25,8 @@ Length limit: a generated reply that stops at ``max_new_tokens`` without an end-
 token, or whose text is longer than ``max_reply_chars`` (then cut to that length), is flagged
 ``truncated``; the flag is counted by the evaluation and the (possibly cut) text is still parsed.
 
-``trust_remote_code`` is off unless asked for explicitly.
+``trust_remote_code`` is off unless asked for explicitly. Judge models load from local directories
+only (:func:`check_judge_spec`), never from a hub; nothing here writes files.
 """
 
 from __future__ import annotations
@@ -34,16 +35,15 @@ import abc
 import re
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from PIL import Image
 
+from unicon.core import DTYPES
+from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-
-if TYPE_CHECKING:
-    from unicon.data.ureason import UReasonInstance
 
 # Paper, appendix F, Fig. 19 (the paper text is flattened; line breaks are restored at the
 # sentence/step boundaries, the wording is verbatim).
@@ -82,6 +82,9 @@ REASONING_CHAIN_PROMPT = (
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _PLACEHOLDER = re.compile(r"\{(description|user_prompt|model_thought|criteria)\}")
+
+#: default token budget of a judge's reply
+JUDGE_MAX_NEW_TOKENS = 512
 
 #: verdict statuses; only "yes" counts as a pass
 STATUSES = ("yes", "no", "unparseable", "no_input")
@@ -135,13 +138,13 @@ class Judge(abc.ABC):
 
     @abc.abstractmethod
     def judge_images(
-        self, instances: Sequence["UReasonInstance"], images: Sequence[Image.Image | None]
+        self, instances: Sequence[UReasonInstance], images: Sequence[Image.Image | None]
     ) -> list[Verdict]:
         """One verdict per (instance, image); a ``None`` image gets ``status="no_input"``."""
 
     def judge_reasoning(
         self,
-        instances: Sequence["UReasonInstance"],
+        instances: Sequence[UReasonInstance],
         traces: Sequence[str],
         refined_prompts: Sequence[str],
     ) -> list[Verdict]:
@@ -194,10 +197,14 @@ def _generate_replies(model, tokenizer, inputs: dict, max_new_tokens: int) -> li
     return [(text.strip(), not any(int(t) in eos for t in row)) for text, row in zip(texts, new)]
 
 
+#: judge weight dtypes: the names of :data:`unicon.core.DTYPES`, or "auto" (the checkpoint's own)
+JUDGE_DTYPES = (*DTYPES, "auto")
+
+
 def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:
-    if dtype not in ("float32", "bfloat16", "float16", "auto"):
-        raise UserError(f"judge dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
-    return {"dtype": dtype if dtype == "auto" else getattr(torch, dtype), "trust_remote_code": trust_remote_code}
+    if dtype not in JUDGE_DTYPES:
+        raise UserError(f"judge dtype must be one of {', '.join(JUDGE_DTYPES)}, got {dtype!r}")
+    return {"dtype": dtype if dtype == "auto" else DTYPES[dtype], "trust_remote_code": trust_remote_code}
 
 
 class VLMJudge(Judge):
@@ -213,7 +220,7 @@ class VLMJudge(Judge):
         self,
         model,
         processor,
-        max_new_tokens: int = 512,
+        max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
         max_reply_chars: int = 8000,
         batch_size: int = 4,
         prompt: str = VISUAL_VERIFICATION_PROMPT,
@@ -285,7 +292,7 @@ class ReasoningChainJudge(Judge):
         self,
         model,
         tokenizer,
-        max_new_tokens: int = 512,
+        max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
         max_reply_chars: int = 8000,
         batch_size: int = 4,
         prompt: str = REASONING_CHAIN_PROMPT,
@@ -359,7 +366,7 @@ def refined_prompt_implies(text: str, pattern: dict, cfg=None) -> bool:
     """
     from collections import Counter
 
-    from unicon.worlds.shapes import CaptionParseError, parse_caption
+    from unicon.worlds.shapes_text import CaptionParseError, parse_caption
 
     try:
         spec = parse_caption(text, cfg)
@@ -389,7 +396,7 @@ def refined_prompt_implies(text: str, pattern: dict, cfg=None) -> bool:
 class ShapesJudge(Judge):
     """Exact checks for ShapesWorld prompts (no model): needs ``target_scene`` on every instance.
 
-    * image: ``check_criterion(target_scene, image, cfg)`` from :mod:`unicon.worlds.shapes` (an image
+    * image: ``check_criterion(target_scene, image, cfg)`` from :mod:`unicon.worlds.shapes_verify` (an image
       the parser refuses fails);
     * reasoning chain: :func:`refined_prompt_implies` on the extracted refined prompt.
 
@@ -400,10 +407,9 @@ class ShapesJudge(Judge):
     judges_reasoning = True
 
     def __init__(self, cfg=None):
-        from unicon.worlds import shapes  # imported lazily: only ShapesWorld runs need it
+        from unicon.worlds.shapes import WorldConfig  # imported lazily: only ShapesWorld runs need it
 
-        self._shapes = shapes
-        self.cfg = cfg or shapes.WorldConfig()
+        self.cfg = cfg or WorldConfig()
 
     @classmethod
     def from_world(cls, root: str | None) -> "ShapesJudge":
@@ -418,6 +424,8 @@ class ShapesJudge(Judge):
         return inst.target_scene
 
     def judge_images(self, instances, images):
+        from unicon.worlds.shapes_verify import check_criterion
+
         if len(instances) != len(images):
             raise ValueError(f"{len(instances)} instances but {len(images)} images")
         out = []
@@ -425,7 +433,7 @@ class ShapesJudge(Judge):
             if im is None:
                 out.append(Verdict("no_input", "no image was generated"))
                 continue
-            ok = bool(self._shapes.check_criterion(self._target(inst), im, self.cfg))
+            ok = bool(check_criterion(self._target(inst), im, self.cfg))
             out.append(Verdict("yes" if ok else "no", "check_criterion"))
         return out
 
@@ -452,6 +460,17 @@ def check_judge_spec(spec: str, chain: str | None = None) -> None:
         raise UserError(f"--chain-judge {chain}: not a local model directory (judges load from disk only)")
 
 
+def check_judge_fits(spec: "str | Judge", instances: Sequence[UReasonInstance]) -> None:
+    """The exact judge needs ShapesWorld prompts; say so before any image is generated."""
+    if spec == "exact":
+        missing = [i.source for i in instances if i.target_scene is None]
+        if missing:
+            raise UserError(
+                f"judge 'exact' needs ShapesWorld prompts with 'target_scene' ({len(missing)} rows lack it, "
+                f"first {missing[0]}); judge real UReason data with --judge vlm:<model path>"
+            )
+
+
 def build_judge(
     spec: str,
     chain: str | None = None,
@@ -459,7 +478,7 @@ def build_judge(
     device: str = "cpu",
     dtype: str = "float32",
     trust_remote_code: bool = False,
-    max_new_tokens: int = 512,
+    max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
     batch_size: int = 4,
 ) -> Judge:
     """``spec``: ``exact`` (ShapesWorld) or ``vlm:<local directory>`` (VLM judge).

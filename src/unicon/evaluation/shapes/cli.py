@@ -1,6 +1,6 @@
 """``unicon evaluate shapes``: the embedded world's task accuracies of a checkpoint, with a picture.
 
-Runs :func:`unicon.worlds.shapes_eval.shapes_task_accuracies` (VQA exact match, caption exact
+Runs :func:`unicon.evaluation.shapes.runner.shapes_task_accuracies` (VQA exact match, caption exact
 scene match, localization IoU >= 0.5 and mean IoU, generated-image scene match; definitions in
 that module) on a split of a ShapesWorld world, writes ``<out>/shapes_eval.json`` (the numbers,
 the checkpoint, its weights fingerprint, the split and the number of examples per task) and
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -28,50 +27,10 @@ from unicon.evaluation.cli_common import (
     load_model_for,
 )
 
-NAMES = {"vqa": "VQA", "caption": "caption", "grounding": "localization", "t2i": "text-to-image"}
-
-
-def plot_examples(examples: Sequence[dict], path: Path, per_task: int) -> Path:
-    """A grid: one row per task, ``per_task`` examples each (see the module docstring)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.patches as patches
-    import matplotlib.pyplot as plt
-
-    tasks = [t for t in NAMES if any(e["task"] == t for e in examples)]
-    fig, axes = plt.subplots(len(tasks), per_task, figsize=(2.4 * per_task, 2.9 * len(tasks)), squeeze=False)
-    for row, task in zip(axes, tasks):
-        items = [e for e in examples if e["task"] == task][:per_task]
-        for ax, e in zip(row, items):
-            shown = e["prediction"] if task == "t2i" else e["image"]
-            ax.imshow(shown)
-            if task == "grounding":
-                for box, style in ((e["target"], "--"), (e["prediction"], "-")):
-                    x, y, w, h = box
-                    ax.add_patch(patches.Rectangle((x, y), w, h, fill=False, lw=1.5, ls=style,
-                                                   edgecolor="lime" if style == "-" else "white"))
-            mark = "ok" if e["correct"] else "wrong"
-            text = {"vqa": f"Q: {e['text']}\nA: {e['prediction']} ({mark})",
-                    "caption": f"{e['prediction']}\n({mark})",
-                    "grounding": f"{e['text']}\n({mark})",
-                    "t2i": f"{e['text']}\n({mark})"}[task]
-            lines = [ln for part in text.split("\n") for ln in textwrap.wrap(part, 30) or [""]]
-            if len(lines) > 4:  # a runaway generation: keep the start and the verdict
-                lines = lines[:3] + ["…", lines[-1]]
-            ax.set_title("\n".join(lines), fontsize=6, color="black" if e["correct"] else "crimson")
-            ax.axis("off")
-        for ax in row[len(items):]:
-            ax.axis("off")
-        row[0].text(-0.15, 0.5, NAMES[task], transform=row[0].transAxes, rotation=90, va="center", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    from unicon.worlds.shapes_eval import TASKS, shapes_task_accuracies
+    from unicon.evaluation.shapes.plots import plot_examples
+    from unicon.evaluation.shapes.runner import TASKS, shapes_task_accuracies
 
     p = argparse.ArgumentParser(prog="unicon evaluate shapes",
                                 description="ShapesWorld task accuracies of a checkpoint (JSON + picture grid).")
@@ -91,7 +50,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
                         f"`unicon build-data shapes --out {world}`")
     if not (world / f"mixture_{args.split}.jsonl").is_file():
         raise UserError(f"{world / f'mixture_{args.split}.jsonl'} not found: the world has no {args.split} split")
-    from unicon.models import weights_fingerprint
+    from unicon.core import weights_fingerprint
 
     model = load_model_for(args)
     image_config = image_generation_config(model, args)
@@ -109,7 +68,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         from omegaconf import OmegaConf
 
         from unicon.evaluation.callbacks import log_metrics
-        from unicon.training.loggers import make_loggers
+        from unicon.loggers import make_loggers
 
         lcfg = OmegaConf.create({"type": args.logger, "project": None, "entity": None, "mode": None, "tags": ["shapes"]})
         loggers = make_loggers(lcfg, out, name=f"shapes-{out.name}")

@@ -1,4 +1,7 @@
-"""GenEval: object-level checks of a generated image against its prompt's metadata.
+"""GenEval for MGG: object-level checks of a generated image against its prompt's metadata.
+
+Rules and aggregation are pure functions; the detectors (:class:`Owlv2Detector`, :class:`ShapesDetector`)
+run models and load weights from disk. Used by the drift suite only.
 
 The rules follow GenEval's ``evaluation/evaluate_images.py`` (Ghosh et al., 2023); only the
 detector is pluggable (OWLv2 as in the Telephone-Game paper, or ShapesWorld's exact detector):
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unicon.data.geneval import TASKS, GenEvalPrompt, Requirement
+from unicon.data.geneval import TASKS, GenEvalPrompt
 from unicon.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -354,10 +357,3 @@ def score_images(
         for p, im, d in zip(prompts[s : s + batch_size], images[s : s + batch_size], dets):
             results.append(evaluate_detections(p, d, image=im, color_classifier=detector.color_classifier))
     return summarize([p.tag for p in prompts], [r.correct for r in results]), results
-
-
-__all__ = [
-    "COLORS", "COLOR_TEMPLATES", "Detection", "Detector", "ClipColorClassifier", "Owlv2Detector",
-    "ShapesDetector", "GenEvalPrompt", "Requirement", "evaluate_detections", "keep_detections",
-    "load_detector", "relative_position", "score_images", "summarize",
-]

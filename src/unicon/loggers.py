@@ -36,7 +36,7 @@ What reaches W&B (:class:`UniconWandbLogger`, Lightning's ``WandbLogger`` plus t
   (``model.backend``, ``loss.lambda_``, ``optim.lr``, ...), with :func:`environment_info` (git
   commit and dirtiness of the checkout unicon runs from, when it runs from one; python, torch,
   lightning, transformers, wandb and unicon versions) and the weights fingerprint
-  (:func:`unicon.models.weights_fingerprint`; ``weights.fingerprint``: the weights a fresh run
+  (:func:`unicon.core.weights_fingerprint`; ``weights.fingerprint``: the weights a fresh run
   starts from, i.e. the ``init_from`` checkpoint's, with LoRA adapters when they are added;
   ``weights.resume_fingerprint``: those of the checkpoint a resumed run restarts from, leaving the
   first part's ``weights.fingerprint`` in place). ``log_hyperparams`` of the other loggers
@@ -74,6 +74,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
+from unicon.core import weights_fingerprint
 from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 
@@ -451,8 +452,6 @@ def log_run_config(loggers: list[Logger], cfg: Any, model: Any = None) -> dict[s
     params = flatten_config(cfg)
     extra = environment_info()
     if model is not None:
-        from unicon.models import weights_fingerprint
-
         extra["weights.resume_fingerprint" if getattr(cfg, "resume", None) else "weights.fingerprint"] = \
             weights_fingerprint(model)
     sections = {k.split(".", 1)[0] for k in params}

@@ -4,11 +4,16 @@ Read from ``mixture_<split>.jsonl``, the first ``limit`` rows of each task are e
 with the model's *generation* methods and the world's exact verifiers:
 
 * ``vqa_accuracy``   = mean[ normalise(answer(image, question)) == normalise(target) ]
-  (normalise = lower-case, strip, collapse whitespace, drop a final period);
+  with the VQA normalisation of CocoCon (``unicon.evaluation.cococon.metrics.normalize_answer``:
+  lower case, punctuation and articles dropped, number words as digits). The gold answers are
+  single vocabulary words (a colour, a shape, a number word, yes/no, a relation), so this only
+  forgives the spelling around a correct word ("The circle." for ``circle``, "2" for ``two``);
+  it never makes two different gold words equal, and no strict match is needed;
 * ``caption_match``  = mean[ caption_matches(caption(image), scene) ] -- the generated caption
-  describes the image's scene exactly (``unicon.worlds.shapes.caption_matches``);
+  describes the image's scene exactly (``unicon.worlds.shapes_text.caption_matches``);
 * ``loc_iou50``      = mean[ IoU(locate(image, expression), target_box) >= 0.5 ], with
-  ``IoU = |A ∩ B| / |A ∪ B|`` of ``[x, y, w, h]`` boxes; ``loc_miou`` is the mean IoU;
+  ``IoU = |A ∩ B| / |A ∪ B|`` of ``[x, y, w, h]`` boxes (CocoCon's ``box_iou``, torchvision); ``loc_miou``
+  is the mean IoU;
 * ``t2i_match``      = mean[ caption_matches(caption, parse(generate_image(caption))) ] -- the
   scene parsed from the generated image satisfies the prompt; an image the parser refuses
   (``NotAShapesWorldImage``) counts as a miss.
@@ -16,29 +21,15 @@ with the model's *generation* methods and the world's exact verifiers:
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from PIL import Image
 
+from unicon.evaluation.cococon.metrics import box_iou, normalize_answer
+
 TASKS = ("vqa", "caption", "grounding", "t2i")
-
-
-def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """IoU of two ``[x, y, w, h]`` boxes (0.0 when both are empty)."""
-    ax0, ay0, aw, ah = (float(v) for v in a)
-    bx0, by0, bw, bh = (float(v) for v in b)
-    iw = max(0.0, min(ax0 + aw, bx0 + bw) - max(ax0, bx0))
-    ih = max(0.0, min(ay0 + ah, by0 + bh) - max(ay0, by0))
-    inter = iw * ih
-    union = aw * ah + bw * bh - inter
-    return inter / union if union > 0 else 0.0
-
-
-def normalize_answer(text: str) -> str:
-    return re.sub(r"\s+", " ", text.strip().lower()).rstrip(".").strip()
 
 
 def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
@@ -60,7 +51,8 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     ``examples`` (a list) and ``num_examples``, the first ``num_examples`` predictions of each task
     are appended to it as dicts (task, input image or prompt, prediction, target, correct).
     ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
-    from unicon.worlds.shapes import NotAShapesWorldImage, Scene, caption_matches, load_world, parse
+    from unicon.worlds.shapes import NotAShapesWorldImage, Scene, load_world, parse
+    from unicon.worlds.shapes_text import caption_matches
 
     root = Path(world_root)
     world = load_world(root)

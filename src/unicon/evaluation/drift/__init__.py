@@ -1,0 +1,15 @@
+"""Semantic drift (the Telephone Game paper): chains of alternating I2T and T2I generations, scored
+by MCD (embedding similarity to the chain's input) and MGG (GenEval over generations).
+
+Rooms, lowest first (each imports only the ones above it):
+
+* :mod:`.geneval` -- GenEval rules (pure) and the detectors that feed them (OWLv2, ShapesWorld);
+* :mod:`.metrics` -- MCD, MGG, the decay fit and the logger scalars: pure functions of per-seed
+  records, with their equations; no files, models or ranks;
+* :mod:`.plots` -- figures (``matplotlib.figure.Figure``, no backend switch) and their logging;
+* :mod:`.runner` -- the chain runner: the on-disk layout (:class:`.runner.ChainLayout`), the
+  resumable journals, markers and repairs, scoring of chains into per-seed records, the split
+  of seeds across ranks and :func:`.runner.evaluate_drift`, which ties it all together;
+* :mod:`.callback` -- :class:`.callback.DriftCallback`, the epoch-end evaluation;
+* :mod:`.cli` -- ``unicon evaluate drift``; :mod:`.bench` -- ``unicon bench chains``.
+"""

@@ -1,0 +1,180 @@
+"""Semantic-drift metrics (MCD, MGG, decay fits) as pure functions of per-chain records.
+
+Nothing here reads files, calls a model or talks to other ranks: :mod:`.runner` turns chains into
+one record per seed, gathers them across ranks, and hands the full list (in seed order) to these
+functions, so N ranks give exactly what one process gives.
+
+Chains (Telephone-Game paper, section 3). With ``G`` generations and a unified model ``UM``:
+
+* **text-first**:  ``T0 -T2I-> I1 -I2T-> T2 -T2I-> I3 ...``
+* **image-first**: ``I0 -I2T-> T1 -T2I-> I2 -I2T-> T3 ...``
+
+**MCD** (Eq. 1-2). For a distance mapping ``delta`` (``t2t``, ``t2i``: text-first, even / odd
+generations; ``i2i``, ``i2t``: image-first, even / odd generations) and seed set ``D``::
+
+    S_delta(g) = 1/|D| sum_{d in D} cos(e(inp_d), e(M_d^(g)))     (inp_d = generation-0 item of chain d)
+    MCD_delta  = 1/|G_delta| sum_{g in G_delta} S_delta(g)         (G_delta = {g in 1..G where delta is defined})
+    MCD_avg    = mean of MCD_delta over the mappings computed (two for text-only seeds)
+
+Eq. 2 writes ``1/G sum_{g=1..G}``; each mapping only exists at every other generation, so the
+mean runs over those (``ceil(G/2)`` odd or ``floor(G/2)`` even generations). Each embedder that
+supports a mapping gets its own S/MCD (``by_embedder``); the headline value of a mapping uses the
+first available of :data:`PREFERRED` (sentence embedder for t2t, DINO for i2i, CLIP across
+modalities). The **semantic drift rate** is ``b`` of the least-squares fit
+``S_delta(g) ~ a exp(-b g) + c`` with ``b >= 0`` (:func:`fit_decay`).
+
+**MGG** (section 3.2). GenEval on the images of every image-bearing generation ``g in {1, 3, 5, ...}``
+of text-first chains started from GenEval prompts::
+
+    acc_t(g)   = 1/|D_t| sum_{d in D_t} correct_d(g)               (D_t: the prompts of task t)
+    GenEval(g) = 1/|T| sum_t acc_t(g)                              (GenEval's summary: mean over tasks)
+    MGG        = mean of GenEval(g) over those generations
+
+``MGG_micro`` replaces ``GenEval(g)`` by the mean over all images (the paper's public script).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from unicon.evaluation.drift.geneval import summarize
+
+CHAINS = ("text-first", "image-first")
+#: mapping -> (chain, parity of its generations, source modality, target modality)
+MAPPINGS = {
+    "t2t": ("text-first", 0, "text", "text"),
+    "t2i": ("text-first", 1, "text", "image"),
+    "i2i": ("image-first", 0, "image", "image"),
+    "i2t": ("image-first", 1, "image", "text"),
+}
+#: mapping -> embedders whose S/MCD is the headline value, first available wins
+PREFERRED = {"t2t": ("text", "clip", "scene"), "t2i": ("clip", "scene"), "i2i": ("dino", "clip", "scene"),
+             "i2t": ("clip", "scene")}
+
+
+def modality(chain: str, g: int) -> str:
+    """``"text"`` or ``"image"``: what generation ``g`` of ``chain`` holds."""
+    first = "text" if chain == "text-first" else "image"
+    return first if g % 2 == 0 else ("image" if first == "text" else "text")
+
+
+def mapping_generations(mapping: str, generations: int) -> list[int]:
+    """``G_delta``: the generations in ``1..generations`` at which ``mapping`` is defined."""
+    parity = MAPPINGS[mapping][1]
+    return [g for g in range(1, generations + 1) if g % 2 == parity]
+
+
+def fit_decay(gens: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
+    """Least-squares fit of ``S(g) = a exp(-b g) + c`` with ``0 <= b <= 50`` (scipy ``curve_fit``).
+
+    Returns ``{"a", "b", "c", "rmse"}``, or ``{"error": reason}`` with fewer than 3 points,
+    non-finite values, or when the fit fails."""
+    x, y = np.asarray(gens, dtype=float), np.asarray(values, dtype=float)
+    if len(x) < 3:
+        return {"error": f"needs >= 3 generations, got {len(x)}"}
+    if not np.all(np.isfinite(y)):
+        return {"error": "non-finite similarities"}
+    from scipy.optimize import OptimizeWarning, curve_fit
+
+    def f(g, a, b, c):
+        return a * np.exp(-b * g) + c
+
+    p0 = (max(y[0] - y[-1], 1e-3), 0.5, y[-1])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OptimizeWarning)
+            (a, b, c), _ = curve_fit(f, x, y, p0=p0, bounds=([-np.inf, 0.0, -np.inf], [np.inf, 50.0, np.inf]),
+                                     maxfev=20000)
+    except (RuntimeError, ValueError, OptimizeWarning) as e:
+        return {"error": f"curve_fit failed: {str(e).splitlines()[0]}"}
+    rmse = float(np.sqrt(np.mean((f(x, a, b, c) - y) ** 2)))
+    return {"a": float(a), "b": float(b), "c": float(c), "rmse": rmse}
+
+
+def mcd(similarities: Sequence[Mapping[str, Mapping[str, Sequence[float]]]], generations: int) -> dict[str, Any]:
+    """S_delta(g), MCD_delta per embedder, the headline MCD and the decay fits (module docstring).
+
+    ``similarities[d][embedder][mapping]`` holds chain ``d``'s cosines ``cos(e(inp_d), e(M_d^(g)))``
+    at ``g in G_delta`` (:func:`mapping_generations`), one entry per seed in seed order; every seed
+    has the same embedders and mappings. Returns ``{"S": {mapping: {g: value}}, "MCD": {mapping:
+    value}, "MCD_avg", "embedder": {mapping: name}, "by_embedder": {name: {mapping: {"S", "MCD",
+    "per_chain"}}}, "decay": {mapping: fit}}``.
+    """
+    if not similarities:
+        raise ValueError("MCD needs at least one chain")
+    names = list(similarities[0])
+    by_emb: dict[str, dict] = {}
+    for name in names:
+        by_emb[name] = {}
+        for mapping in MAPPINGS:
+            if mapping not in similarities[0][name]:
+                continue
+            gens = mapping_generations(mapping, generations)
+            sims = torch.tensor([chain[name][mapping] for chain in similarities], dtype=torch.float32)
+            if sims.shape[1] != len(gens):
+                raise ValueError(f"{name}/{mapping}: {sims.shape[1]} similarities per chain for generations {gens}")
+            S = {g: float(v) for g, v in zip(gens, sims.mean(0).tolist())}
+            by_emb[name][mapping] = {"S": S, "MCD": float(np.mean(list(S.values()))),
+                                     "per_chain": [[round(v, 6) for v in row] for row in sims.tolist()]}
+    result: dict[str, Any] = {"S": {}, "MCD": {}, "embedder": {}, "decay": {}, "by_embedder": by_emb}
+    for mapping in MAPPINGS:
+        for name in PREFERRED[mapping] + tuple(names):
+            if mapping in by_emb.get(name, {}):
+                entry = by_emb[name][mapping]
+                result["S"][mapping], result["MCD"][mapping] = entry["S"], entry["MCD"]
+                result["embedder"][mapping] = name
+                result["decay"][mapping] = fit_decay(list(entry["S"]), list(entry["S"].values()))
+                break
+    result["MCD_avg"] = float(np.mean(list(result["MCD"].values()))) if result["MCD"] else float("nan")
+    return result
+
+
+def mgg(tags: Sequence[str], correct: Sequence[Mapping[int, bool]]) -> dict[str, Any]:
+    """GenEval per image generation and MGG (module docstring).
+
+    ``tags[d]`` is prompt ``d``'s GenEval task, ``correct[d][g]`` whether its chain's image at
+    generation ``g`` passed GenEval, one entry per seed in seed order. Returns ``{"per_generation":
+    {g: {"tasks", "counts", "overall", "overall_micro", "correct"}}, "MGG", "MGG_micro"}``.
+    """
+    if not correct or not correct[0]:
+        raise ValueError("MGG needs at least one image generation of one chain")
+    if len(tags) != len(correct):
+        raise ValueError(f"{len(tags)} GenEval tags for {len(correct)} chains")
+    per_gen = {}
+    for g in sorted(correct[0]):
+        column = [chain[g] for chain in correct]
+        per_gen[g] = {**summarize(tags, column), "correct": column}
+    return {
+        "per_generation": per_gen,
+        "MGG": float(np.mean([v["overall"] for v in per_gen.values()])),
+        "MGG_micro": float(np.mean([v["overall_micro"] for v in per_gen.values()])),
+    }
+
+
+def drift_metrics(report: Mapping[str, Any], prefix: str = "drift") -> dict[str, float]:
+    """Flat scalars of a ``drift.json`` report for the loggers: ``MCD_avg``, ``MCD_<mapping>``,
+    ``<embedder>/MCD_<mapping>``, ``drift_rate_<mapping>`` (the fitted ``b``), ``MGG``,
+    ``MGG_micro`` and ``MGG_<task>`` (the task's accuracy averaged over the image generations)."""
+    m: dict[str, float] = {}
+    if "mcd" in report:
+        m[f"{prefix}/MCD_avg"] = report["MCD_avg"]
+        for k, v in report["MCD"].items():
+            m[f"{prefix}/MCD_{k}"] = v
+        for name, per in report["mcd"]["by_embedder"].items():
+            for k, v in per.items():
+                m[f"{prefix}/{name}/MCD_{k}"] = v["MCD"]
+        for k, fit in report["mcd"]["decay"].items():
+            if "b" in fit:
+                m[f"{prefix}/drift_rate_{k}"] = fit["b"]
+    if "mgg" in report:
+        m[f"{prefix}/MGG"] = report["MGG"]
+        m[f"{prefix}/MGG_micro"] = report["MGG_micro"]
+        gens = report["mgg"]["per_generation"]
+        tasks = {t for v in gens.values() for t in v["tasks"]}
+        for t in sorted(tasks):
+            m[f"{prefix}/MGG_{t}"] = float(np.mean([v["tasks"][t] for v in gens.values() if t in v["tasks"]]))
+    return m

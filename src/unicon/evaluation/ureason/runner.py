@@ -1,0 +1,359 @@
+"""UReason runs: the model's three settings over instances, judging, per-sample records and files.
+
+Three settings per instance, all through :class:`unicon.models.base.UnifiedModel`:
+
+1. **direct** -- ``I = M(P_direct)``: ``generate_image([direct_prompt])`` (eq. 1);
+2. **reasoning-guided** -- ``R = M(P)`` with ``reason([prompt])``, then ``I = M([P, R])``:
+   ``generate_image([prompt], context=[R])`` (eq. 2); an input too long for the model loses the
+   beginning of ``R`` (``UnifiedModel.fit_context``; the words cut are ``context_words_cut``);
+3. **de-contextualized** -- ``I = M(R_p)``: ``generate_image([R_p])`` where ``R_p`` is the refined
+   prompt extracted from ``R`` (eq. 3).
+
+A failed image generation is a scored failure (``image_error_s{k}``), never a crash.
+
+Refined-prompt extraction (:func:`extract_refined_prompt`): think tags (``<think>``,
+``</think>``, ``<thinking>``, ``<reasoning>`` ...) and markdown emphasis/headings are removed, then
+the text after the **last** explicit marker among ``refined prompt:``, ``final scene prompt:``,
+``final prompt:`` (case-insensitive) is taken. The public reference regex also accepts a bare
+``prompt`` as a marker, so any later mention of the word ("this prompt captures ...") wins and
+the refined prompt becomes a fragment of commentary; we only accept the three explicit markers.
+Without any marker the last paragraph is used and counted as a fallback. The rule that fired is
+stored per sample (``extraction_rule``).
+
+Distribution (:mod:`unicon.evaluation.distributed`): each rank runs the instances of
+``shard_indices``; the repeats the sampler pads with are run (every rank makes the same number of
+model calls) but counted and written only by the lowest rank that has them. The metric
+(:class:`~unicon.evaluation.ureason.metrics.UReasonMetric`) sums its states over ranks; the
+per-sample records are collected with ``gather_records``, and rank 0 writes the files.
+
+Files (:func:`evaluate_ureason` with ``out_dir``): ``ureason.json`` (metrics and run info),
+``samples.jsonl`` (one :func:`sample_record` per instance: prompts, trace, refined prompt, image
+paths, judge replies, verdicts, truncation flags), ``table.md`` (the paper's Table 2 layout) and
+``images/s{1,2,3}/<category>_<id>.png``. :func:`table_rows` gives the three settings' images side
+by side for :func:`unicon.evaluation.callbacks.log_table`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from PIL import Image
+
+from unicon.config import UReasonEvalConfig
+from unicon.data.ureason import UReasonInstance
+from unicon.errors import UserError
+from unicon.evaluation import preemption
+from unicon.evaluation.distributed import gather_records, owned_indices, rank_and_world, shard_indices
+from unicon.evaluation.ureason.judges import Judge, Verdict
+from unicon.evaluation.ureason.metrics import (
+    EMPTY_RULE,
+    FALLBACK_RULE,
+    SETTINGS,
+    UReasonMetric,
+    markdown_table,
+    metric_categories,
+    ordered_categories,
+)
+from unicon.models.base import ImageGenerationConfig, UnifiedModel
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# Refined-prompt extraction
+# ---------------------------------------------------------------------------------------------
+MARKERS = ("refined prompt", "final scene prompt", "final prompt")
+
+_MARKER = re.compile(r"\b(refined\s+prompt|final\s+scene\s+prompt|final\s+prompt)\s*:", re.IGNORECASE)
+_THINK_TAG = re.compile(r"</?\s*(?:think|thinking|thought|thoughts|reasoning)\s*>", re.IGNORECASE)
+_STAR_EMPHASIS = re.compile(r"(?<!\*)(\*{1,3})(?=\S)(.+?)(?<=\S)\1(?!\*)", re.DOTALL)
+_UNDERSCORE_EMPHASIS = re.compile(r"(?<!\w)(_{1,3})(?=\S)(.+?)(?<=\S)\1(?!\w)", re.DOTALL)
+_HEADING = re.compile(r"^[ \t]*#{1,6}[ \t]*", re.MULTILINE)
+_WRAPPERS = [("{", "}"), ('"', '"'), ("'", "'"), ("\u201c", "\u201d"), ("`", "`"), ("[", "]")]
+
+
+@dataclass
+class Extraction:
+    """The refined prompt ``R_p`` and the rule that produced it."""
+
+    text: str
+    rule: str  # one of MARKERS, FALLBACK_RULE or EMPTY_RULE
+
+    @property
+    def fallback(self) -> bool:
+        return self.rule == FALLBACK_RULE
+
+
+def clean_trace(trace: str) -> str:
+    """Remove think-style tags, markdown headings and emphasis (``**x**``, ``*x*``, ``__x__``)."""
+    text = _THINK_TAG.sub("\n", trace)
+    text = _HEADING.sub("", text)
+    text = _STAR_EMPHASIS.sub(r"\2", text)
+    text = _UNDERSCORE_EMPHASIS.sub(r"\2", text)
+    return text
+
+
+def _unwrap(text: str) -> str:
+    """Strip wrapping quotes/braces (``{...}``, ``"..."``) that enclose the whole text only."""
+    text = text.strip()
+    changed = True
+    while changed and len(text) >= 2:
+        changed = False
+        for left, right in _WRAPPERS:
+            inner = text[1:-1]
+            if text[0] == left and text[-1] == right and left not in inner and right not in inner:
+                text, changed = inner.strip(), True
+    return text
+
+
+def extract_refined_prompt(trace: str) -> Extraction:
+    """``R_p`` from a reasoning trace ``R`` (see the module docstring for the rules)."""
+    text = clean_trace(trace or "")
+    matches = list(_MARKER.finditer(text))
+    if matches:
+        last = matches[-1]
+        rule = " ".join(last.group(1).lower().split())
+        refined = _unwrap(text[last.end() :])
+        return Extraction(refined, rule if refined else EMPTY_RULE)
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if not paragraphs:
+        return Extraction("", EMPTY_RULE)
+    return Extraction(_unwrap(paragraphs[-1]), FALLBACK_RULE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the three settings
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """Everything produced for one instance (an image is ``None`` exactly when its error is set)."""
+
+    instance: UReasonInstance
+    trace: str = ""
+    trace_truncated: bool = False
+    trace_tokens: int = 0
+    context_words_cut: int = 0  # words cut from the left of R to fit [P, R] (setting 2)
+    refined: Extraction = field(default_factory=lambda: Extraction("", EMPTY_RULE))
+    images: dict[int, Image.Image | None] = field(default_factory=dict)
+    errors: dict[int, str | None] = field(default_factory=dict)
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
+    chain: Verdict | None = None
+
+    def passed(self, setting: int) -> bool:
+        return setting in self.verdicts and self.verdicts[setting].passed
+
+
+def _generate_safely(
+    model: UnifiedModel,
+    prompts: Sequence[str],
+    context: Sequence[str] | None,
+    config: ImageGenerationConfig | None,
+) -> tuple[list[Image.Image | None], list[str | None]]:
+    """``generate_image`` on a batch; a failing batch is retried one prompt at a time so that one
+    bad sample costs only itself. Failures come back as ``None`` with the error text."""
+    try:
+        images = model.generate_image(list(prompts), context=list(context) if context is not None else None,
+                                      config=config)
+        if len(images) != len(prompts):
+            raise RuntimeError(f"generate_image returned {len(images)} images for {len(prompts)} prompts")
+        bad = [i for i, im in enumerate(images) if not isinstance(im, Image.Image)]
+        errors: list[str | None] = [None] * len(prompts)
+        for i in bad:
+            errors[i] = f"generate_image returned {type(images[i]).__name__}, not a PIL image"
+        return [None if i in bad else im for i, im in enumerate(images)], errors
+    except Exception as e:  # noqa: BLE001 -- a failed image is a scored failure, never a crash
+        if len(prompts) == 1:
+            log.warning("generate_image failed: %s", e)
+            return [None], [f"{type(e).__name__}: {e}"]
+    images, errors = [], []
+    for i in range(len(prompts)):
+        im, err = _generate_safely(model, prompts[i : i + 1], None if context is None else context[i : i + 1], config)
+        images += im
+        errors += err
+    return images, errors
+
+
+def generate_samples(
+    model: UnifiedModel,
+    instances: Sequence[UReasonInstance],
+    max_new_tokens: int = UReasonEvalConfig.max_new_tokens,
+    batch_size: int = UReasonEvalConfig.batch_size,
+    image_config: ImageGenerationConfig | None = None,
+) -> list[Sample]:
+    """Run settings 1-3 for every instance (no judging)."""
+    samples = [Sample(inst) for inst in instances]
+    for start in range(0, len(samples), batch_size):
+        preemption.check()
+        batch = samples[start : start + batch_size]
+        # setting 1
+        ims, errs = _generate_safely(model, [s.instance.direct_prompt for s in batch], None, image_config)
+        for s, im, err in zip(batch, ims, errs):
+            s.images[1], s.errors[1] = im, err
+        # reasoning trace R (shared by settings 2 and 3)
+        gens = model.reason([s.instance.prompt for s in batch], max_new_tokens=max_new_tokens)
+        if len(gens) != len(batch):
+            raise RuntimeError(f"reason returned {len(gens)} traces for {len(batch)} prompts")
+        for s, g in zip(batch, gens):
+            s.trace, s.trace_truncated, s.trace_tokens = g.text, bool(g.truncated), int(g.num_tokens)
+            s.refined = extract_refined_prompt(g.text)
+        # setting 2: M([P, R]) -- the trace follows the prompt; an over-long input loses R's beginning
+        prompts2 = [s.instance.prompt for s in batch]
+        contexts, cut = model.fit_context(prompts2, [s.trace for s in batch])
+        for s, n in zip(batch, cut):
+            s.context_words_cut = int(n)
+        ims, errs = _generate_safely(model, prompts2, contexts, image_config)
+        for s, im, err in zip(batch, ims, errs):
+            s.images[2], s.errors[2] = im, err
+        # setting 3: R_p alone (no image for an empty R_p)
+        todo = [s for s in batch if s.refined.text]
+        for s in batch:
+            if not s.refined.text:
+                s.images[3], s.errors[3] = None, "empty refined prompt"
+        if todo:
+            ims, errs = _generate_safely(model, [s.refined.text for s in todo], None, image_config)
+            for s, im, err in zip(todo, ims, errs):
+                s.images[3], s.errors[3] = im, err
+    return samples
+
+
+def judge_samples(judge: Judge, samples: Sequence[Sample]) -> None:
+    """Fill ``verdicts`` (and ``chain`` when the judge can judge reasoning chains) in place."""
+    instances = [s.instance for s in samples]
+    for k in SETTINGS:
+        verdicts = judge.judge_images(instances, [s.images.get(k) for s in samples])
+        if len(verdicts) != len(samples):
+            raise RuntimeError(f"judge '{judge.name}' returned {len(verdicts)} verdicts for {len(samples)} images")
+        for s, v in zip(samples, verdicts):
+            s.verdicts[k] = v
+    if judge.judges_reasoning:
+        verdicts = judge.judge_reasoning(instances, [s.trace for s in samples], [s.refined.text for s in samples])
+        for s, v in zip(samples, verdicts):
+            s.chain = v
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample records and files
+# ---------------------------------------------------------------------------------------------
+def sample_record(s: Sample, image_paths: dict[int, str | None]) -> dict[str, Any]:
+    """One row of ``samples.jsonl``; the metric is computed from these rows."""
+    inst = s.instance
+    rec: dict[str, Any] = {
+        "id": inst.id,
+        "category": inst.category,
+        "source": inst.source,
+        "direct_prompt": inst.direct_prompt,
+        "prompt": inst.prompt,
+        "expect_en": inst.expect_en,
+        "trace": s.trace,
+        "trace_truncated": s.trace_truncated,
+        "trace_tokens": s.trace_tokens,
+        "context_words_cut": s.context_words_cut,
+        "refined_prompt": s.refined.text,
+        "extraction_rule": s.refined.rule,
+    }
+    for k in SETTINGS:
+        v = s.verdicts.get(k)
+        rec[f"image_s{k}"] = image_paths.get(k)
+        error = s.errors.get(k)
+        rec[f"image_error_s{k}"] = error if error is not None or s.images.get(k) is not None else "no image"
+        rec[f"judge_reply_s{k}"] = v.reply if v else None
+        rec[f"verdict_s{k}"] = v.status if v else None
+        rec[f"judge_truncated_s{k}"] = v.truncated if v else None
+        rec[f"correct_s{k}"] = s.passed(k)
+    rec["chain_reply"] = s.chain.reply if s.chain else None
+    rec["chain_verdict"] = s.chain.status if s.chain else None
+    rec["chain_truncated"] = s.chain.truncated if s.chain else None
+    return rec
+
+
+def save_images(out_dir: Path, s: Sample) -> dict[int, str | None]:
+    """Save a sample's images as ``images/s{k}/<category>_<id>.png``; ``{k: path relative to out_dir}``."""
+    paths: dict[int, str | None] = {}
+    for k in SETTINGS:
+        im = s.images.get(k)
+        if im is None:
+            paths[k] = None
+            continue
+        rel = Path("images") / f"s{k}" / f"{s.instance.key}.png"
+        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        im.save(out_dir / rel)
+        paths[k] = str(rel)
+    return paths
+
+
+def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
+    """``samples.jsonl``, ``ureason.json`` (``{"metrics": ..., **info}``) and ``table.md``."""
+    with (out_dir / "samples.jsonl").open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    (out_dir / "ureason.json").write_text(json.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
+    (out_dir / "table.md").write_text(markdown_table(metrics, metric_categories(metrics)))
+
+
+TABLE_COLUMNS = [
+    "id", "category", "expect_en", "direct_prompt", "trace", "refined_prompt", "extraction_rule",
+    "image_s1", "verdict_s1", "image_s2", "verdict_s2", "image_s3", "verdict_s3", "chain_verdict",
+]
+
+
+def table_rows(samples: Sequence[Sample], limit: int | None = None) -> list[list[Any]]:
+    """Rows for :func:`log_table`: the three settings' images side by side per sample."""
+    rows = []
+    for s in samples[:limit]:
+        i = s.instance
+        rows.append([
+            str(i.id), i.category, i.expect_en, i.direct_prompt, s.trace, s.refined.text, s.refined.rule,
+            s.images.get(1), s.verdicts[1].status, s.images.get(2), s.verdicts[2].status,
+            s.images.get(3), s.verdicts[3].status, s.chain.status if s.chain else None,
+        ])
+    return rows
+
+
+def evaluate_ureason(
+    model: UnifiedModel,
+    instances: Sequence[UReasonInstance],
+    judge: Judge,
+    out_dir: str | Path | None = None,
+    max_new_tokens: int = UReasonEvalConfig.max_new_tokens,
+    batch_size: int = UReasonEvalConfig.batch_size,
+    image_config: ImageGenerationConfig | None = None,
+    info: dict | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[dict[str, float], list[Sample]]:
+    """Generate, judge and score ``instances`` on every rank of the process group (or alone).
+
+    Returns the metrics (the same on every rank) and this rank's samples, in its shard's order.
+    With ``out_dir`` each rank saves the images it owns and rank 0 writes ``samples.jsonl``,
+    ``ureason.json`` (``{"metrics", "judge", **info}``) and ``table.md``. ``device`` holds the
+    metric states (the process group's device: CUDA under NCCL).
+    """
+    if not instances:
+        raise UserError("UReason: no instances to evaluate")
+    mine = shard_indices(len(instances))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            samples = generate_samples(model, [instances[i] for i in mine], max_new_tokens, batch_size, image_config)
+    finally:
+        model.train(was_training)
+    judge_samples(judge, samples)
+
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    by_index = dict(zip(mine, samples))
+    records = {i: sample_record(by_index[i], save_images(out, by_index[i]) if out is not None else {})
+               for i in owned_indices(len(instances))}
+    metric = UReasonMetric(ordered_categories(inst.category for inst in instances)).to(device)
+    metric.update(records.values())
+    metrics = metric.compute()
+    gathered = gather_records(records)
+    if out is not None and rank_and_world()[0] == 0:
+        write_summary(out, list(gathered.values()), metrics, {"judge": judge.name, **(info or {})})
+    return metrics, samples

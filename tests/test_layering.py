@@ -1,0 +1,104 @@
+"""Import layering: no import cycles in ``unicon`` + ``data_builders``, and every module imports on its own.
+
+The import graph comes from grimp, which reads every ``import`` statement, including those inside
+functions (a lazy import is still an import). Two graphs must be acyclic:
+
+* **modules** -- ``a -> b`` when module ``a`` imports module ``b``;
+* **packages** -- the same edges between the top-level parts of ``unicon`` (``unicon.models``,
+  ``unicon.worlds``, ``unicon.core``, ...) and ``data_builders``; importing ``unicon.models.base``
+  runs ``unicon/models/__init__.py`` first, so a cycle between two packages is a real cycle even
+  when no two modules import each other.
+
+Then every module is imported first, in a fresh interpreter, in sorted and in reverse-sorted order:
+a hidden cycle (``importlib.import_module`` of a name, a module ``__getattr__``) fails there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("unicon", "data_builders")
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    sys.path.insert(0, str(REPO))  # data_builders lives at the repository root
+    try:
+        return grimp.build_graph(*PACKAGES, cache_dir=None)
+    finally:
+        sys.path.remove(str(REPO))
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle ``[a, b, ..., a]`` of a directed graph, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    for root in sorted(edges):
+        if root in state:
+            continue
+        path, stack = [root], [iter(sorted(edges.get(root, ())))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(edges.get(nxt, ()))))
+    return None
+
+
+def module_edges(graph: grimp.ImportGraph) -> dict[str, set[str]]:
+    return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+
+
+def package_of(module: str) -> str:
+    """``unicon.models.ofa.unified`` -> ``unicon.models``; ``data_builders.shapes`` -> ``data_builders``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "unicon" else parts[0]
+
+
+def test_find_cycle_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_module_import_cycles(graph):
+    cycle = find_cycle(module_edges(graph))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_package_import_cycles(graph):
+    edges: dict[str, set[str]] = {}
+    via: dict[tuple[str, str], str] = {}
+    for module, imported in module_edges(graph).items():
+        for target in imported:
+            a, b = package_of(module), package_of(target)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+                via.setdefault((a, b), f"{module} -> {target}")
+    cycle = find_cycle(edges)
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(
+        f"  {via[a, b]}" for a, b in zip(cycle, cycle[1:]))
+
+
+@pytest.mark.parametrize("order", ["sorted", "reversed"])
+def test_every_module_imports_in_a_fresh_interpreter(graph, order):
+    modules = sorted(graph.modules)
+    if order == "reversed":
+        modules.reverse()
+    code = ("import importlib, sys\n"
+            f"sys.path.insert(0, {str(REPO)!r})\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
