@@ -3,18 +3,19 @@ on a freshly built world with a shortened schedule, must learn every task well a
 
 The run is the real one (``unicon build-data shapes``, ``unicon train experiment=shapes_pretrain``,
 ``unicon evaluate shapes``, as subprocesses with the recipe's thread settings); only
-``trainer.max_steps`` is shortened (:data:`STEPS`, about 4 minutes on one core). The model it leaves
-is also the ``pretrained_shapes`` fixture (conftest) of the tests that need a trained model.
+``trainer.max_steps`` is shortened (:data:`STEPS`, under 4 minutes on the recipe's two DDP ranks).
+The model it leaves is also the ``pretrained_shapes`` fixture (conftest) of the tests that need a trained model.
 
 Floors. Chance levels on the test split: VQA answers by question-type prior ~0.3 (yes/no, 8 colours,
 6 shapes, counts); a box with IoU >= 0.5 by guessing ~0.02; an exact caption or a generated image whose
 parsed scene matches its prompt ~0 (a scene is 1-4 objects of 48 kinds in 16 cells). Measured after
-STEPS steps (one run, 200 per task, the recipe with its task weights): VQA 0.55, localization 0.14,
-exact caption 0.06, generated-image match 0.03 (700 steps: 0.495, 0.085, 0.03, 0.03). Each floor sits
-above chance and well below the measurement; the generation floors only say that some outputs are
-exactly right. Likelihood competence is asserted too: the gold caption
-(test_ofa_unified.test_pretrained_model_prefers_gold_over_contrast_captions) and the gold prompt of an
-image (..._prefers_the_gold_caption_for_generating_the_image) beat the CocoCon contrasts well above
+STEPS steps of the recipe (two DDP ranks x 32 examples, 3 min 37 s; one run, 200 per task): VQA 0.52,
+localization 0.18, exact caption 0.05, generated-image match 0.04 (session 5's one-rank recipe after 900
+steps: 0.55, 0.14, 0.06, 0.03). Each floor sits above chance and well below the measurement (a run on
+another CPU rounds differently, and the step at which a task takes off moves with it); the generation
+floors only say that some outputs are exactly right. Likelihood competence is asserted too: the gold
+caption (test_ofa_unified.test_pretrained_model_prefers_gold_over_contrast_captions) and the gold prompt
+of an image (..._prefers_the_gold_caption_for_generating_the_image) beat the CocoCon contrasts well above
 chance. Issue 16's targets are not met (results/shapes_consistency.md).
 """
 
@@ -25,8 +26,8 @@ import json
 import pytest
 
 #: shortened schedule of the pretraining recipe (the full one: configs/experiment/shapes_pretrain.yaml)
-STEPS = 900
-FLOORS = {"vqa_accuracy": 0.45, "loc_iou50": 0.05, "caption_match": 0.02, "t2i_match": 0.005}
+STEPS = 650
+FLOORS = {"vqa_accuracy": 0.45, "loc_iou50": 0.06, "caption_match": 0.02, "t2i_match": 0.01}
 
 
 @pytest.mark.slow

@@ -30,6 +30,11 @@ from unicon.cli import main as unicon_main
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("UNICON_SHARED_DIR", REPO.parent / "shared"))
 
+#: The pretraining recipe trains on two DDP ranks, which Lightning starts by running the command line
+#: again (sys.argv): in-process here that would be pytest's, so these in-process runs keep one rank.
+#: The recipe's own layout runs through the CLI in test_competence.
+ONE_PROCESS = ("trainer.devices=1", "trainer.strategy=auto")
+
 # README command -> (extra arguments that only shrink it, expected exit code)
 RUNS: dict[str, tuple[list[str], int]] = {
     "unicon build-data shapes --out data/shapes": (
@@ -50,7 +55,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
         ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
          "--num-drift-seeds", "2", "--num-reason-train", "4", "--quiet"], 0),
     "unicon train experiment=shapes_pretrain name=shapes_gap_pretrain data.root=data/shapes_gap": (
-        ["trainer.max_steps=2"], 0),
+        ["trainer.max_steps=2", *ONE_PROCESS], 0),
     "unicon experiment table2 --seeds 0 1 2 --out results/table2_gap -- data.root=data/shapes_gap init_from=checkpoints/shapes_gap_pretrain/export eval.cococon.probe_words=[purple]": (
         ["trainer.max_epochs=1", "trainer.limit_train_batches=1", "eval.cococon.max_samples=4",
          "eval.cococon.generative=false"], 0),
@@ -163,7 +168,7 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
     run(build, proj, monkeypatch, capsys)  # data/shapes, used by every command after it
     # what `make demo` does before the README's commands are useful: pretrain and the demo run
     monkeypatch.chdir(proj)
-    for overrides in (["experiment=shapes_pretrain", "trainer.max_steps=2"],
+    for overrides in (["experiment=shapes_pretrain", "trainer.max_steps=2", *ONE_PROCESS],
                       ["experiment=shapes_demo", "trainer.limit_train_batches=2", "eval.cococon.max_samples=4",
                        "eval.drift.num_chains=1", "eval.drift.generations=1", "eval.ureason.max_samples=2"]):
         assert unicon_main(["train", *overrides]) == 0, capsys.readouterr().err

@@ -758,6 +758,14 @@ def test_bench_pretrain_reports_consistent_figures(tiny_shapes_world, tmp_path):
     assert out["fraction_of_matmul_peak"] == pytest.approx(
         out["achieved_flops_per_s"] / out["matmul_peak_flops_per_s"], rel=0.01)
     assert out["kept_beside_a_busy_process"] > 0 and out["torch_threads"] == 1
+    # the recipe trains on two gloo ranks: measured side by side, from the same figures
+    assert out["ranks"] == cfg.trainer.devices == 2
+    assert out["ranks_speedup_over_one_process"] == pytest.approx(out["ranks_examples_per_s"] / out["examples_per_s"],
+                                                                  rel=0.01)
+    assert out["ranks_kept_beside_a_busy_process"] == pytest.approx(
+        out["ranks_examples_per_s_beside_a_busy_process"] / out["ranks_examples_per_s"], rel=0.01)
+    assert out["ranks_fraction_of_matmul_peak_per_core"] == pytest.approx(
+        out["ranks_examples_per_s"] * out["model_flops_per_example"] / 2 / out["matmul_peak_flops_per_s"], rel=0.02)
 
 
 # ---- the mixture's epoch order (data.batching, data.task_weights) -------------------------------

@@ -148,17 +148,14 @@ def matmul_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2.0 * n**3 / best
 
 
-def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
-    """Pretraining throughput (standard updates of the mixture) on CPU: examples/s, model FLOPs per
-    example (counted by ``torch.utils.flop_counter`` on one forward + backward), the achieved FLOP/s
-    as a fraction of :func:`matmul_peak_flops` measured in the same run, and the throughput kept while
-    one busy single-threaded process shares the cores."""
-    import subprocess
-    import sys
+def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
+    """``(module, step function, batches)`` of standard pretraining updates; with ``world > 1`` this
+    rank takes every ``world``-th batch and the step all-reduces the gradients (one flat buffer:
+    DDP's bucketed all-reduce without its overlap with the backward pass) before AdamW."""
+    import torch.distributed as dist
 
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from unicon.training.datamodule import ConsistencyDataModule
+    from unicon.data.mixture import collate_mixture
+    from unicon.training.datamodule import ConsistencyDataModule, MixtureSampler
     from unicon.training.module import ConsistencyModule
     from unicon.training.run import build_training_model
 
@@ -170,18 +167,114 @@ def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
     dm = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=False)
     dm.setup("fit")
     bs = int(cfg.data.batch_size)
-    batches = [_take_mixture(dm.mixture, bs, i * bs) for i in range(warmup + steps)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
+    # the recipe's epoch order (task weights, data.batching), as the training loader draws it: a
+    # batch of the first rows of the file would hold no think-then-draw rows, the costliest ones
+    sampler = MixtureSampler([r["task"] for r in dm.mixture.rows], cfg.seed, dict(cfg.data.task_weights),
+                             by_task=cfg.data.batching == "by_task", chunk=bs * world)
+    order = list(sampler)
+    batches = [collate_mixture([dm.mixture[order[((i * world + rank) * bs + j) % len(order)]] for j in range(bs)])
+               for i in range(warmup + steps)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
 
     def step(batch):
-        loss = module.standard_loss(batch)["loss"]
-        loss.backward()
+        module.standard_loss(batch)["loss"].backward()
+        if world > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= world
+            for p, g in zip(params, flat.split([q.numel() for q in params])):
+                p.grad = g.view_as(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return module, step, batches
+
+
+def _rank_worker(rank: int, world: int, port: int, cfg, steps: int, warmup: int, results) -> None:
+    """One rank of :func:`ranks_throughput` (spawned): the timed steps, idle then beside a busy process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _, step, batches = _pretrain_step(cfg, steps, warmup, rank, world)
+        for phase in ("idle", "busy"):
+            dist.barrier()
+            if rank == 0:
+                results.put(("ready", phase))  # the parent starts the busy process before "busy"
+            time.sleep(1.0 if phase == "busy" else 0.0)
+            dist.barrier()
+            seconds = _timed(step, batches, warmup, torch.device("cpu"))
+            if rank == 0:
+                results.put((phase, seconds))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def ranks_throughput(cfg, ranks: int, steps: int, warmup: int) -> tuple[float, float]:
+    """Examples/s of ``ranks`` data-parallel CPU processes (gloo, the recipe's ``trainer.devices``),
+    idle and while one busy single-threaded process shares the cores."""
+    import multiprocessing
+    import queue
+    import socket
+    import subprocess
+    import sys
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = multiprocessing.get_context("spawn").Queue()
+    ctx = tmp.start_processes(_rank_worker, args=(ranks, port, cfg, steps, warmup, results), nprocs=ranks,
+                              join=False, start_method="spawn")
+    seconds, busy_proc = {}, None
+    try:
+        while len(seconds) < 2:
+            try:
+                kind, value = results.get(timeout=1.0)
+            except queue.Empty:
+                ctx.join(timeout=0)  # raises (with the rank's traceback) if a rank failed
+                if not any(p.is_alive() for p in ctx.processes):
+                    raise RuntimeError("bench pretrain: the ranks exited without their timings") from None
+                continue
+            if kind == "ready" and value == "busy":
+                busy_proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                time.sleep(0.5)
+            elif kind in ("idle", "busy"):
+                seconds[kind] = value
+        while not ctx.join():
+            pass
+    finally:
+        if busy_proc is not None:
+            busy_proc.kill()
+            busy_proc.wait()
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    examples = steps * ranks * int(cfg.data.batch_size)
+    return examples / seconds["idle"], examples / seconds["busy"]
+
+
+def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
+    """Pretraining throughput (standard updates of the mixture) on CPU: examples/s, model FLOPs per
+    example (counted by ``torch.utils.flop_counter`` on one forward + backward), the achieved FLOP/s
+    as a fraction of :func:`matmul_peak_flops` measured in the same run, and the throughput kept while
+    one busy single-threaded process shares the cores. When the config trains on several CPU ranks
+    (``trainer.strategy=ddp``, ``trainer.devices=N``, as the ShapesWorld recipe does), the same is
+    measured for N gloo processes (``ranks_*``), side by side with the single process."""
+    import subprocess
+    import sys
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module, step, batches = _pretrain_step(cfg, steps, warmup)
+    bs = int(cfg.data.batch_size)
     with FlopCounterMode(display=False) as counter:
         module.standard_loss(batches[0])["loss"].backward()
-    opt.zero_grad(set_to_none=True)
+    module.zero_grad(set_to_none=True)
     flops_per_example = counter.get_total_flops() / bs
     peak = matmul_peak_flops()
     idle = steps * bs / _timed(step, batches, warmup, torch.device("cpu"))
@@ -192,6 +285,19 @@ def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
     finally:
         busy_proc.kill()
         busy_proc.wait()
+    ranks = int(cfg.trainer.devices) if str(cfg.trainer.strategy).startswith("ddp") and \
+        str(cfg.trainer.devices).isdigit() else 1
+    multi = {}
+    if ranks > 1:
+        ranks_idle, ranks_busy = ranks_throughput(cfg, ranks, steps, warmup)
+        multi = {
+            "ranks": ranks,
+            "ranks_examples_per_s": round(ranks_idle, 2),
+            "ranks_speedup_over_one_process": round(ranks_idle / idle, 3),
+            "ranks_fraction_of_matmul_peak_per_core": round(ranks_idle * flops_per_example / ranks / peak, 4),
+            "ranks_examples_per_s_beside_a_busy_process": round(ranks_busy, 2),
+            "ranks_kept_beside_a_busy_process": round(ranks_busy / ranks_idle, 3),
+        }
     return {
         "examples_per_s": round(idle, 2),
         "model_flops_per_example": round(flops_per_example),
@@ -204,6 +310,7 @@ def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
         "batch_size": bs,
         "steps": steps,
         "tasks": list(cfg.data.tasks),
+        **multi,
     }
 
 
