@@ -23,7 +23,15 @@ and are skipped (counted in the report). ``--max-captions-per-question`` caps pi
   ``--model-vocab`` most frequent answers of the question type by its likelihood of each answer
   given (image, question) (``score_text``); its ``--pool`` most likely answers are the candidates.
   Needs ``--images``;
-* ``mllm:PATH`` (Appendix B.1, one MLLM prompt per caption) is not supported yet.
+* ``mllm:PATH``: Appendix B.1's one-step alternative. A local ``transformers`` image-text-to-text
+  checkpoint (LLaVA, Qwen2-VL, SmolVLM, ... : ``AutoModelForImageTextToText`` + ``AutoProcessor``
+  with a chat template) sees the image and the paper's prompt over the pivot caption with the concept
+  replaced by a blank (:data:`MLLM_PROMPT`, ``--mllm-answers`` answers asked), and answers greedily
+  (``--mllm-max-new-tokens``). Its reply is parsed by :func:`parse_mllm_answers` (one answer per
+  line or comma, an optional confidence after it); answers are taken in decreasing confidence, then
+  reply order. The candidates then go through Step 3 like any other source: the paper reads the
+  MLLM's fills as candidates, and the filters drop those that are the answer again, its synonyms or
+  implausible captions. Needs ``--images``; one prompt per pivot caption.
 
 **Step 3 -- filtering.** A candidate is dropped (the reason is counted in ``drop_report.json``)
 when it is the answer again (lemma-equal), one of the 10 human answers to the question, a
@@ -42,7 +50,8 @@ stored (as in the released file).
 
 Deviations from the paper, on purpose:
 
-* Candidates: GPV-2 is not available; ``vocab``/``file:``/``model:`` replace it (above).
+* Candidates: GPV-2 is not available; ``vocab``/``file:``/``model:``/``mllm:`` replace it (above).
+  Appendix B.1 does not say how the confidences were used; we order by them and let Step 3 filter.
 * LM filter: the paper keeps "captions with high scores from the T5 language model" without a
   threshold. We score each caption by its mean token log-probability under a causal LM and keep a
   contrast caption iff its score is at least the gold caption's minus ``--lm-margin`` (nats per
@@ -340,9 +349,8 @@ def parse_source(spec: str) -> tuple[str, str | None]:
     kind, _, arg = spec.partition(":")
     if kind not in SOURCES or (kind == "vocab") != (not arg):
         raise UserError(f"--candidates {spec!r}: expected 'vocab', 'file:PATH', 'model:CKPT' or 'mllm:PATH'")
-    if kind == "mllm":
-        raise UserError("--candidates mllm:PATH (Appendix B.1: contrast sets from one multimodal-LLM prompt per "
-                        "caption) is not supported yet; use vocab, file:PATH or model:CKPT")
+    if kind == "mllm" and not (Path(arg) / "config.json").is_file():
+        raise UserError(f"--candidates {spec}: no transformers checkpoint (config.json) in the directory {arg}")
     if kind == "file" and not Path(arg).is_file():
         raise UserError(f"--candidates {spec}: candidate file not found: {arg}")
     if kind == "model" and not Path(arg).exists():
@@ -369,6 +377,75 @@ class ModelRanker:
         with self.torch.no_grad():
             nll = self.model.score_text([image], [question], [list(answers)]).nll[0, : len(answers)].tolist()
         return [a for _, _, a in sorted(zip(nll, range(len(answers)), answers))]
+
+
+#: Appendix B.1's prompt; ``{caption}`` is the pivot caption with its concept replaced by ``___``.
+MLLM_PROMPT = ("Based on the image, write {n} different answers for filling in the blank in the following image "
+               "caption: {caption}. For each answer, write your confidence in how well the answer fits into "
+               "the caption while staying true to the image.")
+
+_CONFIDENCE = re.compile(r"[\s:(\[,-]*(?:confidence\s*(?:level|score)?\s*[:=-]?\s*)?"
+                         r"(\d+(?:\.\d+)?)\s*(%|/\s*10\b|/\s*100\b)?[\s)\].]*$", re.IGNORECASE)
+_NUMBERING = re.compile(r"^\s*(?:[-*\u2022]|\(?\d+[.):]|[a-e][.)])\s*")
+
+
+def parse_mllm_answers(reply: str, n: int | None = None) -> list[str]:
+    """The answers of an MLLM reply to :data:`MLLM_PROMPT`, best first: one per line (or, on a single
+    line, per comma), list numbering and quotes stripped, a trailing confidence read as a number
+    (``0.8``, ``80%``, ``8/10``, ``(confidence: 0.8)``, ``- 80%``) and removed. Sorted by confidence
+    (answers without one after those with one), then reply order; lower-cased, duplicates and
+    empty or over-long answers (> 6 words: a sentence, not a fill) dropped; at most ``n``."""
+    lines = [ln for ln in reply.splitlines() if ln.strip()]
+    if len(lines) == 1 and "," in lines[0] and not _CONFIDENCE.search(lines[0].split(",")[0]):
+        lines = lines[0].split(",")
+    scored = []
+    for order, line in enumerate(lines):
+        text = _NUMBERING.sub("", line).strip()
+        conf = None
+        m = _CONFIDENCE.search(text)
+        if m and m.start() > 0:
+            value, unit = float(m.group(1)), (m.group(2) or "").replace(" ", "")
+            conf = value / 100 if unit in ("%", "/100") else value / 10 if unit == "/10" else value
+            text = text[: m.start()]
+        text = re.sub(r"^(?:answer\s*\d*\s*[:.-]\s*)", "", text, flags=re.IGNORECASE)
+        text = " ".join(text.strip(" \t\"'`*:;.-").lower().split())
+        if text and len(text.split()) <= 6:
+            scored.append((-(conf if conf is not None else float("-inf")), order, text))
+    out: list[str] = []
+    for _, _, text in sorted(scored, key=lambda t: (t[0] == float("inf"), t[0], t[1])):
+        if text not in out:
+            out.append(text)
+    return out[:n] if n else out
+
+
+class MllmProposer:
+    """Appendix B.1: a local image-text-to-text model fills the blank of a caption (:data:`MLLM_PROMPT`)."""
+
+    def __init__(self, path: str, device: str, max_new_tokens: int = 96) -> None:
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.torch, self.device, self.max_new_tokens = torch, device, max_new_tokens
+        self.processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).to(device).eval()
+
+    def prompt(self, blanked_caption: str, n: int) -> str:
+        return MLLM_PROMPT.format(n=n, caption=blanked_caption)
+
+    def reply(self, image_path: Path, blanked_caption: str, n: int) -> str:
+        from PIL import Image
+
+        with Image.open(image_path) as im:
+            image = im.convert("RGB")
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.prompt(blanked_caption, n)}]}]
+        text = self.processor.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=[text], images=[image], return_tensors="pt").to(self.device)
+        with self.torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False)
+        return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+
+    def propose(self, image_path: Path, blanked_caption: str, n: int) -> list[str]:
+        return parse_mllm_answers(self.reply(image_path, blanked_caption, n), n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,12 +683,15 @@ def process_shard(shard: int) -> dict[str, Any]:
                 skips["no_caption_match"] += 1
                 continue
             stats["questions_with_pivot"] += 1
-            pool = _candidates(st, qid, qtype, question, answer, vocab, file_cands, image_path)
+            # mllm: one prompt per pivot caption (its blank); the others: one pool per question
+            pool = None if st["source_kind"] == "mllm" else \
+                _candidates(st, qid, qtype, question, answer, vocab, file_cands, image_path)
             human = {" ".join(a.lower().split()) for a in json.loads(answers_json)}
             cat = _category(a_toks, cat_tokens, boxes.get(image_id, {}))
             for cid, text, span in pivots:
                 stats["pivots"] += 1
-                ann = _contrast_sample(st, text, span, question, answer, a_toks, pool, human, drops, stats)
+                cands = pool if pool is not None else _mllm_candidates(st, text, span, image_path)
+                ann = _contrast_sample(st, text, span, question, answer, a_toks, cands, human, drops, stats)
                 if ann is None:
                     skips["no_contrast_left"] += 1
                     continue
@@ -664,6 +744,13 @@ def _candidates(st, qid, qtype, question, answer, vocab, file_cands, image_path)
         return []
     ranker = _lazy("ranker", lambda: ModelRanker(st["source_arg"], st["device"]))
     return [(a, "model") for a in ranker.rank(image_path, question, answers)[: st["pool"]]]
+
+
+def _mllm_candidates(st, caption: str, span, image_path: Path) -> list[tuple[str, str]]:
+    """``(candidate, "mllm")`` pairs for one pivot caption, its concept blanked (Appendix B.1)."""
+    blanked = contrast_caption(caption, span[0][1], span[-1][2], "___")
+    proposer = _lazy("mllm", lambda: MllmProposer(st["source_arg"], st["device"], st["mllm_max_new_tokens"]))
+    return [(a, "mllm") for a in proposer.propose(image_path, blanked, st["mllm_answers"])]
 
 
 def _contrast_sample(st, caption, span, question, answer, a_toks, pool, human, drops, stats) -> dict | None:
@@ -726,8 +813,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                     "(required by --candidates model:)")
     c = p.add_argument_group("pipeline")
     c.add_argument("--candidates", required=True, metavar="SOURCE",
-                   help="vocab | file:PATH | model:CKPT (| mllm:PATH, not supported yet)")
+                   help="vocab | file:PATH | model:CKPT | mllm:PATH (a local image-text-to-text checkpoint)")
     c.add_argument("--pool", type=int, default=20, help="candidates per pivot from vocab/model")
+    c.add_argument("--mllm-answers", type=int, default=5,
+                   help="answers an mllm: source is asked for per caption (Appendix B.1: 5)")
+    c.add_argument("--mllm-max-new-tokens", type=int, default=96, help="reply length of an mllm: source")
     c.add_argument("--model-vocab", type=int, default=100, help="answers of the question type a model ranks")
     c.add_argument("--max-contrasts", type=int, default=5, help="contrast sets per sample (the schema's 1-5)")
     c.add_argument("--max-captions-per-question", type=int, default=0, help="pivots per question (0 = all)")
@@ -751,8 +841,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise UserError(f"--{name} {v}: file not found")
     if args.images is not None and not Path(args.images).is_dir():
         raise UserError(f"--images {args.images}: not a directory")
-    if args.source_kind == "model" and args.images is None:
-        raise UserError("--candidates model:CKPT scores answers on the images: pass --images")
+    if args.source_kind in ("model", "mllm") and args.images is None:
+        raise UserError(f"--candidates {args.source_kind}:... looks at the images: pass --images")
+    if args.mllm_answers < 1 or args.mllm_max_new_tokens < 1:
+        raise UserError("--mllm-answers and --mllm-max-new-tokens must be >= 1")
     if not 1 <= args.max_contrasts <= 5:
         raise UserError(f"--max-contrasts {args.max_contrasts}: the CocoCon schema has 1-5 contrast sets per sample")
     if args.pool < 1 or args.model_vocab < 1 or args.shards < 1 or args.workers < 0 or args.max_captions_per_question < 0:
@@ -778,10 +870,11 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
                    for k in ("captions", "questions", "annotations", "instances")},
         "images": str(Path(args.images).resolve()) if args.images else None,
         "candidates": args.candidates,
-        "candidates_files": _fingerprint_tree(args.source_arg) if args.source_kind in ("file", "model") else None,
+        "candidates_files": _fingerprint_tree(args.source_arg) if args.source_kind in ("file", "model", "mllm") else None,
         "lm": _fingerprint_tree(args.lm) if args.lm else None,
         **{k: getattr(args, k) for k in ("pool", "model_vocab", "max_contrasts", "max_captions_per_question",
                                          "lm_margin", "lexical", "shards")},
+        **({k: getattr(args, k) for k in ("mllm_answers", "mllm_max_new_tokens")} if args.source_kind == "mllm" else {}),
     }
     s["hash"] = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
     return s
@@ -832,7 +925,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
                  "source_kind": args.source_kind, "source_arg": args.source_arg, "images_root": args.images,
                  "lm": args.lm, "device": args.device,
                  **{k: getattr(args, k) for k in ("pool", "model_vocab", "max_contrasts", "max_captions_per_question",
-                                                  "lm_margin", "lexical")}}
+                                                  "lm_margin", "lexical", "mllm_answers", "mllm_max_new_tokens")}}
         workers = min(args.workers or min(4, os.cpu_count() or 1), max(1, len(todo)))
         bar = progress.add_task("building shards (QA pairs)", total=counts["questions"])
         done_q = 0

@@ -217,6 +217,64 @@ def test_model_and_file_sources(world, tmp_path):
     assert verify_contrasts(out / "cococon.json", world, "test")["sources"]["file"]["valid_rate"] >= 0.95
 
 
+@pytest.mark.parametrize("reply, expected", [
+    ("1. lake (confidence: 0.8)\n2. river - 60%\n3. Pool: 9/10\n4. \"sea\"", ["pool", "lake", "river", "sea"]),
+    ("lake, river, pond", ["lake", "river", "pond"]),
+    ("Answer 1: lake 0.7\nAnswer 2: River 0.9\nAnswer 3: lake 0.1", ["river", "lake"]),
+    ("- a tennis court\n- the ocean floor at night with many fish in it\n* beach", ["a tennis court", "beach"]),
+    ("", []),
+])
+def test_mllm_replies_parse_into_answers_best_first(reply, expected):
+    assert cb.parse_mllm_answers(reply) == expected
+    assert cb.parse_mllm_answers(reply, 1) == expected[:1]
+
+
+def test_mllm_source(world, tmp_path, monkeypatch):
+    """mllm:PATH (Appendix B.1): the paper's prompt over the caption with its concept blanked, the
+    reply parsed best first, then Step 3 as for any source. The reply is scripted (a random tiny VLM
+    writes bytes); the real transformers call is checked on its own below."""
+    import standins
+
+    vlm = standins.llava(tmp_path / "vlm")
+    colors = ["red", "green", "blue", "yellow", "purple", "orange", "white", "gray"]
+    prompts: list[str] = []
+
+    def reply(self, image_path, blanked, n):
+        prompts.append(self.prompt(blanked, n))
+        assert "___" in blanked and Path(image_path).is_file()
+        # colours whatever the blank; confidences rise down the list: the parser puts the last first
+        return "\n".join(f"{i + 1}. {w} (confidence: {0.1 * (i + 1):.1f})" for i, w in enumerate(colors[:n]))
+
+    monkeypatch.setattr(cb.MllmProposer, "reply", reply)
+    out = tmp_path / "out"
+    assert cb.main(coco_args(world, out, "--candidates", f"mllm:{vlm}", "--lm", "none", "--lexical", "none",
+                             "--max-contrasts", "3", "--mllm-answers", "5")) == 0
+    anns = json.loads((out / "cococon.json").read_text())["annotations"]
+    assert anns and prompts
+    assert prompts[0].startswith("Based on the image, write 5 different answers for filling in the blank")
+    asked = list(reversed(colors[:5]))  # best first
+    for a in anns:
+        assert all(c["source"] == "mllm" for c in a["contrast_sets"])
+        assert [c["mutex_answer"] for c in a["contrast_sets"]] == [w for w in asked if w != a["answer"]][:3]
+        start, end = a["provenance"]["span"]
+        assert any(p.endswith("write your confidence in how well the answer fits into the caption while staying "
+                              "true to the image.") and f"caption: {cb.contrast_caption(a['caption'], start, end, '___')}." in p
+                   for p in prompts)
+    # colour pivots get colour contrasts: false captions of their scenes
+    color_anns = {"annotations": [a for a in anns if a["answer"] in colors]}
+    assert color_anns["annotations"]
+    (tmp_path / "colors.json").write_text(json.dumps({**json.loads((out / "cococon.json").read_text()), **color_anns}))
+    assert verify_contrasts(tmp_path / "colors.json", world, "test")["sources"]["mllm"]["valid_rate"] >= 0.95
+
+    # the real image-text-to-text call: the chat template, the image, greedy generation (deterministic)
+    monkeypatch.undo()
+    proposer = cb.MllmProposer(str(vlm), "cpu", max_new_tokens=6)
+    image = world / json.loads((world / "coco" / "captions_test.json").read_text())["images"][0]["file_name"]
+    first = proposer.reply(image, "a ___ circle", 5)
+    assert isinstance(first, str) and first == proposer.reply(image, "a ___ circle", 5)
+    assert isinstance(proposer.propose(image, "a ___ circle", 5), list)
+
+
 def test_language_model_filter(world, tmp_path):
     """Step 3 with a local causal LM: scores are recorded per contrast, and the margin drops exactly
     the contrast captions that score more than ``margin`` below their gold caption."""
@@ -333,8 +391,12 @@ def test_missing_images_are_counted_and_skipped(world, tmp_path):
 
 
 def test_candidate_sources_are_validated(synthetic, tmp_path):
-    with pytest.raises(UserError, match="not supported yet"):
+    with pytest.raises(UserError, match="no transformers checkpoint"):
         cb.main(synth_args(synthetic, tmp_path / "o") + ["--candidates", "mllm:/models/llava"])
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="pass --images"):
+        cb.main(synth_args(synthetic, tmp_path / "o") + ["--candidates", f"mllm:{tmp_path / 'vlm'}"])
     with pytest.raises(UserError, match="pass --images"):
         cb.main(synth_args(synthetic, tmp_path / "o") + ["--candidates", f"model:{tmp_path}"])
     with pytest.raises(UserError, match="candidate file not found"):

@@ -197,7 +197,10 @@ def test_make_demo(sandbox, tmp_path):
     args = ("trainer.limit_train_batches=2 eval.cococon.max_samples=4 eval.drift.num_chains=1 "
             "eval.drift.generations=1 eval.ureason.max_samples=2 logger=csv")
     for _ in range(2):
-        proc = subprocess.run(["make", "demo", f"VENV={venv}", f"ARGS={args}"], cwd=proj, capture_output=True,
+        # -o: never remake the project's venv from the sandbox (a stamp older than pyproject.toml would
+        # otherwise reinstall it as an editable install of the sandbox, which has no src/)
+        proc = subprocess.run(["make", "-o", str(venv / ".unicon-installed"), "demo", f"VENV={venv}", f"ARGS={args}"],
+                              cwd=proj, capture_output=True,
                               text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "report:" in proc.stdout and "build-data" not in proc.stdout and "shapes_pretrain" not in proc.stdout
