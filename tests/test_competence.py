@@ -9,9 +9,9 @@ The model it leaves is also the ``pretrained_shapes`` fixture (conftest) of the 
 Floors. Chance levels on the test split: VQA answers by question-type prior ~0.3 (yes/no, 8 colours,
 6 shapes, counts); a box with IoU >= 0.5 by guessing ~0.02; an exact caption or a generated image whose
 parsed scene matches its prompt ~0 (a scene is 1-4 objects of 48 kinds in 16 cells). Measured after
-STEPS steps of the recipe (two DDP ranks x 32 examples, 3 min 37 s; one run, 200 per task): VQA 0.52,
-localization 0.18, exact caption 0.05, generated-image match 0.04 (session 5's one-rank recipe after 900
-steps: 0.55, 0.14, 0.06, 0.03). Each floor sits above chance and well below the measurement (a run on
+STEPS steps of the recipe (two DDP ranks x 32 examples, 3 min 46 s; one run, 200 per task): VQA 0.525,
+localization 0.175, exact caption 0.04, generated-image match 0.045 (with grounding weight 2: 0.52, 0.18,
+0.05, 0.04; session 5's one-rank recipe after 900 steps: 0.55, 0.14, 0.06, 0.03). Each floor sits above chance and well below the measurement (a run on
 another CPU rounds differently, and the step at which a task takes off moves with it); the generation
 floors only say that some outputs are exactly right. Likelihood competence is asserted too: the gold
 caption (test_ofa_unified.test_pretrained_model_prefers_gold_over_contrast_captions) and the gold prompt
