@@ -38,7 +38,8 @@ when it is the answer again (lemma-equal), one of the 10 human answers to the qu
 WordNet synonym, hypernym, holonym or meronym of the answer (``--lexical wordnet``: the
 relations that the paper's Step 5 removed by hand), gives the gold caption again or a contrast
 caption already kept, or when its contrast caption scores badly under a causal language model
-(``--lm PATH``: local ``transformers`` checkpoint; ``--lm none`` disables the filter). The first
+(``--lm PATH``: a local ``transformers`` causal or seq2seq LM, e.g. T5 as in the paper; ``--lm none``
+disables the filter). The first
 ``--max-contrasts`` survivors, in source order, are kept.
 
 **Step 4 -- heterogeneous tasks.** With ``--instances``, a pivot whose answer names a COCO
@@ -298,46 +299,65 @@ def wordnet_filter() -> WordNetFilter:
 
 
 class LMScorer:
-    """Mean token log-probability of a text under a local ``transformers`` causal LM (higher = more
-    fluent). Text is scored after the tokenizer's BOS token (EOS when it has none)."""
+    """Mean token log-probability of a text under a local ``transformers`` language model (higher =
+    more fluent): a causal LM scores the text after the tokenizer's BOS token (EOS when it has none);
+    an encoder-decoder LM (``config.is_encoder_decoder``: T5, as in the paper, BART, ...) scores it as
+    the decoder's target given an empty source (the tokenizer's special tokens only), so the score
+    is the decoder's language-model likelihood ``mean_t log p(y_t | y_<t, "")``."""
 
     def __init__(self, path: str, device: str = "cpu", batch_size: int = 32) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
         p = Path(path)
         if not p.is_dir():
-            raise UserError(f"--lm {path}: not a directory (a local transformers causal LM, or 'none')")
+            raise UserError(f"--lm {path}: not a directory (a local transformers causal or seq2seq LM, or 'none')")
         try:
             self.tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-            self.model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True).to(device).eval()
+            self.seq2seq = bool(getattr(AutoConfig.from_pretrained(str(p), local_files_only=True),
+                                        "is_encoder_decoder", False))
+            auto = AutoModelForSeq2SeqLM if self.seq2seq else AutoModelForCausalLM
+            self.model = auto.from_pretrained(str(p), local_files_only=True).to(device).eval()
         except (OSError, ValueError) as e:
-            raise UserError(f"--lm {path}: cannot load a causal LM and its tokenizer: {e}") from e
+            raise UserError(f"--lm {path}: cannot load a causal or seq2seq LM and its tokenizer: {e}") from e
         start = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
-        if start is None:
+        if start is None and not self.seq2seq:
             raise UserError(f"--lm {path}: the tokenizer has neither a BOS nor an EOS token to start from")
         self.start, self.device, self.batch_size, self.torch = start, device, batch_size, torch
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 1024) or 1024)
+
+    def _padded(self, ids: list[list[int]]):
+        torch = self.torch
+        inp = torch.zeros(len(ids), max(len(x) for x in ids), dtype=torch.long)
+        mask = torch.zeros_like(inp)
+        for i, x in enumerate(ids):
+            inp[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+        return inp.to(self.device), mask.to(self.device)
 
     def score(self, texts: Sequence[str]) -> list[float]:
         torch = self.torch
         out: list[float] = []
         for b in range(0, len(texts), self.batch_size):
             chunk = texts[b:b + self.batch_size]
-            ids = [[self.start] + self.tok(t, add_special_tokens=False)["input_ids"][: self.max_len - 1]
-                   for t in chunk]
-            width = max(len(x) for x in ids)
-            inp = torch.zeros(len(ids), width, dtype=torch.long)
-            mask = torch.zeros(len(ids), width, dtype=torch.long)
-            for i, x in enumerate(ids):
-                inp[i, : len(x)] = torch.tensor(x)
-                mask[i, : len(x)] = 1
-            with torch.no_grad():
-                logits = self.model(input_ids=inp.to(self.device), attention_mask=mask.to(self.device)).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            target = inp[:, 1:].to(self.device)
-            tok_lp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1) * mask[:, 1:].to(self.device)
-            n = mask[:, 1:].sum(-1).clamp(min=1).to(self.device)
+            if self.seq2seq:
+                target, tmask = self._padded([self.tok(t)["input_ids"][: self.max_len] for t in chunk])
+                source, smask = self._padded([self.tok("")["input_ids"] or [self.tok.pad_token_id or 0]
+                                              for _ in chunk])
+                labels = target.masked_fill(tmask == 0, -100)
+                with torch.no_grad():
+                    logits = self.model(input_ids=source, attention_mask=smask, labels=labels).logits
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                tok_lp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1) * tmask
+                n = tmask.sum(-1).clamp(min=1)
+            else:
+                inp, mask = self._padded([[self.start] + self.tok(t, add_special_tokens=False)["input_ids"][: self.max_len - 1]
+                                          for t in chunk])
+                with torch.no_grad():
+                    logits = self.model(input_ids=inp, attention_mask=mask).logits
+                logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                tok_lp = logp.gather(-1, inp[:, 1:].unsqueeze(-1)).squeeze(-1) * mask[:, 1:]
+                n = mask[:, 1:].sum(-1).clamp(min=1)
             out.extend((tok_lp.sum(-1) / n).tolist())
         return out
 
@@ -821,7 +841,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--model-vocab", type=int, default=100, help="answers of the question type a model ranks")
     c.add_argument("--max-contrasts", type=int, default=5, help="contrast sets per sample (the schema's 1-5)")
     c.add_argument("--max-captions-per-question", type=int, default=0, help="pivots per question (0 = all)")
-    c.add_argument("--lm", default="none", help="local transformers causal LM for Step 3, or 'none'")
+    c.add_argument("--lm", default="none",
+                   help="local transformers causal or seq2seq (T5, BART) LM for Step 3, or 'none'")
     c.add_argument("--lm-margin", type=float, default=1.0,
                    help="keep a contrast caption iff its mean token log-prob >= the gold caption's - margin")
     c.add_argument("--lexical", choices=("wordnet", "none"), default="wordnet",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import float32_tol
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -305,6 +306,41 @@ def test_language_model_filter(world, tmp_path):
     strict_anns = json.loads((strict / "cococon.json").read_text())["annotations"]
     assert strict_anns and all(c["lm_score"] >= a["provenance"]["lm_score"] - 0.05
                                for a in strict_anns for c in a["contrast_sets"])
+
+
+def test_seq2seq_language_model_filter(world, tmp_path):
+    """Step 3 with an encoder-decoder LM (the paper used T5): each caption is scored as the decoder's
+    target given an empty source; batched scores equal one text at a time through the model's own
+    loss (mean token NLL), and a build records them."""
+    from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+    lm = tmp_path / "t5"
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(world / "tokenizer.json"), bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    pad = tok.convert_tokens_to_ids("<pad>")
+    T5ForConditionalGeneration(T5Config(vocab_size=len(tok), d_model=32, d_ff=64, d_kv=16, num_layers=1,
+                                        num_heads=2, pad_token_id=pad, decoder_start_token_id=pad,
+                                        eos_token_id=tok.convert_tokens_to_ids("</s>"))).save_pretrained(lm)
+    tok.save_pretrained(lm)
+    scorer = cb.LMScorer(str(lm))
+    assert scorer.seq2seq
+    texts = ["a red circle", "there is a blue square left of a green star", "two yellow crosses"]
+    batched = scorer.score(texts)
+    for text, score in zip(texts, batched):
+        source = tok("", return_tensors="pt")["input_ids"]
+        if source.shape[1] == 0:
+            source = torch.tensor([[pad]])
+        with torch.no_grad():
+            loss = scorer.model(input_ids=source, labels=tok(text, return_tensors="pt")["input_ids"]).loss
+        # padded batch vs one text: another summation order; the longest reduction is the
+        # log-softmax over the vocabulary, through the 1+1 layers, the cross-attention and the head
+        assert score == pytest.approx(-loss.item(), abs=float32_tol(len(tok), abs(score), depth=4))
+    out = tmp_path / "out"
+    assert cb.main(coco_args(world, out, "--candidates", "vocab", "--lm", str(lm), "--lexical", "none",
+                             "--lm-margin", "1000")) == 0
+    anns = json.loads((out / "cococon.json").read_text())["annotations"]
+    assert anns and all(isinstance(c["lm_score"], float) for a in anns for c in a["contrast_sets"])
 
 
 # ---------------------------------------------------------------------------------------------
