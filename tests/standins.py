@@ -180,3 +180,27 @@ def stable_diffusion(path: Path, image_size: int = 32) -> Path:
                                    requires_safety_checker=False)
     pipe.save_pretrained(path)
     return path
+
+
+def mini_cococon(root: Path, green: int = 120) -> Path:
+    """Three CocoCon-schema samples under ``root`` (one without localization; 1 or 2 contrast sets)
+    and their 40-px images of colour ``(60 i, green, 30)``: the benchmark's shape, for running the
+    CocoCon suite end to end on a backend."""
+    from PIL import Image
+
+    (root / "images").mkdir()
+    anns, table = [], []
+    for i in range(3):
+        Image.new("RGB", (40, 30 + i), (60 * i, green, 30)).save(root / "images" / f"{i}.png")
+        table.append({"id": i, "file_name": f"images/{i}.png", "width": 40, "height": 30 + i})
+        ann = {"id": i, "question_id": 10 + i, "image_id": i, "caption": f"a red circle left of shape {i}",
+               "query": "what color is the circle?", "answer": "red",
+               "contrast_sets": [{"mutex_caption": f"a {c} circle left of shape {i}", "mutex_answer": c}
+                                 for c in ["blue", "green"][: i + 1]]}
+        if i != 1:
+            ann["detection"], ann["boxes"] = "the circle", [[2, 3, 10, 8]]
+            ann["contrast_sets"][0]["mutex_detection"] = "the square"
+        anns.append(ann)
+    path = root / "cococon.json"
+    path.write_text(json.dumps({"annotations": anns, "images": table}))
+    return path

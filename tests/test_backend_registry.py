@@ -13,6 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
+import standins
+
 from unicon.core import build_image_tokenizer
 from unicon.errors import UserError
 from unicon.models import build_model, load_model
@@ -85,26 +87,6 @@ class FakeBackend(UnifiedModel):
         return [TextGeneration(text=p) for p in prompts]
 
 
-def _mini_cococon(tmp_path: Path) -> Path:
-    """Three CocoCon-schema samples (one without localization) and their images."""
-    (tmp_path / "images").mkdir()
-    anns, images = [], []
-    for i in range(3):
-        Image.new("RGB", (40, 30 + i), (60 * i, 90, 30)).save(tmp_path / "images" / f"{i}.png")
-        images.append({"id": i, "file_name": f"images/{i}.png", "width": 40, "height": 30 + i})
-        ann = {"id": i, "question_id": 10 + i, "image_id": i, "caption": f"a red circle left of shape {i}",
-               "query": "what color is the circle?", "answer": "red",
-               "contrast_sets": [{"mutex_caption": f"a {c} circle left of shape {i}", "mutex_answer": c}
-                                 for c in ["blue", "green"][: i + 1]]}
-        if i != 1:
-            ann["detection"], ann["boxes"] = "the circle", [[2, 3, 10, 8]]
-            ann["contrast_sets"][0]["mutex_detection"] = "the square"
-        anns.append(ann)
-    path = tmp_path / "cococon.json"
-    path.write_text(json.dumps({"annotations": anns, "images": images}))
-    return path
-
-
 def test_in_tree_backends_are_registered():
     assert {"ofa", "janus", BACKEND} <= set(registered_backends())
     assert FakeBackend.backend == BACKEND
@@ -133,7 +115,7 @@ def test_cococon_runs_on_the_registered_backend(tmp_path):
     from unicon.evaluation.cococon.runner import evaluate_model, normalize_text
 
     model = build_model({"backend": BACKEND, "arch": {"scale": 1.0}})
-    data = load_cococon(_mini_cococon(tmp_path))
+    data = load_cococon(standins.mini_cococon(tmp_path, green=90))
     result = evaluate_model(model, data.samples, batch_size=2, cider_tokenizer="simple")
     flat = result.flat()
     for task in ("vqa", "localization", "t2i"):

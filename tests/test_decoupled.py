@@ -221,30 +221,11 @@ def test_save_and_reload_round_trip(model, images, tmp_path):
 
 
 # ---- evaluation suites ------------------------------------------------------------------------
-def _mini_cococon(tmp_path: Path) -> Path:
-    (tmp_path / "images").mkdir()
-    anns, table = [], []
-    for i in range(3):
-        Image.new("RGB", (40, 30 + i), (60 * i, 120, 30)).save(tmp_path / "images" / f"{i}.png")
-        table.append({"id": i, "file_name": f"images/{i}.png", "width": 40, "height": 30 + i})
-        ann = {"id": i, "question_id": 10 + i, "image_id": i, "caption": f"a red circle left of shape {i}",
-               "query": "what color is the circle?", "answer": "red",
-               "contrast_sets": [{"mutex_caption": f"a {c} circle left of shape {i}", "mutex_answer": c}
-                                 for c in ["blue", "green"][: i + 1]]}
-        if i != 1:
-            ann["detection"], ann["boxes"] = "the circle", [[2, 3, 10, 8]]
-            ann["contrast_sets"][0]["mutex_detection"] = "the square"
-        anns.append(ann)
-    path = tmp_path / "cococon.json"
-    path.write_text(json.dumps({"annotations": anns, "images": table}))
-    return path
-
-
 def test_cococon_end_to_end(model, tmp_path):
     from unicon.data.cococon import load_cococon
     from unicon.evaluation.cococon.runner import evaluate_model
 
-    data = load_cococon(_mini_cococon(tmp_path))
+    data = load_cococon(standins.mini_cococon(tmp_path))
     flat = evaluate_model(model, data.samples, batch_size=2, cider_tokenizer="simple").flat()
     for task in ("vqa", "localization", "t2i"):
         assert 0.0 <= flat[f"cococon/{task}/C_1"] <= 100.0

@@ -17,6 +17,8 @@ from conftest import float32_tol
 from omegaconf import OmegaConf
 from PIL import Image
 
+import standins
+
 from unicon.models.base import ImageGenerationConfig
 from unicon.models.janus import (
     GROUNDING_PROMPT,
@@ -452,32 +454,11 @@ def test_factory_config_and_load_model(images, tmp_path):
 
 
 # ---- end to end through the evaluation suites --------------------------------------------------------
-def _mini_cococon(tmp_path: Path) -> Path:
-    (tmp_path / "images").mkdir()
-    anns, table = [], []
-    for i in range(3):
-        Image.new("RGB", (40, 30 + i), (60 * i, 120, 30)).save(tmp_path / "images" / f"{i}.png")
-        table.append({"id": i, "file_name": f"images/{i}.png", "width": 40, "height": 30 + i})
-        ann = {
-            "id": i, "question_id": 10 + i, "image_id": i, "caption": f"a red circle left of shape {i}",
-            "query": "what color is the circle?", "answer": "red",
-            "contrast_sets": [{"mutex_caption": f"a {c} circle left of shape {i}", "mutex_answer": c}
-                              for c in ["blue", "green"][: i + 1]],
-        }
-        if i != 1:
-            ann["detection"], ann["boxes"] = "the circle", [[2, 3, 10, 8]]
-            ann["contrast_sets"][0]["mutex_detection"] = "the square"
-        anns.append(ann)
-    path = tmp_path / "cococon.json"
-    path.write_text(json.dumps({"annotations": anns, "images": table}))
-    return path
-
-
 def test_cococon_evaluation_end_to_end(model, tmp_path):
     import unicon.evaluation.cococon.runner as cc
     from unicon.data.cococon import load_cococon
 
-    data = load_cococon(_mini_cococon(tmp_path))
+    data = load_cococon(standins.mini_cococon(tmp_path))
     result = cc.evaluate_model(model, data.samples, batch_size=2, cider_tokenizer="simple")
     flat = result.flat()
     for task in ("vqa", "localization", "t2i"):

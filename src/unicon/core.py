@@ -11,7 +11,8 @@ What lives here:
   a module not yet imported, through the entry-point group :data:`IMAGE_TOKENIZER_ENTRY_POINTS`;
 * :data:`DTYPES` / :func:`torch_dtype` -- the one map from config dtype names to torch dtypes;
 * :func:`weights_fingerprint` -- the hash of a model's weights that loggers and evaluation
-  outputs record.
+  outputs record;
+* :func:`config_dict` -- a ``model:`` config section (DictConfig, mapping or dataclass) as a dict.
 
 It may import torch, PIL and ``unicon.errors``, nothing else of unicon.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import importlib.metadata
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 from PIL import Image
@@ -128,3 +129,24 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         if t.numel():
             h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def config_dict(cfg: Any) -> dict:
+    """A config section as a plain dict: an omegaconf ``DictConfig`` resolved, a mapping copied, a
+    dataclass (``unicon.config.ModelConfig``) through ``asdict``; ``None`` is ``{}``."""
+    if cfg is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    raise TypeError(f"expected a mapping/ModelConfig, got {type(cfg).__name__}")

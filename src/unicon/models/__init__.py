@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from unicon.core import torch_dtype
+from unicon.core import config_dict, torch_dtype
 from unicon.errors import UserError
 from unicon.models import decoupled, janus, vqgan  # noqa: F401  (in-tree backends and image tokenizers register on import)
 from unicon.models.base import UnifiedModel
@@ -49,25 +49,10 @@ __all__ = ["UnifiedModel", "apply_model_options", "build_model", "check_same_arc
            "read_training_checkpoint", "recorded_model_section"]
 
 
-def _as_dict(cfg: Any) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(cfg, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return asdict(cfg)
-    return dict(cfg)
-
-
 def build_model(model_cfg: Any, world_root: str | Path | None = None) -> UnifiedModel:
     """The model described by a ``model:`` config section (``unicon.config.ModelConfig``), built by
     the class registered for its ``backend`` (:mod:`unicon.models.registry`)."""
-    cfg = _as_dict(model_cfg)
+    cfg = config_dict(model_cfg)
     model = backend_class(cfg.get("backend", "ofa")).from_config(cfg, world_root=world_root)
     return apply_model_options(model, cfg)
 
@@ -75,7 +60,7 @@ def build_model(model_cfg: Any, world_root: str | Path | None = None) -> Unified
 def apply_model_options(model: UnifiedModel, model_cfg: Any) -> UnifiedModel:
     """``model.dtype``, ``model.freeze_batchnorm`` and ``model.freeze`` of a config section, applied
     to a built or loaded model (``build_model`` does it; a run started ``init_from`` a checkpoint too)."""
-    cfg = _as_dict(model_cfg)
+    cfg = config_dict(model_cfg)
     dtype = torch_dtype(cfg.get("dtype", "float32"))
     if dtype != torch.float32:
         model.to(dtype)
@@ -153,7 +138,7 @@ def recorded_model_section(path: str | Path, allow_pickle: bool = False) -> dict
     an export's ``training_config.json``; ``None`` for directories without one (OFA-Sys, older exports)."""
     p = Path(path)
     if p.is_file():
-        return _as_dict(checkpoint_config(read_training_checkpoint(p, allow_pickle=allow_pickle), p).model)
+        return config_dict(checkpoint_config(read_training_checkpoint(p, allow_pickle=allow_pickle), p).model)
     record = p / TRAINING_CONFIG_NAME
     if record.is_file():
         section = _json_object(record).get("model")
@@ -165,7 +150,7 @@ def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str |
     """Refuse a ``model:`` config section that describes another network than checkpoint ``source``
     holds (``recorded``: its model section, see :func:`recorded_model_section`; ``backend``: the
     loaded model's backend, checked when nothing was recorded)."""
-    mine = _as_dict(model_cfg)
+    mine = config_dict(model_cfg)
     if recorded is None:
         if backend is not None and mine.get("backend") != backend:
             raise UserError(f"model.backend={mine.get('backend')!r} but init_from {source} holds a {backend!r} model; "
@@ -192,7 +177,7 @@ def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str,
     ``unicon train`` stores them in every ``.ckpt`` (key ``unicon_world_files``), so a checkpoint
     loads without the world, and rebuilding the world cannot change an old run's vocabulary.
     """
-    cfg = _as_dict(model_cfg)
+    cfg = config_dict(model_cfg)
     if cfg.get("pretrained") or world_root is None:
         return {}
     names = getattr(backend_class(cfg.get("backend", "ofa")), "world_vocabulary_files", ())

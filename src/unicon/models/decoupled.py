@@ -100,7 +100,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from unicon.core import ImageBatch, tensor_to_pil, torch_dtype
+from unicon.core import ImageBatch, config_dict, tensor_to_pil, torch_dtype
 from unicon.errors import UserError
 from unicon.models.base import (
     Box,
@@ -258,7 +258,7 @@ class DecoupledUnifiedModel(UnifiedModel):
         (``vlm_path`` and ``diffusion_path`` required); ``dtype``, ``allow_pickle`` and
         ``trust_remote_code`` are the section's own. ``world_root`` is accepted for
         ``unicon.models.build_model`` and ignored (both checkpoints bring their own vocabularies)."""
-        cfg = _to_dict(model_cfg)
+        cfg = config_dict(model_cfg)
         if cfg.get("backend", "decoupled") != "decoupled":
             raise UserError(f"model.backend is {cfg.get('backend')!r}, expected 'decoupled'")
         if cfg.get("pretrained"):
@@ -688,16 +688,3 @@ def _check_lengths(images: ImageBatch, per_example: Sequence, candidates: Sequen
     if not (n == len(per_example) == len(candidates)):
         raise ValueError(f"batch sizes differ: {n} images, {len(per_example)} prompts/boxes, "
                          f"{len(candidates)} candidate lists")
-
-
-def _to_dict(cfg: Any) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(cfg, "__dataclass_fields__"):
-        return asdict(cfg)
-    return dict(cfg)

@@ -71,7 +71,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from unicon.core import ImageBatch, ImageTokenizer, torch_dtype
+from unicon.core import ImageBatch, ImageTokenizer, config_dict, torch_dtype
 from unicon.errors import UserError
 from unicon.models.base import (
     Box,
@@ -175,25 +175,6 @@ def build_byte_tokenizer(model_max_length: int = 4096):
         model_max_length=model_max_length,
         padding_side="left",
     )
-
-
-def _to_dict(cfg: Any) -> dict:
-    if cfg is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    from dataclasses import asdict, is_dataclass
-
-    if is_dataclass(cfg):
-        return asdict(cfg)
-    raise TypeError(f"expected a mapping/ModelConfig, got {type(cfg).__name__}")
 
 
 class _ConditionalRows(torch.nn.Module):
@@ -319,7 +300,7 @@ class JanusUnifiedModel(UnifiedModel):
             JanusProcessor,
         )
 
-        cfg = _to_dict(model_cfg)
+        cfg = config_dict(model_cfg)
         if cfg.get("backend", "janus") != "janus":
             raise ValueError(f"model.backend is '{cfg.get('backend')}', expected 'janus'")
         arch = dict(cfg.get("arch") or {})
@@ -391,7 +372,7 @@ class JanusUnifiedModel(UnifiedModel):
         from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
 
         path = str(path)
-        cfg = _to_dict(model_cfg) if model_cfg is not None else {}
+        cfg = config_dict(model_cfg) if model_cfg is not None else {}
         expected = (
             "a transformers Janus checkpoint: config.json with model_type 'janus' "
             "(e.g. deepseek-community/Janus-Pro-1B), model.safetensors and the processor files"
@@ -522,7 +503,7 @@ class JanusUnifiedModel(UnifiedModel):
         """
         from peft import LoraConfig
 
-        lora_cfg = _to_dict(lora_cfg)
+        lora_cfg = config_dict(lora_cfg)
         wanted = list(lora_cfg.get("target_modules") or [])
         if wanted:
             targets = self._lm_modules([w.rsplit(".", 1)[-1] for w in wanted])
