@@ -7,16 +7,39 @@ writes ``<run_dir>/report.md`` with
 * each metric's value at every logged step of its suite's epoch-end evaluations (a trend table),
 * ``report_curves.png``: the training loss and each suite's headline metrics against the step.
 
-The same summary is printed as rich tables. ``write_report`` is called at the end of ``unicon train``.
+and ``<run_dir>/report.html`` (:func:`write_html`), one self-contained page -- plain HTML and CSS,
+every image inlined as a ``data:`` URI, no script and no network reference -- with the sections
+
+* ``summary``: the headline metrics' first and final values;
+* ``training``: the training curves (losses, learning rates, rank diagnostics) and the headline
+  evaluation curves against the step;
+* ``cococon``: ``C_k`` / ``acc@k`` / ``rho`` per task at the last evaluation, ``C_1`` per epoch,
+  Fig. 5a/5b (``consistency_by_k.png``, ``consistency_vs_accuracy.png``) and sample rows;
+* ``drift``: MCD per mapping and MGG per epoch, the drift curves, the MGG heatmap and the chain
+  strips (each chain's images across generations with its captions);
+* ``ureason``: the three settings' accuracies per category and, per sample, the three settings'
+  images side by side with their verdicts;
+* ``config``: the resolved run config (``config.yaml``), flattened to dotted keys.
+
+A suite's section reads ``<run_dir>/eval/<suite>/epoch-<n>/`` (epoch-end evaluation) or, for the
+output folder of a standalone ``unicon evaluate``, the suite's files in the folder itself. The
+same summary is printed as rich tables. ``write_report`` (both files) is called at the end of
+``unicon train``.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import datetime
+import html
+import io
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 from unicon.errors import UserError
 
@@ -32,6 +55,25 @@ HEADLINE = (
     "ureason/acc_s2",
     "ureason/acc_s3",
 )
+
+#: the sections of report.html, in page order: ``(id, title)``
+SECTIONS = (
+    ("summary", "Summary"),
+    ("training", "Training curves"),
+    ("cococon", "CocoCon"),
+    ("drift", "Semantic drift"),
+    ("ureason", "UReason"),
+    ("config", "Run config"),
+)
+#: the figures each suite writes into its output folder (``<name>.png``), as logged to W&B
+SUITE_FIGURES = {
+    "cococon": ("consistency_by_k", "consistency_vs_accuracy"),
+    "drift": ("drift_curves", "mgg_heatmap", "strips"),
+}
+#: the summary file that marks a suite's output folder
+SUITE_FILES = {"cococon": "results.json", "drift": "drift.json", "ureason": "ureason.json"}
+#: how many sample rows (CocoCon, UReason) and chain strips the page shows per evaluation
+MAX_ROWS = 12
 
 
 def read_rows(path: Path) -> tuple[list[dict], int]:
@@ -82,14 +124,16 @@ def _fmt(v: float) -> str:
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write ``report.md`` (+ ``report_curves.png``) into ``run_dir`` and return its path."""
+    """Write ``report.md`` (+ ``report_curves.png``) and ``report.html`` (:func:`write_html`) into
+    ``run_dir`` and return the path of ``report.md``."""
     run_dir = Path(run_dir)
     series = collect(run_dir)
     groups: dict[str, list[str]] = defaultdict(list)
     for key in sorted(series):
         groups[key.split("/", 1)[0] if "/" in key else "other"].append(key)
 
-    lines = [f"# unicon report: {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
+    lines = [f"# unicon report: {run_dir.name}", "", f"Run directory: `{run_dir}`", "",
+             "The same run as one page with every figure: [report.html](report.html)", ""]
     for group, keys in groups.items():
         lines += [f"## {group}", "", "| metric | final | first | n |", "| --- | ---: | ---: | ---: |"]
         for k in keys:
@@ -101,21 +145,18 @@ def write_report(run_dir: str | Path) -> Path:
         lines += ["## Curves", "", f"![curves]({plot.name})", ""]
     out = run_dir / "report.md"
     out.write_text("\n".join(lines))
+    write_html(run_dir, series)
     return out
 
 
-def _plot(run_dir: Path, series: dict) -> Path | None:
-    keys = [k for k in HEADLINE if k in series]
-    if not keys:
-        return None
-    import matplotlib
+def _curves_figure(series: dict, keys: Sequence[str], max_cols: int = 5):
+    """A grid of line plots, one per key (value against step); a matplotlib ``Figure`` (no pyplot)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(5, len(keys))
+    cols = min(max_cols, len(keys))
     rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    fig = Figure(figsize=(3.2 * cols, 2.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
     for ax, k in zip(axes.flat, keys):
@@ -125,10 +166,361 @@ def _plot(run_dir: Path, series: dict) -> Path | None:
         ax.set_xlabel("step", fontsize=7)
         ax.tick_params(labelsize=7)
     fig.tight_layout()
+    return fig
+
+
+def _plot(run_dir: Path, series: dict) -> Path | None:
+    keys = [k for k in HEADLINE if k in series]
+    if not keys:
+        return None
     path = run_dir / "report_curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _curves_figure(series, keys).savefig(path, dpi=110)
     return path
+
+
+# ---- report.html --------------------------------------------------------------------------------
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d232a; background: #f6f7f9; }
+header { background: #1f3a5f; color: #fff; padding: 14px 24px; }
+header h1 { margin: 0 0 4px 0; font-size: 22px; }
+header p { margin: 0; font-size: 13px; opacity: .85; }
+nav { position: sticky; top: 0; background: #fff; border-bottom: 1px solid #d8dde3; padding: 8px 24px; z-index: 1; }
+nav a { margin-right: 18px; color: #1f3a5f; text-decoration: none; font-weight: 600; font-size: 14px; }
+main { padding: 8px 24px 40px 24px; max-width: 1400px; }
+section { background: #fff; border: 1px solid #d8dde3; border-radius: 6px; padding: 4px 18px 16px 18px; margin: 16px 0; }
+h2 { border-bottom: 2px solid #1f3a5f; padding-bottom: 4px; }
+h3 { margin: 18px 0 6px 0; font-size: 16px; }
+table { border-collapse: collapse; font-size: 13px; margin: 6px 0 12px 0; }
+th, td { border: 1px solid #d8dde3; padding: 3px 8px; vertical-align: top; }
+th { background: #eef1f5; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.text { max-width: 360px; white-space: pre-wrap; }
+.figures { display: flex; flex-wrap: wrap; gap: 12px; }
+figure { margin: 0; border: 1px solid #e3e7ec; padding: 6px; background: #fff; }
+figure img { max-width: 100%; display: block; }
+figcaption { font-size: 12px; color: #56606b; margin-top: 4px; }
+img.thumb { width: 96px; height: 96px; image-rendering: pixelated; border: 1px solid #d8dde3; }
+img.strip { max-height: 110px; image-rendering: pixelated; }
+.ok { color: #17702f; font-weight: 600; }
+.bad { color: #a4161a; font-weight: 600; }
+.note { color: #56606b; font-size: 13px; }
+.empty { color: #8a6d00; font-style: italic; }
+details summary { cursor: pointer; color: #1f3a5f; margin: 6px 0; }
+pre { background: #f3f5f8; padding: 8px; font-size: 12px; overflow-x: auto; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _e(value if value is not None else "-")
+    return "nan" if isinstance(value, float) and math.isnan(value) else f"{value:.4g}"
+
+
+def _data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _img(path: Path, alt: str, cls: str = "", key: str | None = None) -> str:
+    """An ``<img>`` with the file inlined, or a visible note when the file is missing (never a
+    broken image)."""
+    if not path.is_file():
+        return f'<span class="empty">missing: {_e(path.name)}</span>'
+    mime = "image/jpeg" if path.suffix.lower() in (".jpg", ".jpeg") else "image/png"
+    attrs = f' class="{cls}"' if cls else ""
+    attrs += f' data-key="{_e(key)}"' if key else ""
+    return f'<img src="{_data_uri(path.read_bytes(), mime)}" alt="{_e(alt)}"{attrs}>'
+
+
+def _figure_png(fig, key: str, caption: str) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return (f'<figure data-key="{_e(key)}"><img src="{_data_uri(buf.getvalue())}" alt="{_e(caption)}">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+def _figure_file(path: Path, key: str, caption: str) -> str:
+    return f'<figure data-key="{_e(key)}">{_img(path, caption)}<figcaption>{_e(caption)}</figcaption></figure>'
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") -> str:
+    """A table from already-escaped cell HTML."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cells) + "</tr>" for cells in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _td(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f'<td class="num">{_num(value)}</td>'
+    return f'<td class="text">{_e(value)}</td>'
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return read_rows(path)[0]
+
+
+def suite_outputs(run_dir: Path, suite: str) -> list[tuple[str, Path]]:
+    """``[(label, folder), ...]`` of a suite's evaluations in ``run_dir``: ``("epoch 1",
+    <run_dir>/eval/<suite>/epoch-1)``, ... in epoch order, or ``[("", run_dir)]`` when ``run_dir``
+    is a standalone evaluation's output folder of that suite."""
+    found = []
+    for d in (run_dir / "eval" / suite).glob("epoch-*"):
+        m = re.fullmatch(r"epoch-(\d+)", d.name)
+        if m and (d / SUITE_FILES[suite]).is_file():
+            found.append((int(m.group(1)), d))
+    if found:
+        return [(f"epoch {n}", d) for n, d in sorted(found)]
+    return [("", run_dir)] if (run_dir / SUITE_FILES[suite]).is_file() else []
+
+
+def _not_evaluated(suite: str) -> str:
+    return (f'<p class="empty">No {suite} evaluation in this run (neither eval/{suite}/epoch-*/'
+            f"{SUITE_FILES[suite]} nor {SUITE_FILES[suite]}).</p>")
+
+
+def _figures(out: Path, suite: str, label: str) -> str:
+    return '<div class="figures">' + "".join(
+        _figure_file(out / f"{name}.png", f"{suite}/fig/{name}", f"{name} ({label or 'evaluation'})")
+        for name in SUITE_FIGURES[suite] if (out / f"{name}.png").is_file()) + "</div>"
+
+
+def _earlier(evals: list[tuple[str, Path]], render) -> str:
+    """The last evaluation in full; earlier ones folded under ``<details>``."""
+    parts = []
+    for label, out in evals[:-1]:
+        parts.append(f"<details><summary>{_e(label)}</summary>{render(label, out)}</details>")
+    label, out = evals[-1]
+    return f"<h3>{_e(label or 'Evaluation')}</h3>" + render(label, out) + "".join(parts)
+
+
+def _section_summary(run_dir: Path, series: dict) -> str:
+    keys = [k for k in HEADLINE if k in series]
+    run_id = (run_dir / "wandb_run_id").read_text().strip() if (run_dir / "wandb_run_id").is_file() else None
+    rows = [[f"<td>{_e(k)}</td>", _td(series[k][0][1]), _td(series[k][-1][1]), _td(len(series[k]))] for k in keys]
+    out = _table(["metric", "first", "final", "n"], rows, "headline") if rows else \
+        '<p class="empty">No headline metric in metrics.jsonl.</p>'
+    steps = max((s for vals in series.values() for s, _ in vals), default=0)
+    out += f'<p class="note">Last logged step: {steps}. W&amp;B run id: {_e(run_id or "(none)")}.</p>'
+    return out
+
+
+def _section_training(series: dict) -> str:
+    train = [k for k in sorted(series) if k.startswith("train/")]
+    parts = []
+    if train:
+        parts.append(_figure_png(_curves_figure(series, train, 4), "training/curves", "training metrics against step"))
+    evals = [k for k in HEADLINE if k in series and not k.startswith("train/")]
+    if evals:
+        parts.append(_figure_png(_curves_figure(series, evals, 4), "evaluation/curves",
+                                 "headline evaluation metrics against step"))
+    if not parts:
+        return '<p class="empty">No training metric in metrics.jsonl.</p>'
+    groups: dict[str, list[str]] = defaultdict(list)
+    for key in sorted(series):
+        groups[key.split("/", 1)[0] if "/" in key else "other"].append(key)
+    tables = "".join(
+        f"<details><summary>{_e(g)}: {len(keys)} metrics, first and final values</summary>"
+        + _table(["metric", "first", "final", "n"],
+                 [[f"<td>{_e(k)}</td>", _td(series[k][0][1]), _td(series[k][-1][1]), _td(len(series[k]))] for k in keys])
+        + "</details>" for g, keys in groups.items())
+    return '<div class="figures">' + "".join(parts) + "</div>" + tables
+
+
+def _cococon_eval(label: str, out: Path, tables_dir: Path, step: int | None) -> str:
+    res = _read_json(out / SUITE_FILES["cococon"]) or {}
+    tasks = [t for t in ("vqa", "localization", "t2i") if isinstance(res.get(t), dict)]
+    max_k = int(res.get("max_k") or max((len(res[t].get("C_k", {})) for t in tasks), default=0))
+    ks = [str(k) for k in range(1, max_k + 1)]
+    rows = []
+    for t in tasks:
+        r = res[t]
+        rows.append([f"<td>{_e(t)}</td>", *(_td(r.get("C_k", {}).get(k)) for k in ks),
+                     *(_td(r.get("acc@k", {}).get(k)) for k in ks[:1]), _td(r.get("rho")), _td(r.get("num_samples"))])
+    html_ = _table(["task", *(f"C_{k}" for k in ks), "acc@1", "rho", "n"], rows, "cococon-ck") if rows else \
+        '<p class="empty">results.json holds no task.</p>'
+    html_ += _figures(out, "cococon", label)
+    return html_
+
+
+def _cococon_samples(tables_dir: Path) -> str:
+    rows = _read_jsonl(tables_dir / "cococon_samples.jsonl")
+    if not rows:
+        return ""
+    last = max(r.get("step") or 0 for r in rows)
+    rows = [r for r in rows if (r.get("step") or 0) == last][:MAX_ROWS]
+    flags = [c for c in rows[0] if c.endswith("_consistent")]
+    body = []
+    for r in rows:
+        img = _img(tables_dir / r["image"], f"sample {r.get('id')}", "thumb") if r.get("image") else ""
+        body.append([f"<td>{img}</td>", _td(r.get("id")), _td(r.get("caption")), _td(r.get("hardest_contrast")),
+                     _td(r.get("answer")), _td(r.get("contrast_answer")),
+                     *(f'<td class="{"ok" if r.get(c) else "bad"}">{"yes" if r.get(c) else "no"}</td>' for c in flags)])
+    return (f"<h3>Samples (step {last})</h3>"
+            + _table(["image", "id", "caption", "hardest contrast", "answer", "contrast answer",
+                      *(_e(c.replace("_consistent", " consistent")) for c in flags)], body, "cococon-samples"))
+
+
+def _section_cococon(run_dir: Path) -> str:
+    evals = suite_outputs(run_dir, "cococon")
+    if not evals:
+        return _not_evaluated("cococon")
+    trend = []
+    for label, out in evals:
+        res = _read_json(out / SUITE_FILES["cococon"]) or {}
+        trend.append([f"<td>{_e(label or '-')}</td>",
+                      *(_td((res.get(t) or {}).get("C_k", {}).get("1")) for t in ("vqa", "localization", "t2i")),
+                      *(_td((res.get(t) or {}).get("rho")) for t in ("vqa", "localization", "t2i"))])
+    html_ = _table(["evaluation", "vqa C_1", "localization C_1", "t2i C_1", "vqa rho", "localization rho", "t2i rho"],
+                   trend, "cococon-trend")
+    html_ += _earlier(evals, lambda label, out: _cococon_eval(label, out, run_dir / "tables", None))
+    return html_ + _cococon_samples(run_dir / "tables")
+
+
+def _drift_eval(label: str, out: Path) -> str:
+    rep = _read_json(out / SUITE_FILES["drift"]) or {}
+    mcd = rep.get("mcd") or {}
+    html_ = ""
+    if mcd.get("S"):
+        gens = sorted({int(g) for S in mcd["S"].values() for g in S})
+        rows = [[f"<td>{_e(m)}</td>", _td((mcd.get("MCD") or {}).get(m)), _td((mcd.get("embedder") or {}).get(m)),
+                 *(_td(S.get(str(g))) for g in gens)] for m, S in mcd["S"].items()]
+        html_ += _table(["mapping", "MCD", "embedder", *(f"S(g={g})" for g in gens)], rows, "drift-mcd")
+    if "MGG" in rep:
+        html_ += f'<p>MGG (GenEval overall, averaged over generations): {_num(rep.get("MGG"))}</p>'
+    html_ += _figures(out, "drift", label)
+    strips = rep.get("strips") or []
+    if strips:
+        rows = [[_td(s.get("chain")), _td(s.get("id")),
+                 "<td>" + _img(out / s["image"], f"chain {s.get('id')}", "strip", "drift/strip") + "</td>",
+                 _td(s.get("captions"))] for s in strips[:MAX_ROWS]]
+        html_ += "<h3>Chain strips</h3>" + _table(["chain", "id", "images across generations", "captions"], rows,
+                                                  "drift-strips")
+    return html_
+
+
+def _section_drift(run_dir: Path) -> str:
+    evals = suite_outputs(run_dir, "drift")
+    if not evals:
+        return _not_evaluated("drift")
+    mappings: list[str] = []
+    reps = [(label, _read_json(out / SUITE_FILES["drift"]) or {}) for label, out in evals]
+    for _, rep in reps:
+        mappings += [m for m in (rep.get("MCD") or {}) if m not in mappings]
+    trend = [[f"<td>{_e(label or '-')}</td>", _td(rep.get("MCD_avg")),
+              *(_td((rep.get("MCD") or {}).get(m)) for m in mappings), _td(rep.get("MGG"))] for label, rep in reps]
+    html_ = _table(["evaluation", "MCD_avg", *(f"MCD_{m}" for m in mappings), "MGG"], trend, "drift-trend")
+    return html_ + _earlier(evals, _drift_eval)
+
+
+def _ureason_categories(metrics: dict) -> list[str]:
+    return [k.split("/", 1)[1] for k in metrics if k.startswith("acc_s1/")]
+
+
+def _ureason_eval(label: str, out: Path) -> str:
+    summary = _read_json(out / SUITE_FILES["ureason"]) or {}
+    metrics = summary.get("metrics") or {}
+    cats = _ureason_categories(metrics)
+    settings = (("1", "Direct"), ("2", "Reasoning-guided"), ("3", "De-contextualized"))
+    rows = [[f"<td>{k} {name}</td>", *(_td(metrics.get(f"acc_s{k}/{c}")) for c in cats), _td(metrics.get(f"acc_s{k}"))]
+            for k, name in settings]
+    rows.append(["<td>reasoning chain</td>", *(_td(metrics.get(f"chain_acc/{c}")) for c in cats),
+                 _td(metrics.get("chain_acc"))])
+    html_ = _table(["setting (accuracy %)", *(_e(c) for c in cats), "overall"], rows, "ureason-acc")
+    html_ += f'<p class="note">judge: {_e(summary.get("judge"))}; N = {_num(metrics.get("n"))}</p>'
+    samples = _read_jsonl(out / "samples.jsonl")[:MAX_ROWS]
+    if samples:
+        body = []
+        for s in samples:
+            cells = [_td(s.get("category")), _td(s.get("expect_en")), _td(s.get("refined_prompt"))]
+            for k, _ in settings:
+                verdict = "yes" if s.get(f"correct_s{k}") else "no"
+                img = _img(out / s[f"image_s{k}"], f"setting {k}", "thumb", f"ureason/s{k}") if s.get(f"image_s{k}") \
+                    else f'<span class="empty">{_e(s.get(f"image_error_s{k}") or "no image")}</span>'
+                cells.append(f'<td>{img}<div class="{"ok" if verdict == "yes" else "bad"}">{verdict}</div></td>')
+            body.append(cells)
+        html_ += "<h3>Three settings side by side</h3>" + _table(
+            ["category", "expected", "refined prompt (setting 3)", "1 direct", "2 reasoning-guided",
+             "3 de-contextualized"], body, "ureason-side")
+    return html_
+
+
+def _section_ureason(run_dir: Path) -> str:
+    evals = suite_outputs(run_dir, "ureason")
+    if not evals:
+        return _not_evaluated("ureason")
+    trend = []
+    for label, out in evals:
+        m = (_read_json(out / SUITE_FILES["ureason"]) or {}).get("metrics") or {}
+        trend.append([f"<td>{_e(label or '-')}</td>", *(_td(m.get(k)) for k in
+                                                          ("acc_s1", "acc_s2", "acc_s3", "delta_12", "delta_23", "chain_acc"))])
+    html_ = _table(["evaluation", "acc s1", "acc s2", "acc s3", "Δ12", "Δ23", "chain acc"], trend, "ureason-trend")
+    return html_ + _earlier(evals, _ureason_eval)
+
+
+def _section_config(run_dir: Path) -> str:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return '<p class="empty">No config.yaml in this folder (a standalone evaluation keeps its arguments in W&amp;B).</p>'
+    from omegaconf import OmegaConf
+
+    from unicon.loggers import flatten_config
+
+    try:
+        flat = flatten_config(OmegaConf.load(path))
+    except Exception as e:  # a hand-edited file: show it as text rather than fail the report
+        return f'<p class="bad">{_e(path)}: {_e(e)}</p><pre>{_e(path.read_text(errors="replace"))}</pre>'
+    rows = [[f"<td>{_e(k)}</td>", f'<td class="text">{_e(json.dumps(v) if not isinstance(v, str) else v)}</td>']
+            for k, v in flat.items()]
+    return _table(["key", "value"], rows, "config")
+
+
+def render_html(run_dir: Path, series: dict | None = None) -> str:
+    """The page of :func:`write_html` as a string."""
+    run_dir = Path(run_dir)
+    series = collect(run_dir) if series is None else series
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bodies = {
+        "summary": _section_summary(run_dir, series),
+        "training": _section_training(series),
+        "cococon": _section_cococon(run_dir),
+        "drift": _section_drift(run_dir),
+        "ureason": _section_ureason(run_dir),
+        "config": _section_config(run_dir),
+    }
+    nav = "".join(f'<a href="#{sid}">{_e(title)}</a>' for sid, title in SECTIONS)
+    sections = "".join(f'<section id="{sid}"><h2>{_e(title)}</h2>{bodies[sid]}</section>' for sid, title in SECTIONS)
+    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>unicon report: {_e(run_dir.name)}</title><style>{CSS}</style></head><body>"
+            f"<header><h1>unicon report: {_e(run_dir.name)}</h1><p>{_e(run_dir.resolve())} &middot; written {_e(when)}"
+            f"</p></header><nav>{nav}</nav><main>{sections}</main></body></html>\n")
+
+
+def write_html(run_dir: str | Path, series: dict | None = None) -> Path:
+    """Write ``<run_dir>/report.html`` (see the module docstring) and return its path."""
+    run_dir = Path(run_dir)
+    out = run_dir / "report.html"
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(render_html(run_dir, series), encoding="utf-8")
+    tmp.replace(out)
+    return out
 
 
 def print_summary(run_dir: Path) -> None:
@@ -149,7 +541,8 @@ def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="unicon report",
         description="Summarise a run directory: final and first value of every metric in metrics.jsonl; "
-        "writes <run_dir>/report.md and report_curves.png.",
+        "writes <run_dir>/report.md, report_curves.png and report.html (one self-contained page: "
+        "training curves, CocoCon, drift and UReason results with their figures, the run config).",
     )
     parser.add_argument("run_dir", type=Path, help="a run directory, e.g. checkpoints/shapes_demo")
     args = parser.parse_args(argv)
@@ -157,4 +550,5 @@ def cli(argv: list[str]) -> int:
         raise UserError(f"{args.run_dir} is not a directory")
     print_summary(args.run_dir)
     print(f"report: {write_report(args.run_dir)}")
+    print(f"html:   {args.run_dir / 'report.html'}")
     return 0
