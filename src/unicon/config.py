@@ -79,7 +79,7 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, *, l
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
               "deepspeed_zero3", "deepspeed_zero3_offload")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
-MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
+MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i", "image_codes")
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
 
 
@@ -500,6 +500,39 @@ def _strip_unknown(stored: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
+def field_problem(f, value: Any) -> tuple[Any, str] | None:
+    """What is wrong with ``value`` for the schema field ``f`` (its ``choice``/``bounded``
+    metadata): ``(offending value, problem)``, or None when it is allowed. Used by :func:`validate`
+    and by the ``unicon evaluate`` flags generated from the eval sections."""
+    meta = f.metadata
+    if "choices" in meta:
+        allowed = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+        values = list(value) if meta["each"] else [value]
+        if meta["each"] and not values:
+            return [], f"must name at least one of: {', '.join(allowed)}"
+        for v in values:
+            if v is None and meta["optional"]:
+                continue
+            if v not in allowed:
+                return (v if meta["each"] else value), f"is not one of: {', '.join(allowed)}"
+    if "range" in meta and value is not None:
+        lo, hi, lo_open, hi_open, extra = meta["range"]
+        if value in extra:
+            return None
+        bad = (not math.isfinite(float(value))
+               or (lo is not None and (value <= lo if lo_open else value < lo))
+               or (hi is not None and (value >= hi if hi_open else value > hi)))
+        if bad:
+            left = "(" if lo_open else "["
+            right = ")" if hi_open else "]"
+            rng = f"{left}{'-inf' if lo is None else lo:g}, {'inf' if hi is None else hi:g}{right}" \
+                if lo is not None and hi is not None else (
+                f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
+            also = f" (or {', '.join(map(str, extra))})" if extra else ""
+            return value, f"is out of range: must be {rng}{also}"
+    return None
+
+
 def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
     """Check every ``choice``/``bounded`` field of the schema; raise :class:`ConfigError` naming the
     key, the value, what is allowed and the file (or "command line") that set it."""
@@ -516,32 +549,9 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
             if is_dataclass(hints[f.name]):
                 walk(hints[f.name], value, key + ".")
                 continue
-            meta = f.metadata
-            if "choices" in meta:
-                allowed = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-                values = list(value) if meta["each"] else [value]
-                if meta["each"] and not values:
-                    fail(key, [], f"must name at least one of: {', '.join(allowed)}")
-                for v in values:
-                    if v is None and meta["optional"]:
-                        continue
-                    if v not in allowed:
-                        fail(key, v if meta["each"] else value, f"is not one of: {', '.join(allowed)}")
-            if "range" in meta and value is not None:
-                lo, hi, lo_open, hi_open, extra = meta["range"]
-                if value in extra:
-                    continue
-                bad = (not math.isfinite(float(value))
-                       or (lo is not None and (value <= lo if lo_open else value < lo))
-                       or (hi is not None and (value >= hi if hi_open else value > hi)))
-                if bad:
-                    left = "(" if lo_open else "["
-                    right = ")" if hi_open else "]"
-                    rng = f"{left}{'-inf' if lo is None else lo:g}, {'inf' if hi is None else hi:g}{right}" \
-                        if lo is not None and hi is not None else (
-                        f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
-                    also = f" (or {', '.join(map(str, extra))})" if extra else ""
-                    fail(key, value, f"is out of range: must be {rng}{also}")
+            problem = field_problem(f, value)
+            if problem is not None:
+                fail(key, *problem)
 
     walk(RunConfig, cfg, "")
     for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders"):

@@ -14,20 +14,37 @@ One scheme, taken by the epoch-end callbacks and by the standalone ``unicon eval
 
 Without an initialised process group (one process, or a rank-0-only code path) both functions are
 the identity, so nothing here needs a special case for ``world_size == 1``.
+
+The same ranks can also run as separate jobs: ``unicon evaluate <suite> --shard i/n`` is rank ``i``
+of ``n`` (:func:`sharded_run`: the same partition, its collective parts saved to disk), and
+``--merge`` (:func:`merged_run`) replays the collective calls over the saved parts, so the merged
+files equal an ``n``-rank run and one process, byte for byte.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, TypeVar
+import json
+import pickle
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, TypeVar
 
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
+
+from unicon.errors import UserError
 
 T = TypeVar("T")
 
 
 def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one; ``(i, n)`` in
+    shard ``i/n`` and ``(0, n)`` in the merge of ``n`` shards (:func:`sharded_run`, :func:`merged_run`)."""
+    v = _virtual()
+    if v is not None:
+        return (v.shard.index if v.shard is not None else 0), v.world
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -38,6 +55,8 @@ def shard_indices(n: int, rank: int | None = None, world_size: int | None = None
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if rank is None or world_size is None:
+        if _merging():
+            return []  # the merge evaluates nothing itself
         rank, world_size = rank_and_world()
     if world_size == 1:
         return list(range(n))
@@ -52,6 +71,8 @@ def padding_repeats(n: int, rank: int | None = None, world_size: int | None = No
     repeats, whose record :func:`gather_records` keeps from that lower rank. A suite that sums
     per-sample states (counts, FID features) leaves them out."""
     if rank is None or world_size is None:
+        if _merging():
+            return set()
         rank, world_size = rank_and_world()
     lower = {i for r in range(rank) for i in shard_indices(n, r, world_size)}
     return lower & set(shard_indices(n, rank, world_size))
@@ -61,6 +82,8 @@ def owned_indices(n: int, rank: int | None = None, world_size: int | None = None
     """This rank's :func:`shard_indices` without its padding repeats: every index of ``range(n)`` is
     owned by exactly one rank (the one whose record :func:`gather_records` keeps)."""
     if rank is None or world_size is None:
+        if _merging():
+            return []
         rank, world_size = rank_and_world()
     repeats = padding_repeats(n, rank, world_size)
     return [i for i in dict.fromkeys(shard_indices(n, rank, world_size)) if i not in repeats]
@@ -68,11 +91,15 @@ def owned_indices(n: int, rank: int | None = None, world_size: int | None = None
 
 def gather_records(records: Mapping[int, T]) -> dict[int, T]:
     """Every rank's ``{index: record}`` merged, repeats dropped, in index order (step 3)."""
+    v = _virtual()
     _, world = rank_and_world()
-    if world == 1:
+    if v is not None:
+        parts: list[Any] = v.collective(dict(records))  # a shard: its own; a merge: every shard's
+    elif world == 1:
         return dict(sorted(records.items()))
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, dict(records))
+    else:
+        parts = [None] * world
+        dist.all_gather_object(parts, dict(records))
     merged: dict[int, T] = {}
     for part in parts:
         for index, record in part.items():
@@ -81,10 +108,207 @@ def gather_records(records: Mapping[int, T]) -> dict[int, T]:
 
 
 def gather_objects(obj: T) -> list[T]:
-    """``obj`` from every rank, in rank order (``[obj]`` without a process group)."""
+    """``obj`` from every rank, in rank order (``[obj]`` without a process group; a shard: ``[obj]``;
+    a merge: every shard's ``obj``)."""
+    v = _virtual()
+    if v is not None:
+        return v.collective(obj)
     _, world = rank_and_world()
     if world == 1:
         return [obj]
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, obj)
     return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded runs: the same scheme, with the ranks run as separate jobs (``--shard i/n``) and the
+# gathering done afterwards by a merge (``--merge``) that reads what every shard saved.
+# ---------------------------------------------------------------------------------------------
+#
+# A shard ``i/n`` is rank ``i`` of a world of ``n``: it evaluates ``shard_indices(N, i, n)`` (the
+# DistributedSampler partition, padding repeats included), and every collective call the suite makes
+# (``gather_records``, ``gather_objects``, a torchmetrics state sync through :func:`metric_sync_kwargs`)
+# saves this rank's part as ``<folder>/shard-<i>-of-<n>/collective-<k>.pkl`` (``k``: the call's
+# position) and returns what a world of one would. The shard writes no final output
+# (:func:`writes_outputs` is False). ``done.json`` marks a finished shard: its number of collective
+# calls, the settings key and any extra information (e.g. its seconds).
+#
+# The merge runs the same suite code with no sample of its own (``shard_indices`` is empty): each
+# collective call ``k`` returns the parts every shard saved at call ``k``, in shard order, exactly
+# what ``all_gather_object`` / torchmetrics' sync return on ``n`` ranks. So the merge computes the
+# metrics and writes the files from the same inputs as an ``n``-rank run, hence as one process.
+# The pickles are the shards' own output (same user, same folder): read them only from a folder
+# you trust, as with any pickle.
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count`` (``--shard i/n``, 0-based)."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--shard") -> "Shard":
+        parts = str(text).split("/")
+        try:
+            index, count = (int(p) for p in parts)
+        except ValueError:
+            raise UserError(f"{flag} {text!r}: expected i/n with integers, e.g. 0/4") from None
+        if count < 1 or not 0 <= index < count:
+            raise UserError(f"{flag} {text}: need n >= 1 and 0 <= i < n")
+        return cls(index, count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def folder(self, root: str | Path) -> Path:
+        return Path(root) / f"shard-{self.index}-of-{self.count}"
+
+
+@dataclass
+class _Virtual:
+    """The state of a sharded run (``shard`` set) or a merge (``parts``: every shard's folder)."""
+
+    folder: Path
+    world: int
+    shard: Shard | None = None
+    parts: list[Path] = field(default_factory=list)
+    calls: int = 0
+
+    def collective(self, obj: Any) -> list[Any]:
+        """Collective call number ``self.calls``: save (shard) or load every shard's part (merge)."""
+        k, self.calls = self.calls, self.calls + 1
+        name = f"collective-{k:03d}.pkl"
+        if self.shard is not None:
+            with open(self.folder / name, "wb") as f:
+                pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+            return [obj]
+        out = []
+        for part in self.parts:
+            path = part / name
+            if not path.is_file():
+                raise UserError(f"merge: {path} is missing: the merge made more collective calls than the "
+                                 "shards did (were they run with the same settings?)")
+            with open(path, "rb") as f:
+                out.append(pickle.load(f))
+        return out
+
+
+_VIRTUAL: _Virtual | None = None
+
+
+def _virtual() -> _Virtual | None:
+    return _VIRTUAL
+
+
+def _merging() -> bool:
+    return _VIRTUAL is not None and _VIRTUAL.shard is None
+
+
+def _check_no_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        raise UserError("--shard / --merge run as separate jobs; they cannot be combined with a process group "
+                         "(torchrun / srun with several tasks)")
+
+
+@contextmanager
+def sharded_run(root: str | Path, shard: Shard, key: Mapping[str, Any]) -> Iterator[dict]:
+    """Run the block as shard ``shard``; collective parts go to ``shard.folder(root)``. ``key``: the
+    settings every shard and the merge must share (checked by :func:`merged_run`). Yields a dict
+    whose content is stored in ``done.json`` under ``"extra"`` when the block finishes."""
+    global _VIRTUAL
+    _check_no_process_group()
+    if _VIRTUAL is not None:
+        raise RuntimeError("sharded runs do not nest")
+    folder = shard.folder(root)
+    if folder.exists():  # a rerun of this shard: its previous parts are replaced
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    extra: dict = {}
+    _VIRTUAL = _Virtual(folder=folder, world=shard.count, shard=shard)
+    try:
+        yield extra
+        done = {"shard": str(shard), "collectives": _VIRTUAL.calls, "key": dict(key), "extra": extra}
+        (folder / "done.json").write_text(json.dumps(done, indent=1, sort_keys=True, default=str) + "\n")
+    finally:
+        _VIRTUAL = None
+
+
+def finished_shards(root: str | Path, key: Mapping[str, Any]) -> list[dict]:
+    """The ``done.json`` of every shard under ``root``, in shard order; a missing or unfinished
+    shard, shards of different counts, or a shard run with other settings than ``key`` is a
+    :class:`UserError` naming it."""
+    root = Path(root)
+    found = sorted(root.glob("shard-*-of-*"))
+    if not found:
+        raise UserError(f"merge: no shard folder under {root} (run the shards with --shard i/n first)")
+    counts = {p.name.rsplit("-of-", 1)[1] for p in found}
+    if len(counts) != 1:
+        raise UserError(f"merge: {root} holds shards of different counts ({', '.join(sorted(counts))}); "
+                         "remove the folders of the old split")
+    count = int(counts.pop())
+    done = []
+    for i in range(count):
+        path = Shard(i, count).folder(root) / "done.json"
+        if not path.is_file():
+            raise UserError(f"merge: shard {i}/{count} has not finished (no {path}); run or rerun it")
+        info = json.loads(path.read_text())
+        want = json.loads(json.dumps(dict(key), sort_keys=True, default=str))
+        if info["key"] != want:
+            diff = sorted(k for k in set(info["key"]) | set(want) if info["key"].get(k) != want.get(k))
+            raise UserError(f"merge: shard {i}/{count} ({path}) was run with other settings: "
+                             + ", ".join(f"{k}={info['key'].get(k)!r} (merge: {want.get(k)!r})" for k in diff))
+        done.append(info)
+    calls = {d["collectives"] for d in done}
+    if len(calls) != 1:
+        raise UserError(f"merge: the shards under {root} made different numbers of collective calls {sorted(calls)}")
+    return done
+
+
+@contextmanager
+def merged_run(root: str | Path, key: Mapping[str, Any]) -> Iterator[list[dict]]:
+    """Run the block as the merge of the finished shards under ``root`` (see the section comment);
+    yields their ``done.json`` contents. The block must make the shards' collective calls, no more,
+    no fewer."""
+    global _VIRTUAL
+    _check_no_process_group()
+    if _VIRTUAL is not None:
+        raise RuntimeError("sharded runs do not nest")
+    done = finished_shards(root, key)
+    count = len(done)
+    _VIRTUAL = _Virtual(folder=Path(root), world=count,
+                        parts=[Shard(i, count).folder(root) for i in range(count)])
+    try:
+        yield done
+        if _VIRTUAL.calls != done[0]["collectives"]:
+            raise RuntimeError(f"merge made {_VIRTUAL.calls} collective calls, the shards "
+                               f"{done[0]['collectives']}: the suite's code path differs between them")
+    finally:
+        _VIRTUAL = None
+
+
+def writes_outputs() -> bool:
+    """Whether this process writes a suite's final files: rank 0 of a process group (or one
+    process), a merge; never a shard."""
+    v = _virtual()
+    if v is not None:
+        return v.shard is None
+    return rank_and_world()[0] == 0
+
+
+def _virtual_sync(tensor, group=None) -> list:
+    """torchmetrics ``dist_sync_fn`` of a sharded run or merge (one collective per state tensor)."""
+    if _VIRTUAL.shard is not None:
+        _VIRTUAL.collective(tensor.detach().cpu())
+        return [tensor]
+    return [t.to(tensor.device) for t in _VIRTUAL.collective(None)]
+
+
+def metric_sync_kwargs() -> dict[str, Any]:
+    """Keyword arguments for a torchmetrics ``Metric`` built by a suite: under a sharded run or a
+    merge, its states are reduced over the shards' saved states (torchmetrics' own reduction);
+    otherwise nothing (torchmetrics syncs over the process group as usual)."""
+    if _virtual() is None:
+        return {}
+    return {"dist_sync_fn": _virtual_sync, "distributed_available_fn": lambda: True}

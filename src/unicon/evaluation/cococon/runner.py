@@ -70,7 +70,7 @@ from unicon.evaluation.cococon.metrics import (
     vqa_soft_accuracy,
 )
 from unicon.evaluation.cococon.plots import plot_results
-from unicon.evaluation.distributed import gather_objects, gather_records, padding_repeats, shard_indices
+from unicon.evaluation.distributed import gather_objects, gather_records, metric_sync_kwargs, padding_repeats, shard_indices
 
 
 def normalize_text(text: str) -> str:
@@ -179,7 +179,8 @@ def make_fid(weights: str):
     try:
         from torchmetrics.image.fid import FrechetInceptionDistance
 
-        return FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(path))
+        return FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(path),
+                                        **metric_sync_kwargs())
     except (ImportError, ModuleNotFoundError) as e:
         raise UserError(f"FID needs torchmetrics' Inception extractor (torch-fidelity): {e}") from None
 

@@ -61,7 +61,7 @@ from unicon.data.drift_seeds import DriftSeed
 from unicon.embedders.base import Embedder
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.distributed import gather_objects, gather_records, rank_and_world, shard_indices
+from unicon.evaluation.distributed import gather_objects, gather_records, rank_and_world, shard_indices, writes_outputs
 from unicon.evaluation.drift import metrics, plots
 from unicon.evaluation.drift.geneval import Detector, score_images
 from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, mapping_generations, modality
@@ -592,7 +592,6 @@ def evaluate_drift(
         missing = [s.id for s in geneval_seeds if s.geneval is None]
         if missing:
             raise UserError(f"MGG needs GenEval seeds; {missing[:3]} carry no GenEval metadata")
-    rank, _ = rank_and_world()
     report: dict[str, Any] = {
         "generations": generations, "i2t_prompt": i2t_prompt, "repairs": [],
         "image_generation": asdict(image_config or model.image_generation_config),
@@ -608,9 +607,9 @@ def evaluate_drift(
     if seeds:
         index = shard_indices(len(seeds))
         mine = [seeds[k] for k in index]
-        run = run_chains(model, mine, rank_root(out / "mcd"), chains=chains, **common)
-        repairs += run.repairs
-        sims = chain_similarities(run.layout, run.ids, embedders or {}, generations, chains)
+        run = run_chains(model, mine, rank_root(out / "mcd"), chains=chains, **common) if mine else None  # merge: none
+        repairs += run.repairs if run else []
+        sims = chain_similarities(run.layout, run.ids, embedders or {}, generations, chains) if run else {}
         records = gather_records({
             k: {"similarity": sims[s.id],
                 "trail": {c: chain_trail(run.layout, c, s.id, generations) for c in chains} if k < strips else None}
@@ -625,9 +624,9 @@ def evaluate_drift(
     if geneval_seeds:
         index = shard_indices(len(geneval_seeds))
         mine = [geneval_seeds[k] for k in index]
-        run = run_chains(model, mine, rank_root(out / "mgg"), chains=("text-first",), **common)
-        repairs += run.repairs
-        verdicts = geneval_verdicts(run.layout, mine, generations, detector)
+        run = run_chains(model, mine, rank_root(out / "mgg"), chains=("text-first",), **common) if mine else None
+        repairs += run.repairs if run else []
+        verdicts = geneval_verdicts(run.layout, mine, generations, detector) if run else {}
         records = gather_records({k: verdicts[s.id] for k, s in zip(index, mine)})
         mgg = metrics.mgg([geneval_seeds[k].geneval.tag for k in records], list(records.values()))
         report["mgg"] = mgg
@@ -636,7 +635,7 @@ def evaluate_drift(
     if trails:
         report["strips"] = plots.strip_entries(trails)
     report["environment"] = environment_info()
-    if rank == 0:
+    if writes_outputs():  # rank 0 / one process / a merge; never a --shard job
         out.mkdir(parents=True, exist_ok=True)
         if "mcd" in report:
             plots.plot_curves(report["mcd"], out / "drift_curves.png")

@@ -49,7 +49,7 @@ from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.distributed import gather_records, owned_indices, rank_and_world, shard_indices
+from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
 from unicon.evaluation.ureason.judges import Judge, Verdict
 from unicon.evaluation.ureason.metrics import (
     EMPTY_RULE,
@@ -350,10 +350,10 @@ def evaluate_ureason(
     by_index = dict(zip(mine, samples))
     records = {i: sample_record(by_index[i], save_images(out, by_index[i]) if out is not None else {})
                for i in owned_indices(len(instances))}
-    metric = UReasonMetric(ordered_categories(inst.category for inst in instances)).to(device)
+    metric = UReasonMetric(ordered_categories(inst.category for inst in instances), **metric_sync_kwargs()).to(device)
     metric.update(records.values())
     metrics = metric.compute()
     gathered = gather_records(records)
-    if out is not None and rank_and_world()[0] == 0:
+    if out is not None and writes_outputs():
         write_summary(out, list(gathered.values()), metrics, {"judge": judge.name, **(info or {})})
     return metrics, samples
