@@ -149,13 +149,13 @@ def write_report(run_dir: str | Path) -> Path:
     return out
 
 
-def _curves_figure(series: dict, keys: Sequence[str], max_cols: int = 5):
+def _curves_figure(series: dict, keys: Sequence[str], max_cols: int = 5, cell: tuple[float, float] = (3.2, 2.6)):
     """A grid of line plots, one per key (value against step); a matplotlib ``Figure`` (no pyplot)."""
     from matplotlib.figure import Figure
 
     cols = min(max_cols, len(keys))
     rows = -(-len(keys) // cols)
-    fig = Figure(figsize=(3.2 * cols, 2.6 * rows))
+    fig = Figure(figsize=(cell[0] * cols, cell[1] * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
@@ -323,10 +323,11 @@ def _section_training(series: dict) -> str:
     train = [k for k in sorted(series) if k.startswith("train/")]
     parts = []
     if train:
-        parts.append(_figure_png(_curves_figure(series, train, 4), "training/curves", "training metrics against step"))
+        parts.append(_figure_png(_curves_figure(series, train, 6, (2.6, 2.0)), "training/curves",
+                                 "training metrics against step"))
     evals = [k for k in HEADLINE if k in series and not k.startswith("train/")]
     if evals:
-        parts.append(_figure_png(_curves_figure(series, evals, 4), "evaluation/curves",
+        parts.append(_figure_png(_curves_figure(series, evals, 6, (2.6, 2.0)), "evaluation/curves",
                                  "headline evaluation metrics against step"))
     if not parts:
         return '<p class="empty">No training metric in metrics.jsonl.</p>'

@@ -1,0 +1,195 @@
+"""``unicon report RUN_DIR``'s ``report.html``, rendered in a real browser (headless Chromium).
+
+The run is tests/test_wandb_logging.py's (``runs``: two epochs of ``experiment=shapes_demo`` with
+epoch-end CocoCon, drift and UReason evaluation, resumed for a third epoch), reported by the real
+CLI. Chromium comes from Debian's ``chromium`` package: installed here with apt-get when it is
+missing (once per machine); the test is skipped, with the reason, where that is impossible.
+
+The page is checked three ways:
+
+* statically: every image is a ``data:image/...`` URI, every link an in-page ``#anchor``; no
+  script, no stylesheet link, no ``http(s)://`` reference;
+* in the browser: a copy of the page with a probe script appended (the report itself has no
+  script) is loaded with ``--dump-dom``; on the ``load`` event (all images decoded) the probe
+  writes, per section, its images, the images whose ``naturalWidth`` is 0 (broken), its figures
+  and tables, and the cells of the trend tables, as JSON into the DOM that Chromium prints;
+* visually: a screenshot of the page (saved in the test's tmp dir and copied to
+  ``/tmp/report_screenshot.png``) must be the window's size and not blank.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_wandb_logging import STEPS_PER_EPOCH, runs  # noqa: F401  (the session's run, built once)
+
+from unicon.report import SECTIONS, collect
+
+EPOCHS = 3  # two epochs, then one more after the resume
+WINDOW = (1280, 4000)
+SCREENSHOT_COPY = Path("/tmp/report_screenshot.png")
+
+# appended to a copy of the page: the report itself carries no script
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const sections = {};
+  for (const s of document.querySelectorAll("main > section")) {
+    const imgs = [...s.querySelectorAll("img")];
+    const keys = {};
+    for (const el of s.querySelectorAll("[data-key]")) keys[el.dataset.key] = (keys[el.dataset.key] || 0) + 1;
+    sections[s.id] = {
+      title: s.querySelector("h2") ? s.querySelector("h2").textContent : null,
+      images: imgs.length,
+      broken: imgs.filter(i => !i.complete || i.naturalWidth === 0).map(i => i.alt),
+      keys: keys,
+      tables: [...s.querySelectorAll("table")].map(t => t.className),
+    };
+  }
+  const tables = {};
+  for (const t of document.querySelectorAll("table")) {
+    tables[t.className] = [...t.querySelectorAll("tbody tr")].map(r => [...r.cells].map(c => c.textContent.trim()));
+  }
+  const pre = document.createElement("pre");
+  pre.id = "probe";
+  pre.textContent = JSON.stringify({sections, tables, images: document.images.length});
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Path of a headless-capable Chromium: Debian's package, installed here when missing."""
+    found = _chromium()
+    if found:
+        return found
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        pytest.skip("needs Chromium: not installed, and apt-get (as root) is not available to install it")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    steps = (["apt-get", "update", "-qq"],
+             ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium"])
+    for cmd in steps:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"needs Chromium: `{' '.join(cmd)}` failed ({e})")
+        if proc.returncode:
+            pytest.skip(f"needs Chromium: `{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    found = _chromium()
+    if not found:
+        pytest.skip("needs Chromium: apt-get installed the package but no chromium binary is on PATH")
+    return found
+
+
+def _headless(chromium: str, *args: str, tmp: Path) -> subprocess.CompletedProcess:
+    """One headless Chromium run; its profile in ``tmp`` (root needs --no-sandbox)."""
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+           f"--user-data-dir={tmp / 'profile'}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def report(runs, tmp_path_factory):  # noqa: F811
+    """``(run_dir, report.html path)``, written by ``unicon report RUN_DIR``."""
+    from unicon.report import cli
+
+    run_dir = runs["run_dir"]
+    assert cli([str(run_dir)]) == 0
+    page = run_dir / "report.html"
+    assert page.is_file() and (run_dir / "report.md").is_file()
+    return run_dir, page
+
+
+def test_report_html_is_self_contained(report):
+    _, page = report
+    text = page.read_text(encoding="utf-8")
+    assert not re.search(r"<script|<link|<iframe|<object|@import|url\(", text, re.I)
+    srcs = re.findall(r'\ssrc="([^"]*)"', text)
+    hrefs = re.findall(r'\shref="([^"]*)"', text)
+    assert srcs and all(s.startswith(("data:image/png;base64,", "data:image/jpeg;base64,")) for s in srcs)
+    assert hrefs and all(h.startswith("#") for h in hrefs), [h for h in hrefs if not h.startswith("#")]
+    assert not re.search(r"https?://", text)
+    assert (page.parent / "report.md").read_text().count("(report.html)") == 1
+
+
+def test_report_html_renders_every_section_in_chromium(report, chromium, tmp_path):
+    run_dir, page = report
+    # --- the DOM after load, with the probe's findings
+    probe_page = tmp_path / "probe.html"
+    probe_page.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    dom = _headless(chromium, "--virtual-time-budget=20000", "--dump-dom", probe_page.as_uri(), tmp=tmp_path).stdout
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert found, f"the probe did not run (no load event?); DOM starts:\n{dom[:1500]}"
+    probe = json.loads(html.unescape(found.group(1)))
+    sections = probe["sections"]
+
+    # every section, in order, with its title; no broken image anywhere
+    assert list(sections) == [sid for sid, _ in SECTIONS]
+    assert {sid: s["title"] for sid, s in sections.items()} == dict(SECTIONS)
+    assert probe["images"] == len(re.findall(r"<img\s", page.read_text(encoding="utf-8")))
+    broken = {sid: s["broken"] for sid, s in sections.items() if s["broken"]}
+    assert not broken, f"images that did not decode: {broken}"
+
+    def keys(sid: str) -> dict[str, int]:
+        return sections[sid]["keys"]
+
+    assert "headline" in sections["summary"]["tables"]
+    assert keys("training") == {"training/curves": 1, "evaluation/curves": 1}
+    # each suite: its figures at every epoch end, its tables, its sample images
+    for name in ("consistency_by_k", "consistency_vs_accuracy"):
+        assert keys("cococon")[f"cococon/fig/{name}"] == EPOCHS
+    for name in ("drift_curves", "mgg_heatmap", "strips"):
+        assert keys("drift")[f"drift/fig/{name}"] == EPOCHS
+    assert {"cococon-trend", "cococon-ck", "cococon-samples"} <= set(sections["cococon"]["tables"])
+    assert {"drift-trend", "drift-mcd", "drift-strips"} <= set(sections["drift"]["tables"])
+    assert {"ureason-trend", "ureason-acc", "ureason-side"} <= set(sections["ureason"]["tables"])
+    tables = probe["tables"]
+    # the last evaluation's tables (earlier epochs' are folded in <details>, also in the DOM)
+    assert keys("drift")["drift/strip"] >= len(tables["drift-strips"]) >= 1
+    side = tables["ureason-side"]
+    assert len(side) >= 1 and all(keys("ureason")[f"ureason/s{k}"] >= len(side) for k in (1, 2, 3))
+    assert all(row[-3:] and {cell for cell in row[-3:]} <= {"yes", "no"} for row in side)
+
+    # the trend tables hold what metrics.jsonl logged at each epoch end (printed with 4 significant digits)
+    series = collect(run_dir)
+    for table, column, key in (("cococon-trend", 1, "cococon/vqa/C_1"), ("drift-trend", 1, "drift/MCD_avg"),
+                               ("ureason-trend", 1, "ureason/acc_s1")):
+        rows = tables[table]
+        assert [r[0] for r in rows] == [f"epoch {e}" for e in range(1, EPOCHS + 1)], (table, rows)
+        logged = {step: v for step, v in series[key]}
+        for epoch, row in enumerate(rows, 1):
+            value = logged[epoch * STEPS_PER_EPOCH]
+            assert math.isclose(float(row[column]), value, rel_tol=5e-4, abs_tol=1e-12), (table, epoch, row, value)
+
+    # the config section is config.yaml, flattened
+    config = dict((r[0], r[1]) for r in tables["config"])
+    assert config["experiment"] == "shapes_demo" and config["name"] == "wb"
+    assert json.loads(config["trainer.limit_train_batches"]) == STEPS_PER_EPOCH
+
+    # --- a screenshot: the window's size, and not blank
+    from PIL import Image, ImageStat
+
+    shot = tmp_path / "report.png"
+    _headless(chromium, f"--window-size={WINDOW[0]},{WINDOW[1]}", f"--screenshot={shot}", page.as_uri(), tmp=tmp_path)
+    with Image.open(shot) as im:
+        assert im.size == WINDOW
+        gray = im.convert("L")
+        assert ImageStat.Stat(gray).stddev[0] > 10 and len(gray.getcolors(256) or []) > 16, "blank screenshot"
+    try:
+        shutil.copyfile(shot, SCREENSHOT_COPY)
+    except OSError:  # a read-only /tmp: the one in the test's tmp dir is enough
+        pass
