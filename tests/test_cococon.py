@@ -408,11 +408,12 @@ def test_cli_writes_results(tmp_path, monkeypatch):
         cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--max-samples", "0"])
     with pytest.raises(UserError, match=r"image file not found: .*images/0\.png.*--images"):
         cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--images", str(tmp_path / "cli")])
-    # the flags that eval.cococon also has default to its values (--max-samples: the whole file)
+    # the flags are eval.cococon's fields, with its defaults (--max-samples: the whole file; --images: images_root)
     args, config = parser().parse_args(["--ckpt", "x", "--data", "x", "--out", "x"]), CocoConEvalConfig()
-    for name in ("batch_size", "table_rows", "tasks", "generative", "skip_missing", "probe_words"):
+    for name in ("batch_size", "table_rows", "tasks", "generative", "skip_missing", "probe_words", "images_root"):
         assert getattr(args, name) == getattr(config, name), name
-    assert args.images == config.images_root and args.max_samples is None
+    assert args.max_samples is None
+    assert parser().parse_args(["--ckpt", "x", "--data", "x", "--out", "x", "--images", "im"]).images_root == "im"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,11 @@
 """What every ``unicon evaluate <suite>`` command shares: the model, output, device, pickle and
-logger arguments, and their checks, done before any model or data is loaded.
+logger arguments, and their checks, done before any model or data is loaded; the flags generated
+from a suite's eval dataclass (:func:`add_config_args`); ``--shard``/``--merge`` (:func:`sharding`).
+
+* a suite's flags are generated from its section of the run config (``eval.cococon`` ...,
+  :mod:`unicon.config`): one flag per field, with the field's type, default and choices; a
+  ``bounded``/``choice`` value out of range fails with one line naming the flag. A CLI may rename
+  a flag (keeping the names users know) or change a default, and says so in its docstring;
 
 * ``--device cuda`` on a machine without CUDA, an ``--out`` that is a file or cannot be written,
   and a count below its minimum fail with one line naming the flag;
@@ -12,15 +18,109 @@ logger arguments, and their checks, done before any model or data is loaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
+import typing
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from unicon.config import LoggerConfig
+from unicon.config import LoggerConfig, field_problem
 from unicon.errors import UserError
+
+#: eval-section fields that only the epoch-end callbacks use
+EPOCH_END_ONLY = ("enabled", "every_n_epochs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How one eval-config field appears on a command line (all optional): ``names`` (default
+    ``--field-name``), ``dest`` (default the field name), ``default`` (default the config's),
+    ``help``, ``comma`` (a list field given as one comma-separated string, e.g. ``scene,clip``)."""
+
+    help: str = ""
+    names: tuple[str, ...] = ()
+    dest: str | None = None
+    default: Any = "<config>"  # the config's default
+    comma: bool = False
+    required: bool = False
+
+
+def _base_type(hint) -> tuple[type, bool]:
+    """``(element type, is_list)`` of a field annotation (``Optional`` unwrapped)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], True
+    if hint in (bool, int, float, str):
+        return hint, False
+    raise TypeError(f"no command-line form for a field of type {hint!r}")
+
+
+def config_fields(cls: type, skip: Sequence[str] = ()) -> list[dataclasses.Field]:
+    """The fields of eval section ``cls`` that get a flag (``skip`` and :data:`EPOCH_END_ONLY` left out)."""
+    return [f for f in dataclasses.fields(cls) if f.name not in (*EPOCH_END_ONLY, *skip)]
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, flags: Mapping[str, Flag] | None = None,
+                    skip: Sequence[str] = ()) -> None:
+    """One flag per field of the eval dataclass ``cls`` (see the module docstring)."""
+    flags = dict(flags or {})
+    unknown = set(flags) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"flags for fields {sorted(unknown)} that {cls.__name__} does not have")
+    hints = typing.get_type_hints(cls)
+    g = p.add_argument_group(f"settings shared with the run config ({cls.__name__})")
+    for f in config_fields(cls, skip):
+        spec = flags.get(f.name, Flag())
+        kind, is_list = _base_type(hints[f.name])
+        default = spec.default if spec.default != "<config>" else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        names = spec.names or (f"--{f.name.replace('_', '-')}",)
+        kw: dict[str, Any] = {"dest": spec.dest or f.name, "help": spec.help}
+        choices = f.metadata.get("choices")
+        choices = None if callable(choices) else choices
+        if spec.required:
+            kw["required"] = True
+        else:
+            kw["default"] = ",".join(default) if spec.comma else default
+            kw["help"] += " (default: %(default)s)"
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif is_list and spec.comma:
+            kw["metavar"] = "A,B,..."
+        elif is_list:
+            kw.update(nargs="*", type=kind, choices=choices, metavar=f.name.upper())
+        else:
+            kw.update(type=kind, choices=choices)
+        g.add_argument(*names, **kw)
+
+
+def config_from_args(args: argparse.Namespace, cls: type, flags: Mapping[str, Flag] | None = None,
+                     skip: Sequence[str] = ()):
+    """The eval section ``cls`` with the values of the flags :func:`add_config_args` made (fields
+    without a flag keep the config's default); a value its field does not allow is a
+    :class:`UserError` naming the flag."""
+    flags = dict(flags or {})
+    values = {}
+    for f in config_fields(cls, skip):
+        spec = flags.get(f.name, Flag())
+        value = getattr(args, spec.dest or f.name)
+        if spec.comma and isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        problem = None if spec.comma and value == [] else field_problem(f, value)  # a comma flag: '' = none
+        if problem is not None:
+            bad, what = problem
+            flag = (spec.names or (f"--{f.name.replace('_', '-')}",))[0]
+            if what.startswith("is out of range: "):
+                raise UserError(f"{flag} {what[len('is out of range: '):]}, got {bad}")
+            raise UserError(f"{flag} {bad!r} {what}")
+        values[f.name] = value
+    return cls(**values)
 
 
 def add_common_args(p: argparse.ArgumentParser, out_help: str = "output directory") -> None:
@@ -105,3 +205,58 @@ def load_model_for(args: argparse.Namespace):
     if not Path(args.ckpt).exists():
         raise UserError(f"--ckpt {args.ckpt} does not exist")
     return load_model(args.ckpt, allow_pickle=args.allow_pickle).to(args.device).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# --shard i/n and --merge (unicon.evaluation.distributed: sharded_run, merged_run)
+# ---------------------------------------------------------------------------------------------
+#: arguments that do not change a suite's results files: shards and their merge may differ in them
+NOT_IN_SHARD_KEY = ("shard", "merge", "out", "device", "logger", "name", "allow_pickle", "table_rows")
+
+
+def add_shard_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sharded runs (e.g. SLURM array jobs; slurm/evaluate_array.sbatch)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--shard", default=None, metavar="I/N",
+                   help="evaluate shard I of N (0-based): the samples rank I of N ranks gets (DistributedSampler); "
+                        "its parts go to OUT/shards/, no final files")
+    x.add_argument("--merge", action="store_true",
+                   help="after every shard of OUT/shards/ finished: write the files one unsharded run writes "
+                        "(byte-identical; loads the model for its fingerprint and settings, calls it never)")
+
+
+@dataclasses.dataclass
+class ShardState:
+    """What a CLI needs to know inside :func:`sharding`: ``mode`` is None (one run), ``"shard"`` or
+    ``"merge"``; ``extra`` is stored in the shard's ``done.json``; ``done`` holds every shard's
+    ``done.json`` in a merge."""
+
+    mode: str | None
+    extra: dict
+    done: list[dict]
+
+    def check_same_model(self, fingerprint: str) -> None:
+        """Shards record their weights fingerprint; the merge refuses a shard of other weights."""
+        if self.mode == "shard":
+            self.extra["model_fingerprint"] = fingerprint
+        for info in self.done:
+            if info["extra"].get("model_fingerprint") != fingerprint:
+                raise UserError(f"merge: shard {info['shard']} evaluated weights {info['extra'].get('model_fingerprint')}, "
+                                f"--ckpt has {fingerprint}")
+
+
+@contextmanager
+def sharding(args: argparse.Namespace, out: Path) -> Iterator[ShardState]:
+    """Run the block as one run, as ``--shard I/N`` or as ``--merge`` of ``OUT/shards``."""
+    from unicon.evaluation.distributed import Shard, merged_run, sharded_run
+
+    key = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_IN_SHARD_KEY}
+    root = out / "shards"
+    if getattr(args, "shard", None):
+        with sharded_run(root, Shard.parse(args.shard), key) as extra:
+            yield ShardState("shard", extra, [])
+    elif getattr(args, "merge", False):
+        with merged_run(root, key) as done:
+            yield ShardState("merge", {}, done)
+    else:
+        yield ShardState(None, {}, [])

@@ -1,8 +1,11 @@
 """``unicon evaluate cococon``: CocoCon on a checkpoint, standalone (:func:`cli`).
 
-Flags that ``eval.cococon`` also has take their defaults from :class:`unicon.config.CocoConEvalConfig`,
-except ``--max-samples``: the standalone benchmark scores the whole file unless told otherwise,
-while ``eval.cococon.max_samples`` is the epoch-end subset. Writes ``results.json`` (metrics, the
+The flags of ``eval.cococon``'s fields are generated from :class:`unicon.config.CocoConEvalConfig`
+(:func:`~unicon.evaluation.cli_common.add_config_args`: its types, defaults, choices and ranges), with
+:data:`FLAGS`' exceptions: ``--data`` is required, ``images_root`` keeps its flag ``--images``, and
+``--max-samples`` defaults to the whole file (``eval.cococon.max_samples`` is the epoch-end subset).
+``--shard I/N`` and ``--merge`` split a run into jobs (:mod:`unicon.evaluation.distributed`); the
+merged files equal one run's, except ``results.json``'s :data:`TIMING_FIELDS` (the shards' sum). Writes ``results.json`` (metrics, the
 data and checkpoint, the model's weights fingerprint, the generation settings, git commit and
 package versions), ``per_sample.jsonl`` and the plots to ``--out``, and logs metrics, figures and
 the sample table to ``--logger``.
@@ -25,11 +28,16 @@ from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
+    Flag,
     add_common_args,
+    add_config_args,
     add_image_generation_args,
+    add_shard_args,
     check_common_args,
+    config_from_args,
     image_generation_config,
     load_model_for,
+    sharding,
 )
 from unicon.evaluation.cococon.callback import TABLE_COLUMNS, table_rows
 from unicon.evaluation.cococon.metrics import MAX_K, TASKS, evaluated_tasks
@@ -54,56 +62,68 @@ def check_can_score_t2i(model, sample: CocoConSample) -> None:
                         "tasks with --tasks vqa localization") from None
 
 
+#: how ``eval.cococon``'s fields appear here: the old flag names, and the standalone defaults
+FLAGS = {
+    "data": Flag("CocoCon-schema JSON file", required=True),
+    "images_root": Flag("image root for file_name (default: the JSON's folder)", names=("--images",)),
+    "skip_missing": Flag("skip samples whose image file is missing"),
+    "max_samples": Flag("evaluate the first N samples (eval.cococon.max_samples is the epoch-end subset)", default=None),
+    "batch_size": Flag("samples per model call"),
+    "generative": Flag("also the generative metrics (CIDEr/acc/FID); --no-generative: only likelihood scoring"),
+    "table_rows": Flag("samples in the W&B table"),
+    "tasks": Flag("tasks compared with captioning (t2i needs an image tokenizer that encodes the images)"),
+    "probe_words": Flag("also report the samples whose gold answer names one of these words "
+                        "(results.json 'probe'; e.g. a ShapesWorld --caption-gap concept)"),
+}
+
+#: results.json fields that measure time: the only ones a merge of shards cannot reproduce
+TIMING_FIELDS = ("seconds",)
+
+
 def parser() -> argparse.ArgumentParser:
-    defaults = CocoConEvalConfig()
     p = argparse.ArgumentParser(prog="unicon evaluate cococon",
                                 description="CocoCon cross-task consistency (C_k, rho) and task accuracies.")
     add_common_args(p, out_help="output folder (results.json, per_sample.jsonl, plots)")
-    p.add_argument("--data", required=True, help="CocoCon-schema JSON file")
-    p.add_argument("--images", default=defaults.images_root,
-                   help="image root for file_name (default: the JSON's folder)")
-    p.add_argument("--skip-missing", action="store_true", default=defaults.skip_missing,
-                   help="skip samples whose image file is missing")
-    p.add_argument("--max-samples", type=int, default=None,
-                   help="evaluate the first N samples (default: all; eval.cococon.max_samples is the epoch-end subset)")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    add_config_args(p, CocoConEvalConfig, FLAGS)
     p.add_argument("--max-k", type=int, default=MAX_K, help="report C_k, acc@k for k = 1..max_k")
-    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(defaults.tasks),
-                   help="tasks compared with captioning (t2i needs an image tokenizer that encodes the images)")
-    p.add_argument("--no-generative", dest="generative", action="store_false", default=defaults.generative,
-                   help="only likelihood scoring (no CIDEr/acc/FID)")
-    p.add_argument("--probe-words", nargs="+", default=list(defaults.probe_words), metavar="WORD",
-                   help="also report the samples whose gold answer names one of these words "
-                        "(results.json 'probe'; e.g. a ShapesWorld --caption-gap concept)")
     p.add_argument("--fid-weights", default=None, help="local Inception weights for FID (else 'unavailable')")
     p.add_argument("--cider-tokenizer", choices=["auto", "ptb", "simple"], default="auto")
-    p.add_argument("--table-rows", type=int, default=defaults.table_rows, help="samples in the W&B table")
     p.add_argument("--name", default=None, help="run name for the logger")
     add_image_generation_args(p)
+    add_shard_args(p)
     return p
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    out = check_common_args(args, ("batch_size", "max_samples", "max_k", "table_rows"), {"table_rows": 0})
+    cfg = config_from_args(args, CocoConEvalConfig, FLAGS)
+    out = check_common_args(args, ("max_k",))
 
-    data = load_cococon(args.data, args.images, args.skip_missing).subset(args.max_samples)
+    data = load_cococon(cfg.data, cfg.images_root, cfg.skip_missing).subset(cfg.max_samples)
     log.info(data.report.summary())
     if not data.samples:
-        raise UserError(f"{args.data}: no sample left to evaluate ({data.report.summary()})")
+        raise UserError(f"{cfg.data}: no sample left to evaluate ({data.report.summary()})")
     model = load_model_for(args)
-    if "t2i" in args.tasks:
+    if "t2i" in cfg.tasks and not args.merge:
         check_can_score_t2i(model, data.samples[0])
-    settings = dict(max_k=args.max_k, generative=args.generative, world_root=data.images_root,
-                    fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=args.tasks,
-                    probe_words=args.probe_words, image_config=image_generation_config(model, args))
+    settings = dict(max_k=args.max_k, generative=cfg.generative, world_root=data.images_root,
+                    fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=cfg.tasks,
+                    probe_words=cfg.probe_words, image_config=image_generation_config(model, args))
+    fingerprint = weights_fingerprint(model)
     start = time.perf_counter()
-    with preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch, exit 128 + signal
-        result = evaluate_model(model, data.samples, args.batch_size, progress=True, **settings)
-    seconds = time.perf_counter() - start
+    with sharding(args, out) as shards, preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch
+        shards.check_same_model(fingerprint)
+        result = evaluate_model(model, data.samples, cfg.batch_size, progress=True, **settings)
+        seconds = time.perf_counter() - start
+        shards.extra["seconds"] = seconds
+    if shards.mode == "shard":
+        print(f"cococon: shard {args.shard} done in {seconds:.1f}s; merge with --merge once every shard is done")
+        return 0
+    if shards.mode == "merge":  # the model time is the shards'
+        seconds = sum(info["extra"]["seconds"] for info in shards.done)
     result.results.update(
-        data=str(args.data), ckpt=str(args.ckpt), checkpoint=str(Path(args.ckpt).resolve()),
-        model_fingerprint=weights_fingerprint(model), seconds=seconds,
+        data=str(cfg.data), ckpt=str(args.ckpt), checkpoint=str(Path(args.ckpt).resolve()),
+        model_fingerprint=fingerprint, seconds=seconds,
         num_samples_in_file=data.report.num_annotations,
         skipped_missing_images=len(data.report.missing_images),
         load_report={k: (len(v) if isinstance(v, list) else v) for k, v in data.report.to_dict().items()},
@@ -116,7 +136,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     metrics["cococon/seconds"] = seconds
     log_metrics(loggers, metrics, step=0)
     log_figures(loggers, "cococon", out, FIGURES, step=0)
-    rows = table_rows(result, {s.index: s for s in data.samples}, args.table_rows)
+    rows = table_rows(result, {s.index: s for s in data.samples}, cfg.table_rows)
     log_table(loggers, "cococon/samples", TABLE_COLUMNS, rows, step=0)
     for lg in loggers:
         lg.finalize("success")

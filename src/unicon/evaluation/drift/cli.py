@@ -1,8 +1,12 @@
 """``unicon evaluate drift``: semantic-drift chains of one checkpoint, MCD and MGG, resumable.
 
-Argument defaults are read from :class:`unicon.config.DriftEvalConfig` where a field exists, so
-a standalone run and an epoch-end run agree; ``--num-chains`` is the exception (default: every
-seed, not the epoch-end subset). The output folder holds the chains (``mcd/``, ``mgg/``), the
+The flags of ``eval.drift``'s fields are generated from :class:`unicon.config.DriftEvalConfig`
+(:func:`~unicon.evaluation.cli_common.add_config_args`), so a standalone run and an epoch-end run
+agree; :data:`FLAGS` keeps the flag names users know (``--geneval`` for ``geneval_prompts``,
+``--long`` for ``long_prompts``, ``--embedders`` as a comma list) and ``--num-chains`` defaults to
+every seed (not the epoch-end subset). ``--shard I/N`` runs the chains of shard I's seeds (the
+DistributedSampler partition over the seed list) into ``OUT/<set>/rank-<I>``; ``--merge`` writes
+``drift.json`` and the plots from the finished shards, byte-identical to one run. The output folder holds the chains (``mcd/``, ``mgg/``), the
 report ``drift.json`` (metrics, model fingerprint, image-generation settings, git commit and
 package versions) and the plots; running the same command again resumes.
 """
@@ -10,6 +14,7 @@ package versions) and the plots; running the same command again resumes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -20,7 +25,8 @@ from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.callbacks import log_eval_config, log_metrics
 from unicon.evaluation.cli_common import (
-    add_common_args, add_image_generation_args, check_common_args, image_generation_config, load_model_for,
+    Flag, add_common_args, add_config_args, add_image_generation_args, add_shard_args, check_common_args,
+    config_from_args, image_generation_config, load_model_for, sharding,
 )
 from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
 
@@ -29,20 +35,37 @@ log = logging.getLogger(__name__)
 #: the epoch-end settings, whose values are the defaults of the matching flags
 DEFAULTS = DriftEvalConfig()
 
+#: how ``eval.drift``'s fields appear here: the flag names users know, and the standalone defaults
+FLAGS = {
+    "seeds": Flag("ShapesWorld drift_seeds.jsonl / world dir, or a GenEval metadata file "
+                  "(default: the world's drift seeds)"),
+    "num_chains": Flag("use only the first N seeds (standalone default: all)", default=None),
+    "generations": Flag("generations G of every chain (the paper: 20)"),
+    "batch_size": Flag("chains per model call"),
+    "i2t_prompt": Flag('captioning prompt, e.g. "Describe the image in detail." (default: the backend\'s)'),
+    "embedders": Flag("comma list of scene, clip, text, dino ('' = none)", comma=True),
+    "geneval_prompts": Flag("GenEval metadata file for MGG (default: the world's, if any; 'none' skips MGG)",
+                            names=("--geneval", "--geneval-prompts"), dest="geneval"),
+    "long_prompts": Flag("use the long 'detailed_caption' GenEval prompts", names=("--long", "--long-prompts"),
+                         dest="long"),
+    "clip": Flag("open_clip dir, '<arch>:<weights file>' or hf-hub:<repo> (the default ShapesWorld CLIP is "
+                 "skipped with a warning when it has not been trained)"),
+    "dino": Flag("DINO model directory (transformers)"),
+    "sentence": Flag("sentence-transformers dir (default: the bundled all-MiniLM-L6-v2)"),
+    "strips": Flag("chains shown in the strip plot and table"),
+}
+#: eval.drift fields without a flag: ``geneval`` (MGG on/off) is ``--geneval none`` here
+SKIP = ("geneval",)
+#: the fields of add_chain_args (shared with ``unicon bench chains``)
+CHAIN_FIELDS = ("seeds", "num_chains", "generations", "batch_size", "i2t_prompt")
+
 
 def add_chain_args(p: argparse.ArgumentParser) -> None:
     """The chain arguments shared with ``unicon bench chains``."""
     p.add_argument("--world", default="data/shapes",
                    help="ShapesWorld root (scene embedder, shapes detector, default seeds)")
-    p.add_argument("--seeds", default=DEFAULTS.seeds,
-                   help="ShapesWorld drift_seeds.jsonl / world dir, or a GenEval metadata file "
-                        "(default: the world's drift seeds)")
-    p.add_argument("--num-chains", type=int, default=None, help="use only the first N seeds (default: all)")
-    p.add_argument("--generations", type=int, default=DEFAULTS.generations,
-                   help="generations G of every chain (the paper: 20; default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="default: %(default)s")
-    p.add_argument("--i2t-prompt", default=DEFAULTS.i2t_prompt,
-                   help='captioning prompt, e.g. "Describe the image in detail." (default: the backend\'s)')
+    others = [f.name for f in dataclasses.fields(DriftEvalConfig) if f.name not in CHAIN_FIELDS]
+    add_config_args(p, DriftEvalConfig, {k: FLAGS[k] for k in CHAIN_FIELDS}, skip=others)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common_args(p, out_help="output directory (resumable)")
     add_chain_args(p)
+    add_config_args(p, DriftEvalConfig, {k: v for k, v in FLAGS.items() if k not in CHAIN_FIELDS},
+                    skip=(*CHAIN_FIELDS, *SKIP))
     add_image_generation_args(p)
     p.add_argument("--chains", default="both", choices=["both", *CHAINS])
     p.add_argument("--nocaps", help="ND400: nocaps_val_4500_captions.json (use instead of --seeds)")
@@ -59,23 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docci", help="ND400: docci_descriptions.jsonlines")
     p.add_argument("--docci-images", help="ND400: folder of DOCCI images")
     p.add_argument("--nd-n", type=int, default=200, help="ND400: pairs drawn from each source (200 -> 400)")
-    p.add_argument("--embedders", default=",".join(DEFAULTS.embedders),
-                   help="comma list of scene, clip, text, dino ('' = none; default: %(default)s)")
-    p.add_argument("--clip", default=DEFAULTS.clip,
-                   help="open_clip dir, '<arch>:<weights file>' or hf-hub:<repo> (the default ShapesWorld CLIP is "
-                        "skipped with a warning when it has not been trained)")
-    p.add_argument("--dino", default=DEFAULTS.dino, help="DINO model directory (transformers)")
-    p.add_argument("--sentence", default=DEFAULTS.sentence,
-                   help="sentence-transformers dir (default: the bundled all-MiniLM-L6-v2)")
-    p.add_argument("--geneval", default=DEFAULTS.geneval_prompts,
-                   help="GenEval metadata file for MGG (default: the world's, if any; 'none' skips MGG)")
-    p.add_argument("--long", action="store_true", default=DEFAULTS.long_prompts,
-                   help="use the long 'detailed_caption' GenEval prompts")
     p.add_argument("--geneval-limit", type=int, default=None, help="first N prompts of every task")
     p.add_argument("--detector", default="shapes", help="'shapes' or 'owlv2:<dir>'")
-    p.add_argument("--strips", type=int, default=DEFAULTS.strips,
-                   help="chains shown in the strip plot and table (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-batch image sampling seeds")
+    add_shard_args(p)
     return p
 
 
@@ -89,8 +101,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.evaluation.drift.runner import chains_for, evaluate_drift
     from unicon.core import weights_fingerprint
 
-    out = check_common_args(args, ("num_chains", "generations", "batch_size", "nd_n", "geneval_limit", "strips"),
-                            {"strips": 0})
+    config_from_args(args, DriftEvalConfig, FLAGS, skip=SKIP)  # ranges and choices, naming the flag
+    out = check_common_args(args, ("nd_n", "geneval_limit"))
     check_detector_spec(args.detector)
 
     world = None
@@ -140,12 +152,17 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
     model = load_model_for(args)
     model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": weights_fingerprint(model)}
-    with preemption.watch_signals():  # stops at the next batch; the journals make a rerun resume
+    # stops at the next batch; the journals make a rerun resume (a shard's chains: OUT/<set>/rank-<i>)
+    with sharding(args, out) as shards, preemption.watch_signals():
+        shards.check_same_model(model_id["fingerprint"])
         report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
                                 batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,
                                 detector=detector, chains=chains, image_config=image_generation_config(model, args),
                                 strips=args.strips, seed=args.seed, model_id=model_id,
                                 geneval_file=str(Path(gpath).resolve()) if gseeds else None)
+    if shards.mode == "shard":
+        print(f"drift: shard {args.shard} done; merge with --merge once every shard is done")
+        return 0
     if args.logger != "none":
         from unicon.loggers import make_loggers
 

@@ -3,7 +3,8 @@
 Runs :func:`unicon.evaluation.shapes.runner.shapes_task_accuracies` (VQA exact match, caption exact
 scene match, localization IoU >= 0.5 and mean IoU, generated-image scene match; definitions in
 that module) on a split of a ShapesWorld world, writes ``<out>/shapes_eval.json`` (the numbers,
-the checkpoint, its weights fingerprint, the split and the number of examples per task) and
+the checkpoint, its weights fingerprint, the split, the image-generation settings, the git commit and
+package versions) and
 ``<out>/shapes_eval.png``: for each task the first examples, with the input image and predicted
 box (localization, gold box dashed), the generated caption or answer, or the generated image, and
 whether the world's verifier accepted it.
@@ -51,6 +52,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if not (world / f"mixture_{args.split}.jsonl").is_file():
         raise UserError(f"{world / f'mixture_{args.split}.jsonl'} not found: the world has no {args.split} split")
     from unicon.core import weights_fingerprint
+    from unicon.loggers import environment_info
 
     model = load_model_for(args)
     image_config = image_generation_config(model, args)
@@ -60,18 +62,17 @@ def cli(argv: Sequence[str] | None = None) -> int:
                                          examples=examples, num_examples=args.examples, image_config=image_config)
     result = {"metrics": metrics, "checkpoint": str(Path(args.ckpt).resolve()),
               "model_fingerprint": weights_fingerprint(model), "world": str(world.resolve()),
-              "split": args.split, "limit": args.limit, "image_generation": dataclasses.asdict(image_config)}
+              "split": args.split, "limit": args.limit, "image_generation": dataclasses.asdict(image_config),
+              "environment": environment_info()}
     (out / "shapes_eval.json").write_text(json.dumps(result, indent=1) + "\n")
     if examples and args.examples:
         plot_examples(examples, out / "shapes_eval.png", args.examples)
     if args.logger != "none":
-        from omegaconf import OmegaConf
-
+        from unicon.config import LoggerConfig
         from unicon.evaluation.callbacks import log_metrics
         from unicon.loggers import make_loggers
 
-        lcfg = OmegaConf.create({"type": args.logger, "project": None, "entity": None, "mode": None, "tags": ["shapes"]})
-        loggers = make_loggers(lcfg, out, name=f"shapes-{out.name}")
+        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}")
         log_metrics(loggers, {f"shapes/{k}": v for k, v in metrics.items()}, step=0)
         for lg in loggers:
             lg.finalize("success")
