@@ -204,3 +204,200 @@ def mini_cococon(root: Path, green: int = 120) -> Path:
     path = root / "cococon.json"
     path.write_text(json.dumps({"annotations": anns, "images": table}))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The one test double of a UnifiedModel: deterministic, configurable, saved and loaded as backend "fake"
+# ---------------------------------------------------------------------------------------------
+def crc_nll(*parts) -> float:
+    """A deterministic pseudo-NLL in [0, 10) of the inputs (crc32: the same in every process, unlike hash())."""
+    import zlib
+
+    return (zlib.crc32("|".join(map(str, parts)).encode()) % 10_000) / 1000.0
+
+
+FAKE_COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+
+
+def _fake_model_class():
+    import hashlib
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    from unicon.models.base import Scores, TextGeneration, UnifiedModel, pil_to_tensor
+    from unicon.models.registry import register_backend
+
+    @register_backend("fake")
+    class FakeModel(UnifiedModel):
+        """A unified model without learning whose every output is a function of its inputs, so a
+        wrong batch, shard, resume or merge shows up downstream. Options (all JSON values, kept by
+        ``save_pretrained``; ``model: {backend: fake, arch: {...}}`` builds one):
+
+        * ``scale``: the one parameter (the weights fingerprint); every NLL is ``scale * crc32(inputs)``;
+        * ``score_alias``: words replaced in T2I prompts before scoring (``{"tie": "red"}``: ties);
+        * ``captions``: caption template over ``{prompt} {hash} {width} {height}`` (``hash``: of the pixels),
+          or ``"world"``: the exact description of a ShapesWorld image of ``world`` (else the template's default);
+        * ``answers``: VQA answers, ``answers[len(question) % len(answers)]``;
+        * ``draw``: ``"hash"`` (16x16 pixels from sha256 of the prompt), ``"gray"`` (a grey level from
+          crc32 of the prompt), ``"color"`` (solid colour of the last colour word of context + prompt),
+          ``"world"`` (a random scene of ``world``, seeded by the prompt), or ``"r,g,b"`` (one colour);
+        * ``world``: a ShapesWorld root, for the ``"world"`` modes;
+        * ``fail_on``: ``generate_image`` raises for a prompt containing this text;
+        * ``reason``: echoes the prompt's first colour word into a refined prompt, wrapped in commentary.
+
+        ``calls`` records ``(method, batch size)``; ``image_calls`` the prompts and contexts drawn.
+        """
+
+        caption_prompt = " what does the image describe?"
+
+        def __init__(self, scale: float = 1.0, score_alias: dict | None = None,
+                     captions: str = "{prompt} with pattern {hash}", answers: list | None = None,
+                     draw: str = "hash", fail_on: str | None = None, world: str | None = None):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(float(scale)))
+            self.options = {"score_alias": dict(score_alias or {}), "captions": captions,
+                            "answers": list(answers or ["red"]), "draw": draw, "fail_on": fail_on, "world": world}
+            self.world_cfg = None
+            if world is not None:
+                from unicon.worlds.shapes import load_world
+
+                self.world_cfg = load_world(world).config
+            self.calls: list[tuple[str, int]] = []
+            self.image_calls: list[tuple[list[str], list[str] | None]] = []
+
+        # construction and files
+        @classmethod
+        def from_config(cls, model_cfg: dict, world_root=None) -> "FakeModel":
+            return cls(**dict(model_cfg.get("arch") or {}))
+
+        def save_pretrained(self, path: str) -> None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "unicon_model.json").write_text(
+                json.dumps({"backend": self.backend, "scale": self.scale.item(), **self.options}))
+
+        @classmethod
+        def from_pretrained(cls, path: str, **kwargs) -> "FakeModel":
+            saved = json.loads((Path(path) / "unicon_model.json").read_text())
+            saved.pop("backend")
+            return cls(**saved)
+
+        # helpers
+        @staticmethod
+        def _image_key(image) -> tuple:
+            return image.getpixel((0, 0)) + image.size
+
+        def _scores(self, rows: list[list[float]]) -> Scores:
+            width = max(len(r) for r in rows)
+            nll = torch.zeros(len(rows), width)
+            mask = torch.zeros(len(rows), width, dtype=torch.bool)
+            for b, row in enumerate(rows):
+                nll[b, : len(row)] = torch.tensor(row)
+                mask[b, : len(row)] = True
+            nll = nll * self.scale.detach().float()
+            return Scores(nll=nll, sum_nll=nll * 3, mask=mask, num_tokens=mask.long() * 3)
+
+        def prepare_images(self, images):
+            return images if isinstance(images, torch.Tensor) else pil_to_tensor([im.resize((8, 8)) for im in images])
+
+        # scoring
+        def score_text(self, images, prompts, candidates):
+            self.calls.append(("score_text", len(images)))
+            return self._scores([[crc_nll(self._image_key(im), p, c) for c in cands]
+                                 for im, p, cands in zip(images, prompts, candidates)])
+
+        def score_boxes(self, images, expressions, boxes):
+            self.calls.append(("score_boxes", len(images)))
+            return self._scores([[crc_nll(self._image_key(im), e, box) for e in exprs]
+                                 for im, exprs, box in zip(images, expressions, boxes)])
+
+        def score_image(self, prompts, images, contexts=None):
+            self.calls.append(("score_image", len(images)))
+
+            def alias(p: str) -> str:
+                for word, other in self.options["score_alias"].items():
+                    p = p.replace(word, other)
+                return p
+
+            return self._scores([[crc_nll(self._image_key(im), alias(p)) for p in ps] for ps, im in zip(prompts, images)])
+
+        # generation
+        def caption(self, images, prompt=None, **kw):
+            self.calls.append(("caption", len(images)))
+            if self.options["captions"] == "world":
+                return [self._describe(im, prompt) for im in images]
+            return [self.options["captions"].format(
+                prompt=prompt or "image", hash=hashlib.sha256(np.asarray(im).tobytes()).hexdigest()[:10],
+                width=im.size[0], height=im.size[1]) for im in images]
+
+        def answer(self, images, questions, **kw):
+            self.calls.append(("answer", len(questions)))
+            answers = self.options["answers"]
+            return [answers[len(q) % len(answers)] for q in questions]
+
+        def locate(self, images, expressions):
+            self.calls.append(("locate", len(images)))
+            return torch.tensor([[0.0, 0.0, im.size[0] / 2, im.size[1] / 2] for im in images])
+
+        def _describe(self, image, prompt) -> str:
+            from unicon.worlds import shapes, shapes_text
+
+            try:
+                return shapes_text.describe_scene(shapes.parse(image, self.world_cfg))
+            except shapes.NotAShapesWorldImage:
+                return f"{prompt or 'image'} with pattern {hashlib.sha256(np.asarray(image).tobytes()).hexdigest()[:10]}"
+
+        def _random_scene(self, prompt: str):
+            from unicon.worlds import shapes
+
+            cfg = self.world_cfg
+            rng = np.random.default_rng(int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little"))
+            cells = rng.choice(cfg.grid ** 2, size=int(rng.integers(1, 4)), replace=False)
+            scene = shapes.Scene(tuple(
+                shapes.ShapeObject(cfg.shapes[rng.integers(len(cfg.shapes))],
+                                   cfg.color_names[rng.integers(len(cfg.color_names))], int(k) // cfg.grid,
+                                   int(k) % cfg.grid) for k in cells))
+            return shapes.render(scene, cfg, seed=0)
+
+        def _color(self, text: str):
+            words = [w for w in re.findall(r"[a-z]+", text.lower()) if w in FAKE_COLORS]
+            return words[-1] if words else None
+
+        def generate_image(self, prompts, context=None, config=None):
+            self.calls.append(("generate_image", len(prompts)))
+            self.image_calls.append((list(prompts), None if context is None else list(context)))
+            draw, out = self.options["draw"], []
+            for b, p in enumerate(prompts):
+                if self.options["fail_on"] and self.options["fail_on"] in p:
+                    raise RuntimeError(f"cannot draw {p!r}")
+                if draw == "hash":
+                    pixels = np.frombuffer(hashlib.sha256(p.encode()).digest() * 24, dtype=np.uint8)[: 16 * 16 * 3]
+                    out.append(Image.fromarray(pixels.reshape(16, 16, 3).copy(), "RGB"))
+                elif draw == "world":
+                    out.append(self._random_scene(p))
+                elif draw == "gray":
+                    out.append(Image.new("RGB", (8, 8), (int(crc_nll(p) * 25),) * 3))
+                elif draw == "color":
+                    c = self._color((context[b] + " " if context else "") + p)
+                    out.append(Image.new("RGB", (8, 8), FAKE_COLORS.get(c, (0, 0, 0))))
+                else:
+                    out.append(Image.new("RGB", (8, 8), tuple(int(v) for v in draw.split(","))))
+            return out
+
+        def reason(self, prompts, max_new_tokens=256):
+            self.calls.append(("reason", len(prompts)))
+            out = []
+            for p in prompts:
+                words = [w for w in re.findall(r"[a-z]+", p.lower()) if w in FAKE_COLORS]
+                first = words[0] if words else "grey"
+                text = f"<think>The prompt mentions {' and '.join(words)}.</think>\n**Refined prompt:** a {first} square"
+                out.append(TextGeneration(text=text, truncated=len(text.split()) > max_new_tokens,
+                                          num_tokens=len(text.split())))
+            return out
+
+    return FakeModel
+
+
+#: the configurable UnifiedModel test double (registered as backend "fake")
+FakeModel = _fake_model_class()
