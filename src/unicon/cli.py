@@ -4,10 +4,8 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 
 =========================  ==============================================
 ``unicon train``           ``unicon.training.run.cli``
-``unicon evaluate cococon`` ``unicon.evaluation.cococon.cli.cli``
-``unicon evaluate drift``   ``unicon.evaluation.drift.cli.cli``
-``unicon evaluate ureason`` ``unicon.evaluation.ureason.cli.cli``
-``unicon evaluate shapes``  ``unicon.evaluation.shapes.cli.cli``
+``unicon evaluate <suite>`` the suite registry, ``unicon.evaluation.suites.evaluate_cli``
+                           (cococon, drift, ureason, shapes, plugins; ``all``: an eval group)
 ``unicon build-data shapes`` ``data_builders.shapes.main``
 ``unicon build-data cococon`` ``data_builders.cococon.main``
 ``unicon experiment table2`` ``unicon.experiments.table2.cli``
@@ -38,12 +36,8 @@ from unicon.evaluation.preemption import Preempted
 # command -> (module, function, one-line help); nested dicts are command groups
 COMMANDS: dict = {
     "train": ("unicon.training.run", "cli", "train a unified model (consistency training or pretraining)"),
-    "evaluate": {
-        "cococon": ("unicon.evaluation.cococon.cli", "cli", "CocoCon cross-task consistency C_k, rho_rank, accuracies"),
-        "drift": ("unicon.evaluation.drift.cli", "cli", "semantic drift chains (MCD, MGG)"),
-        "ureason": ("unicon.evaluation.ureason.cli", "cli", "UReason reasoning-to-image, three settings"),
-        "shapes": ("unicon.evaluation.shapes.cli", "cli", "ShapesWorld task accuracies (VQA, caption, loc, T2I)"),
-    },
+    "evaluate": ("unicon.evaluation.suites", "evaluate_cli",
+                 "evaluate a checkpoint: {cococon,drift,ureason,shapes,all} (the suite registry)"),
     "build-data": {
         "shapes": ("data_builders.shapes", "main", "build the embedded ShapesWorld datasets"),
         "cococon": ("data_builders.cococon", "main", "CocoCon contrast sets from COCO + VQAv2 (section 4.1)"),

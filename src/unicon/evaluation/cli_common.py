@@ -207,6 +207,32 @@ def load_model_for(args: argparse.Namespace):
     return load_model(args.ckpt, allow_pickle=args.allow_pickle).to(args.device).eval()
 
 
+def config_argv(section: Mapping[str, Any], cls: type, flags: Mapping[str, Flag] | None = None,
+                skip: Sequence[str] = ()) -> list[str]:
+    """The arguments that give the flags of :func:`add_config_args` the values of ``section`` (an
+    eval section of a composed run config): what ``unicon evaluate all`` passes each suite. A
+    ``None`` value leaves the flag at its default (the standalone meaning of "unset")."""
+    flags = dict(flags or {})
+    hints = typing.get_type_hints(cls)
+    argv: list[str] = []
+    for f in config_fields(cls, skip):
+        spec = flags.get(f.name, Flag())
+        name = (spec.names or (f"--{f.name.replace('_', '-')}",))[0]
+        value = section[f.name]
+        kind, is_list = _base_type(hints[f.name])
+        if value is None:
+            continue
+        if kind is bool:
+            argv.append(name if value else f"--no-{name[2:]}")
+        elif is_list and spec.comma:
+            argv.append(f"{name}={','.join(map(str, value))}")
+        elif is_list:
+            argv += [name, *map(str, value)]
+        else:
+            argv.append(f"{name}={value}")
+    return argv
+
+
 # ---------------------------------------------------------------------------------------------
 # --shard i/n and --merge (unicon.evaluation.distributed: sharded_run, merged_run)
 # ---------------------------------------------------------------------------------------------

@@ -21,11 +21,14 @@ from typing import Sequence
 
 import torch
 
+from omegaconf import OmegaConf
+
 from unicon.config import CocoConEvalConfig, LoggerConfig
 from unicon.core import weights_fingerprint
 from unicon.data.cococon import CocoConSample, load_cococon
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.suites import register_suite
 from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
@@ -34,6 +37,7 @@ from unicon.evaluation.cli_common import (
     add_image_generation_args,
     add_shard_args,
     check_common_args,
+    config_argv,
     config_from_args,
     image_generation_config,
     load_model_for,
@@ -94,6 +98,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def argv_from_config(cfg) -> list[str]:
+    """``eval.cococon`` of a run config as this command's arguments (data: ``<data.root>/cococon_test.json``
+    by default, as the epoch-end callback)."""
+    c = OmegaConf.to_container(cfg.eval.cococon, resolve=True)
+    c["data"] = c["data"] or str(Path(cfg.data.root) / "cococon_test.json")
+    return config_argv(c, CocoConEvalConfig, FLAGS)
+
+
+@register_suite("cococon", "CocoCon cross-task consistency C_k, rho_rank, accuracies", section="cococon",
+                argv=argv_from_config)
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     cfg = config_from_args(args, CocoConEvalConfig, FLAGS)

@@ -20,13 +20,16 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
+from omegaconf import OmegaConf
+
 from unicon.config import DriftEvalConfig, LoggerConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.suites import register_suite
 from unicon.evaluation.callbacks import log_eval_config, log_metrics
 from unicon.evaluation.cli_common import (
     Flag, add_common_args, add_config_args, add_image_generation_args, add_shard_args, check_common_args,
-    config_from_args, image_generation_config, load_model_for, sharding,
+    config_argv, config_from_args, image_generation_config, load_model_for, sharding,
 )
 from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
 
@@ -91,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def argv_from_config(cfg) -> list[str]:
+    """``eval.drift`` of a run config as this command's arguments: the world is ``data.root``;
+    ``eval.drift.geneval=false`` is ``--geneval none``."""
+    c = OmegaConf.to_container(cfg.eval.drift, resolve=True)
+    argv = ["--world", str(cfg.data.root), *config_argv(c, DriftEvalConfig, FLAGS, skip=SKIP)]
+    return argv + ([] if c["geneval"] else ["--geneval", "none"])
+
+
+@register_suite("drift", "semantic drift chains (MCD, MGG)", section="drift", argv=argv_from_config)
 def cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate drift --ckpt ... --seeds ... --generations 20 --out DIR``."""
     args = build_parser().parse_args(argv)

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.suites import register_suite
 from unicon.evaluation.cli_common import (
     add_common_args,
     add_image_generation_args,
@@ -29,6 +30,7 @@ from unicon.evaluation.cli_common import (
 )
 
 
+@register_suite("shapes", "ShapesWorld task accuracies (VQA, caption, loc, T2I)")
 def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.evaluation.shapes.plots import plot_examples
     from unicon.evaluation.shapes.runner import TASKS, shapes_task_accuracies

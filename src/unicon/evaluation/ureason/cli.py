@@ -16,10 +16,13 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
+from omegaconf import OmegaConf
+
 from unicon.config import LoggerConfig, UReasonEvalConfig
 from unicon.data.ureason import SPLITS, load_instances, subset, world_root_of
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.suites import register_suite
 from unicon.evaluation.callbacks import log_eval_config, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
@@ -28,6 +31,7 @@ from unicon.evaluation.cli_common import (
     add_image_generation_args,
     add_shard_args,
     check_common_args,
+    config_argv,
     config_from_args,
     image_generation_config,
     load_model_for,
@@ -73,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def argv_from_config(cfg) -> list[str]:
+    """``eval.ureason`` of a run config as this command's arguments (data: ``data.root`` by default,
+    as the epoch-end callback)."""
+    c = OmegaConf.to_container(cfg.eval.ureason, resolve=True)
+    c["data"] = c["data"] or str(cfg.data.root)
+    return config_argv(c, UReasonEvalConfig, FLAGS)
+
+
+@register_suite("ureason", "UReason reasoning-to-image, three settings", section="ureason", argv=argv_from_config)
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from unicon.loggers import environment_info, make_loggers

@@ -1,0 +1,135 @@
+"""The suite registry: ``unicon evaluate <name>`` and ``unicon evaluate all`` route through it.
+
+A suite registers its command where it is defined, with the decorator::
+
+    @register_suite("cococon", "CocoCon cross-task consistency", section="cococon", argv=argv_from_config)
+    def cli(argv=None) -> int: ...
+
+``section`` names its part of the run config (``eval.<section>``, whose ``enabled`` the training
+run's eval group sets), ``argv`` turns a composed run config into the command's arguments (the
+eval section's fields are the command's generated flags, :func:`unicon.evaluation.cli_common.config_argv`),
+so ``unicon evaluate all --ckpt X eval=<group>`` runs what a training run with that group runs at
+epoch end, with the same settings and data defaults. In-tree suites are the modules of
+:data:`IN_TREE`; out-of-tree ones declare their module in the entry-point group
+:data:`SUITE_ENTRY_POINTS` (``[project.entry-points."unicon.suites"] mysuite = "pkg.cli"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from unicon.errors import UserError
+
+SUITE_ENTRY_POINTS = "unicon.suites"
+#: the modules whose import registers the in-tree suites
+IN_TREE = ("unicon.evaluation.cococon.cli", "unicon.evaluation.drift.cli", "unicon.evaluation.ureason.cli",
+           "unicon.evaluation.shapes.cli")
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    help: str
+    cli: Callable[[Sequence[str] | None], int]
+    section: str | None = None  # eval.<section> of the run config (None: no epoch-end counterpart)
+    argv: Callable | None = None  # (run config) -> the command's arguments for `evaluate all`
+
+
+_SUITES: dict[str, Suite] = {}
+
+
+def register_suite(name: str, help: str, section: str | None = None, argv: Callable | None = None):
+    """Function decorator: ``cli`` becomes ``unicon evaluate <name>``."""
+
+    def register(cli):
+        known = _SUITES.get(name)
+        if known is not None and known.cli is not cli:
+            raise ValueError(f"suite {name!r} is already registered by {known.cli.__module__}")
+        _SUITES[name] = Suite(name, help, cli, section, argv)
+        return cli
+
+    return register
+
+
+def _load() -> None:
+    for module in IN_TREE:
+        importlib.import_module(module)
+    for entry_point in importlib.metadata.entry_points(group=SUITE_ENTRY_POINTS):
+        if entry_point.name not in _SUITES:
+            entry_point.load()
+
+
+def suites() -> dict[str, Suite]:
+    """Every registered suite, in-tree ones first (their :data:`IN_TREE` order)."""
+    _load()
+    return dict(_SUITES)
+
+
+def suite(name: str) -> Suite:
+    known = suites()
+    if name not in known:
+        raise UserError(f"unknown evaluation suite '{name}' (choose from {', '.join([*known, 'all'])})")
+    return known[name]
+
+
+def usage() -> str:
+    lines = ["usage: unicon evaluate <suite> [options]", "", "suites:"]
+    lines += [f"  {s.name:<12} {s.help}" for s in suites().values()]
+    lines.append(f"  {'all':<12} the suites a training run's eval group enables (eval=<group>)")
+    lines += ["", "Run 'unicon evaluate <suite> --help' for the options of a suite."]
+    return "\n".join(lines)
+
+
+def evaluate_cli(argv: Sequence[str] | None = None) -> int:
+    """``unicon evaluate <suite> ...``: the registered suite's command."""
+    argv = list(argv or [])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] == "all":
+        return all_cli(argv[1:])
+    return int(suite(argv[0]).cli(argv[1:]) or 0)
+
+
+def all_cli(argv: Sequence[str] | None = None) -> int:
+    """``unicon evaluate all --ckpt X --out DIR eval=<group> [key=value ...]``."""
+    from unicon.config import compose
+
+    p = argparse.ArgumentParser(
+        prog="unicon evaluate all",
+        description="Run the evaluation suites that a training run's eval group enables (configs/eval/<group>.yaml), "
+                    "with its settings, one folder per suite under --out.")
+    p.add_argument("--ckpt", required=True, help="model: save_pretrained directory or Lightning .ckpt")
+    p.add_argument("--out", required=True, help="output folder (one sub-folder per suite)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
+    p.add_argument("--logger", choices=["wandb", "csv", "none"], default=None, help="default: the suites' default")
+    p.add_argument("--allow-pickle", action="store_true", help="accept checkpoints that need unpickling")
+    p.add_argument("--shard", default=None, metavar="I/N", help="run shard I of N of every suite")
+    p.add_argument("--merge", action="store_true", help="merge every suite's finished shards")
+    p.add_argument("overrides", nargs="*", metavar="eval=<group> | key=value",
+                   help="config choices and overrides as for `unicon train` (e.g. eval=shapes data.root=data/shapes)")
+    args = p.parse_args(argv)
+    cfg = compose(list(args.overrides))
+    common = ["--ckpt", args.ckpt]
+    for flag, value in (("--device", args.device), ("--logger", args.logger), ("--shard", args.shard)):
+        if value is not None:
+            common += [flag, value]
+    common += ["--allow-pickle"] * args.allow_pickle + ["--merge"] * args.merge
+    ran = []
+    for s in suites().values():
+        if s.section is None or s.argv is None or not cfg.eval[s.section].enabled:
+            continue
+        print(f"unicon evaluate all: {s.name}")
+        code = int(s.cli([*common, *s.argv(cfg), "--out", str(Path(args.out) / s.name)]) or 0)
+        if code:
+            return code
+        ran.append(s.name)
+    if not ran:
+        raise UserError("unicon evaluate all: the eval group enables no suite (eval.<suite>.enabled)")
+    print(f"unicon evaluate all: ran {', '.join(ran)} -> {args.out}")
+    return 0

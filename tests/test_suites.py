@@ -1,0 +1,120 @@
+"""The suite registry and the generated ``unicon evaluate`` flags: every suite is reachable through
+``unicon evaluate <name>``; a suite registered from a test module runs without an edit to ``src/``;
+the flags of ``eval.<suite>`` are its fields with the config's defaults (the documented standalone
+exceptions aside) and round-trip a composed config; ``unicon evaluate all eval=<group>`` runs the
+suites the group enables with its settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import standins
+from unicon import config
+from unicon.cli import main as unicon_main
+from unicon.errors import UserError
+from unicon.evaluation import suites
+from unicon.evaluation.cli_common import Flag, add_config_args, config_argv, config_from_args
+from unicon.evaluation.cococon import cli as cococon_cli
+from unicon.evaluation.drift import cli as drift_cli
+from unicon.evaluation.ureason import cli as ureason_cli
+
+#: suite -> (its section class, its parser, its FLAGS, fields without a flag, required arguments)
+GENERATED = {
+    "cococon": (config.CocoConEvalConfig, cococon_cli.parser, cococon_cli.FLAGS, (), ["--data", "d"]),
+    "drift": (config.DriftEvalConfig, drift_cli.build_parser, drift_cli.FLAGS, drift_cli.SKIP, []),
+    "ureason": (config.UReasonEvalConfig, ureason_cli.build_parser, ureason_cli.FLAGS, (), ["--data", "d"]),
+}
+
+
+def test_in_tree_suites_are_registered_in_order():
+    assert list(suites.suites())[:4] == ["cococon", "drift", "ureason", "shapes"]
+    assert {s.section for s in suites.suites().values()} >= {"cococon", "drift", "ureason"}
+    with pytest.raises(UserError, match="unknown evaluation suite 'nope' .*cococon, drift, ureason, shapes"):
+        suites.evaluate_cli(["nope"])
+
+
+def test_a_suite_registered_from_a_test_module_runs_through_unicon_evaluate(capsys):
+    seen = []
+
+    @suites.register_suite("registry-test-suite", "a suite defined in a test")
+    def cli(argv=None):
+        seen.append(list(argv))
+        return 0
+
+    assert unicon_main(["evaluate", "registry-test-suite", "--x", "1"]) == 0 and seen == [["--x", "1"]]
+    assert "registry-test-suite" in (unicon_main(["evaluate", "--help"]), capsys.readouterr().out)[1]
+    with pytest.raises(ValueError, match="already registered"):
+        suites.register_suite("registry-test-suite", "again")(lambda argv=None: 0)
+
+
+@pytest.mark.parametrize("suite", list(GENERATED))
+def test_flag_defaults_are_the_config_defaults(suite):
+    cls, parser, flags, skip, required = GENERATED[suite]
+    args = parser().parse_args(["--ckpt", "c", "--out", "o", *required])
+    got = dataclasses.asdict(config_from_args(args, cls, flags, skip))
+    want = dataclasses.asdict(cls())
+    overridden = {name for name, spec in flags.items() if spec.default != Flag().default or spec.required}
+    assert {k: v for k, v in got.items() if k not in overridden} == {k: v for k, v in want.items() if k not in overridden}
+    assert overridden <= {"data", "max_samples", "num_chains"}  # the documented standalone exceptions
+    assert args.device in ("cpu", "cuda") and args.logger == config.LoggerConfig.type
+    flags_text = parser().format_help()
+    assert all(f"--{f.name.replace('_', '-')}" in flags_text or f.name in flags or f.name in skip
+               for f in dataclasses.fields(cls) if f.name not in ("enabled", "every_n_epochs"))
+
+
+@pytest.mark.parametrize("suite", list(GENERATED))
+def test_a_composed_eval_section_round_trips_through_the_flags(suite):
+    cls, parser, flags, skip, required = GENERATED[suite]
+    cfg = config.compose(["eval=shapes", f"eval.{suite}.batch_size=3"])
+    argv = suites.suite(suite).argv(cfg)
+    args = parser().parse_args(["--ckpt", "c", "--out", "o", *argv])
+    got = dataclasses.asdict(config_from_args(args, cls, flags, skip))
+    section = config.OmegaConf.to_container(cfg.eval[suite], resolve=True)
+    for name, value in got.items():
+        if name in ("enabled", "every_n_epochs", *skip) or (section[name] is None and name in ("data", "seeds")):
+            continue
+        assert value == section[name], name
+    assert got["batch_size"] == 3
+
+
+def test_bad_flag_values_name_the_flag():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_config_args(p, config.DriftEvalConfig, drift_cli.FLAGS, skip=drift_cli.SKIP)
+    with pytest.raises(UserError, match="--generations must be >= 1, got 0"):
+        config_from_args(p.parse_args(["--generations", "0"]), config.DriftEvalConfig, drift_cli.FLAGS, drift_cli.SKIP)
+    with pytest.raises(UserError, match="--embedders 'sift' is not one of: scene, clip, text, dino"):
+        config_from_args(p.parse_args(["--embedders", "scene,sift"]), config.DriftEvalConfig, drift_cli.FLAGS,
+                         drift_cli.SKIP)
+    with pytest.raises(SystemExit):  # argparse: not an int
+        p.parse_args(["--strips", "two"])
+    assert config_argv({"batch_size": 2, "generative": False, "tasks": ["vqa"], "probe_words": [], "data": None,
+                        "images_root": None, "max_samples": 5, "table_rows": 1, "skip_missing": True},
+                       config.CocoConEvalConfig, cococon_cli.FLAGS) == [
+        "--max-samples=5", "--batch-size=2", "--no-generative", "--table-rows=1", "--skip-missing", "--tasks", "vqa",
+        "--probe-words"]
+
+
+def test_evaluate_all_runs_the_groups_suites(tmp_path, capsys):
+    world = standins.build_world(tmp_path / "world")
+    ckpt = tmp_path / "ckpt"
+    standins.FakeModel(captions="world", draw="world", world=str(world)).save_pretrained(str(ckpt))
+    common = ["evaluate", "all", "--ckpt", str(ckpt), "--device", "cpu", "--logger", "none"]
+    quick = [f"data.root={world}", "eval.drift.embedders=[scene]", "eval.drift.generations=1",
+             "eval.cococon.max_samples=3", "eval.ureason.max_samples=2"]
+    assert unicon_main([*common, "--out", str(tmp_path / "all"), "eval=shapes", *quick]) == 0
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["cococon", "drift", "ureason"]
+    assert json.loads((tmp_path / "all" / "cococon" / "results.json").read_text())["num_samples"] == 3
+    drift = json.loads((tmp_path / "all" / "drift" / "drift.json").read_text())
+    assert drift["generations"] == 1 and drift["num_chains"] == 2 and "MGG" in drift  # eval.drift.geneval: true
+    assert json.loads((tmp_path / "all" / "ureason" / "ureason.json").read_text())["max_samples"] == 2
+    # the group decides which suites run
+    assert unicon_main([*common, "--out", str(tmp_path / "only"), "eval=cococon_only", *quick,
+                        f"eval.cococon.data={world / 'cococon_test.json'}"]) == 0
+    assert [p.name for p in (tmp_path / "only").iterdir()] == ["cococon"]
+    assert unicon_main([*common, "--out", str(tmp_path / "none"), "eval=none", *quick]) == 2
+    assert "enables no suite" in capsys.readouterr().err
