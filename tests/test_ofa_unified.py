@@ -172,6 +172,31 @@ def test_tokenizer_save_load(tmp_path):
 
 
 # ---- scoring -----------------------------------------------------------------------------------------------
+def test_score_text_runs_the_shared_prefix_once_per_image(model, monkeypatch):
+    """Candidate scoring decodes bos once per image (cross-attention keys/values cached), then all
+    candidates in one cached pass; the sums equal the uncached pass over repeated encoder rows."""
+    images = _images()
+    prompts = [model.caption_prompt] * 3
+    cands = [*CANDS[:2], ["", "three"]]  # "" is eos only: a row with no token after bos
+    calls = []
+    decode = model.decode
+
+    def spy(ids, enc, code_mode=False, past_key_values=None):
+        calls.append((tuple(ids.shape), past_key_values is not None))
+        return decode(ids, enc, code_mode=code_mode, past_key_values=past_key_values)
+
+    monkeypatch.setattr(model, "decode", spy)
+    with torch.no_grad():
+        s = model.score_text(images, prompts, cands)
+        assert [c[0][0] for c in calls] == [3, 6] and calls[0][0][1] == 1 and all(c[1] for c in calls)
+        enc = model.encode(model._source_ids(prompts), model.prepare_images(images))
+        targets, _ = model._text_targets(cands)
+        index = torch.tensor([0, 0, 0, 1, 2, 2])
+        full, lengths = model._target_nll(model.select(enc, index), targets)
+    assert s.num_tokens[s.mask].tolist() == lengths.tolist()
+    assert torch.allclose(s.sum_nll[s.mask], full, atol=nll_tol(model, full) * int(lengths.max()), rtol=0)
+
+
 def test_score_text_matches_naive_per_candidate_forwards(model):
     images = _images()
     prompts = [model.caption_prompt] * 3

@@ -20,7 +20,8 @@ Scores (all negative log-likelihoods, see ``base.py``)
 * ``score_text`` -- NLL of ``" " + candidate + <eos>`` after ``<|Assistant|>:``. The candidate is
   tokenised on its own (``add_special_tokens=False``), which is what ``generate`` would have to
   produce after the prompt. The image is encoded once per example and the shared prefix
-  (system prompt, user tag, image tokens) is run once; its KV cache is copied to the K candidates.
+  (system prompt, user tag, image tokens and the question up to ``<|Assistant|>:``) is run once;
+  its KV cache is copied to the K candidates, which run as one batch over it.
 * ``score_boxes`` -- Janus is **not trained for grounding**. The box is written as text,
   ``"[x1, y1, x2, y2]"`` with integer coordinates normalised to 0..1000 of the original image's
   width/height (the Qwen-VL/DeepSeek-VL2 convention), and scored like an answer to
@@ -582,8 +583,18 @@ class JanusUnifiedModel(UnifiedModel):
         """Token ids of (head up to and including the image, rest of the prompt up to ``<|Assistant|>:``).
 
         The split is at the image's ``<end_of_image>`` special token, so tokenising the two parts
-        separately gives exactly the ids of the whole prompt.
+        separately gives exactly the ids of the whole prompt. Memoised per question (scoring asks for
+        the same prompt once per example; the template and tokenizer never change after loading).
         """
+        memo = self.__dict__.setdefault("_prompt_parts_memo", {})
+        if question not in memo:
+            if len(memo) >= 4096:
+                memo.clear()
+            memo[question] = self._build_image_prompt_parts(question)
+        head, rest = memo[question]
+        return list(head), list(rest)
+
+    def _build_image_prompt_parts(self, question: str) -> tuple[list[int], list[int]]:
         text = self._chat([{"type": "image"}, {"type": "text", "text": _SENTINEL}])
         image_token = self.tokenizer.image_token
         cut = text.index(image_token) + len(image_token)
@@ -598,10 +609,16 @@ class JanusUnifiedModel(UnifiedModel):
         return head_ids, rest_ids
 
     def _target_ids(self, text: str) -> tuple[list[int], bool]:
-        ids = self.tokenizer(" " + text.strip(), add_special_tokens=False)["input_ids"] + [self.eos_id]
-        if len(ids) > self.max_target_length:
-            return ids[: self.max_target_length], True
-        return ids, False
+        return self._targets([text])[0]
+
+    def _targets(self, texts: Sequence[str]) -> list[tuple[list[int], bool]]:
+        """``(ids, truncated)`` of each ``" " + text + <eos>``, cut to ``max_target_length`` (one tokenizer call)."""
+        out = []
+        for ids in self.tokenizer([" " + t.strip() for t in texts], add_special_tokens=False)["input_ids"]:
+            ids = ids + [self.eos_id]
+            cut = len(ids) > self.max_target_length
+            out.append((ids[: self.max_target_length], cut))
+        return out
 
     def _generation_prompt_ids(self, prompt: str, context: str | None = None) -> list[int]:
         text = prompt.strip() if not context else f"{prompt.strip()}\n{context.strip()}"  # UReason's [P, R]
@@ -631,29 +648,59 @@ class JanusUnifiedModel(UnifiedModel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed target NLLs for continuations ``(b, context_ids, target_ids)`` of image prefixes.
 
-        ``heads[b]`` (which contains the image, unless ``pixels`` is None) is run through the LM once; each row
-        continues it with ``context + target`` and only ``target`` is scored. When the LM uses
-        gradient checkpointing in training mode (which disables the KV cache), the prefix embeddings
-        are instead copied to each row and the full sequence is run; both give the same numbers.
+        Row ``r`` is the sequence ``heads[b] + context + target``; only ``target`` is scored
+        (``-sum_j log p(target_j | everything before it)``). The work shared by an example's K rows
+        runs once per example: ``heads[b]`` (which contains the image, unless ``pixels`` is None)
+        extended by the common prefix of the rows' contexts (for a caption prompt: the whole
+        question up to ``<|Assistant|>:``; capped so that every row keeps at least one token of its
+        own). Its KV cache is copied to
+        the K rows and one continuation pass over all rows runs the tokens where the candidates
+        differ. A target token predicted inside the shared prefix takes its logits from the prefix
+        pass. When the LM uses gradient checkpointing in training mode (which disables the KV
+        cache), the prefix embeddings are instead copied to each row and the full sequence is run;
+        both give the same numbers (within float rounding: the same sums, other matrix shapes).
         Returns ``(sum_nll [B, K], num_tokens [B, K], mask [B, K])``.
         """
         device = self.device
+        lm = self._lm()
+        full_pass = lm.gradient_checkpointing and lm.training
+        inputs = []
+        for _, ctx, tgt in rows:
+            if not ctx:
+                raise ValueError("internal: empty context before the target")
+            inputs.append(ctx + tgt[:-1])
+        shared = [0] * len(heads)  # tokens of each example's rows moved into its head
+        if not full_pass:
+            by_example: dict[int, list[tuple[list[int], int]]] = {}
+            for (b, ctx, _), seq in zip(rows, inputs):
+                by_example.setdefault(b, []).append((seq, len(ctx)))
+            for b, seqs in by_example.items():
+                # the contexts' common part only: target prefixes shared by one example's candidates
+                # and not another's would widen both padded passes (measured slower on janus_tiny)
+                limit = min(min(n, len(q) - 1) for q, n in seqs)
+                shared[b] = _common_prefix_length([q for q, _ in seqs], limit=limit)
+        first = {}
+        for (b, _, _), seq in zip(rows, inputs):
+            first.setdefault(b, seq)
+        heads = [h + first[b][: shared[b]] if b in first else h for b, h in enumerate(heads)]
         head_ids, head_mask = _pad(heads, self.pad_id, left=True, device=device)
         head_embeds = self._embed_with_image(head_ids, pixels)
-        row_of = torch.tensor([r[0] for r in rows], device=device)
-        cont_ids, cont_mask = _pad([r[1] + r[2] for r in rows], self.pad_id, left=False, device=device)
+        example_of = [r[0] for r in rows]
+        row_of = torch.tensor(example_of, device=device)
+        cont_ids, cont_mask = _pad([seq[shared[b]:] for b, seq in zip(example_of, inputs)], self.pad_id,
+                                   left=False, device=device)
         full_mask = torch.cat([head_mask[row_of], cont_mask], dim=1)
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
         cont_embeds = self.janus.get_input_embeddings()(cont_ids)
-        lm = self._lm()
-        if lm.gradient_checkpointing and lm.training:
+        W = head_ids.shape[1]
+        if full_pass:
             out = lm(
                 inputs_embeds=torch.cat([head_embeds[row_of], cont_embeds], dim=1),
                 attention_mask=full_mask,
                 position_ids=positions,
                 use_cache=False,
             )
-            hidden = out.last_hidden_state[:, head_ids.shape[1] :]
+            head_hidden, hidden = None, out.last_hidden_state[:, W:]
         else:
             prefix = lm(
                 inputs_embeds=head_embeds,
@@ -661,29 +708,38 @@ class JanusUnifiedModel(UnifiedModel):
                 position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0),
                 use_cache=True,
             )
-            cache = prefix.past_key_values
+            head_hidden, cache = prefix.last_hidden_state, prefix.past_key_values
             cache.batch_select_indices(row_of)
             hidden = lm(
                 inputs_embeds=cont_embeds,
                 attention_mask=full_mask,
-                position_ids=positions[:, head_ids.shape[1] :],
+                position_ids=positions[:, W:],
                 past_key_values=cache,
                 use_cache=True,
             ).last_hidden_state
-        # the first target token is predicted from the last context token
-        row_idx, pos_idx, labels = [], [], []
-        for r, (_, ctx, tgt) in enumerate(rows):
-            if not ctx:
-                raise ValueError("internal: empty context before the target")
-            row_idx += [r] * len(tgt)
-            pos_idx += list(range(len(ctx) - 1, len(ctx) + len(tgt) - 1))
-            labels += tgt
-        row_idx = torch.tensor(row_idx, device=device)
-        logits = self.janus.lm_head(hidden[row_idx, torch.tensor(pos_idx, device=device)])
-        labels = torch.tensor(labels, device=device)
+        # target token j of row r is predicted at input index q = len(ctx) - 1 + j: inside the shared
+        # prefix (the head pass, right-aligned) when q < shared[b], else in the row's continuation
+        head_at, cont_at, labels_head, labels_cont, row_head, row_cont = [], [], [], [], [], []
+        for r, (b, ctx, tgt) in enumerate(rows):
+            for j, label in enumerate(tgt):
+                q = len(ctx) - 1 + j
+                if q < shared[b]:
+                    head_at.append((b, W - shared[b] + q))
+                    labels_head.append(label)
+                    row_head.append(r)
+                else:
+                    cont_at.append((r, q - shared[b]))
+                    labels_cont.append(label)
+                    row_cont.append(r)
+        picked = [hidden[tuple(torch.tensor(cont_at, device=device).T)]]
+        if head_at:
+            picked.insert(0, head_hidden[tuple(torch.tensor(head_at, device=device).T)])
+        logits = self.janus.lm_head(torch.cat(picked))
+        labels = torch.tensor(labels_head + labels_cont, device=device)
+        row_idx = torch.tensor(row_head + row_cont, device=device)
         token_nll = -logits.float().log_softmax(-1).gather(-1, labels[:, None])[:, 0]
         sums = torch.zeros(len(rows), device=device, dtype=torch.float32).index_add(0, row_idx, token_nll)
-        return _to_grid(sums, [r[0] for r in rows], shape, [len(r[2]) for r in rows])
+        return _to_grid(sums, example_of, shape, [len(r[2]) for r in rows])
 
     # ---- likelihood scoring -------------------------------------------------------------
     def score_text(
@@ -699,10 +755,11 @@ class JanusUnifiedModel(UnifiedModel):
             _check_lengths(images, prompts, candidates)
             pixels, parts = self._pixels(images), [self._image_prompt_parts(p) for p in prompts]
         heads, rows, truncated = [], [], 0
+        targets = iter(self._targets([c for cands in candidates for c in cands]))
         for b, ((head, ctx), cands) in enumerate(zip(parts, candidates)):
             heads.append(head)
-            for cand in cands:
-                tgt, cut = self._target_ids(cand)
+            for _ in cands:
+                tgt, cut = next(targets)
                 truncated += cut
                 rows.append((b, ctx, tgt))
         K = max(len(c) for c in candidates)
@@ -953,14 +1010,24 @@ def _check_lengths(images: ImageBatch, per_example: Sequence, candidates: Sequen
 
 
 def _pad(seqs: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` ``[N, max_len]`` (mask 1 = token), padded on the left or the right."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        span = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, span] = torch.tensor(s, dtype=torch.long)
-        mask[i, span] = 1
-    return ids.to(device), mask.to(device)
+    if left:
+        ids = [[pad_id] * (width - len(s)) + list(s) for s in seqs]
+        mask = [[0] * (width - len(s)) + [1] * len(s) for s in seqs]
+    else:
+        ids = [list(s) + [pad_id] * (width - len(s)) for s in seqs]
+        mask = [[1] * len(s) + [0] * (width - len(s)) for s in seqs]
+    return (torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(mask, dtype=torch.long, device=device))
+
+
+def _common_prefix_length(seqs: list[list[int]], limit: int) -> int:
+    """Length of the longest prefix all ``seqs`` share, at most ``limit``."""
+    n = 0
+    while n < limit and all(s[n] == seqs[0][n] for s in seqs):
+        n += 1
+    return n
 
 
 def _to_grid(values: torch.Tensor, example_of: list[int], shape: tuple[int, int], lengths: list[int]):

@@ -70,7 +70,7 @@ from unicon.models.base import (
     pil_to_tensor,
 )
 from unicon.models.ofa.configuration_ofa import OFA_PRESETS, preset_config
-from unicon.models.ofa.modeling_ofa import OFAModel
+from unicon.models.ofa.modeling_ofa import OFAEncoderOutput, OFAModel
 from unicon.models.ofa.tokenization import BOS_ID, EOS_ID, PAD_ID, OFATokenizer
 from unicon.models.registry import register_backend
 
@@ -280,10 +280,8 @@ class OFAUnifiedModel(UnifiedModel):
 
     def _pad(self, rows: list[list[int]], value: int = PAD_ID) -> torch.Tensor:
         width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), value, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        return out.to(self.device)
+        return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long,
+                            device=self.device)
 
     def _source_ids(self, texts: Sequence[str]) -> torch.Tensor:
         """Encoder text rows. Every prompt starts with one space, as OFA formats them (``" {question}"``),
@@ -320,11 +318,39 @@ class OFAUnifiedModel(UnifiedModel):
         """Rows ``index`` of an ``OFAEncoderOutput``: K candidates share one encoding without recomputing it."""
         return encoder_out.index_select(index.to(encoder_out.last_hidden_state.device))
 
-    def _target_nll(self, encoder_out, targets: list[list[int]], code_mode: bool = False):
-        """Summed NLL and length of each target row (decoder input = bos + target[:-1])."""
-        dec_in = self._pad([[BOS_ID] + t[:-1] for t in targets])
-        labels = self._pad(targets, value=-100)
-        logits = self.decode(dec_in, encoder_out, code_mode=code_mode).float()
+    def _target_nll(self, encoder_out, targets: list[list[int]], code_mode: bool = False,
+                    index: torch.Tensor | None = None):
+        """Summed NLL ``-sum_t log p(target_t | bos, target_<t, source)`` and length of each target row
+        (decoder input = bos + target[:-1]).
+
+        ``index`` (optional, ``[len(targets)]``): target row ``r`` is decoded against encoder row
+        ``index[r]``. The part shared by the rows of one encoder row then runs once per encoder row:
+        the decoder's first step (bos) fills an ``EncoderDecoderCache`` whose cross-attention keys and
+        values (the encoder states projected in every layer) and bos self-attention entry are copied
+        to the rows; one cached pass over all rows runs ``target[:-1]``. Same sums as the uncached
+        pass within float rounding (other matrix shapes). Without ``index``, or with gradient
+        checkpointing in training (no cache), ``encoder_out`` is expanded to the rows and run in full."""
+        cached = index is not None and len(targets) > int(index.numel() and index.max()) + 1
+        if index is not None and not cached or (self.ofa.decoder.gradient_checkpointing and self.training):
+            encoder_out = self.select(encoder_out, index) if index is not None else encoder_out
+            cached = False
+        if cached:
+            index = index.to(self.device)
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            bos = torch.full((encoder_out.last_hidden_state.shape[0], 1), BOS_ID, dtype=torch.long,
+                             device=self.device)
+            first = self.decode(bos, encoder_out, code_mode=code_mode, past_key_values=cache)
+            cache.batch_select_indices(index)
+            rows = OFAEncoderOutput(encoder_out.last_hidden_state, encoder_out.padding_mask[index],
+                                    encoder_out.position_embedding[index])
+            rest = self.decode(self._pad([t[:-1] or [PAD_ID] for t in targets]), rows, code_mode=code_mode,
+                               past_key_values=cache)
+            logits = torch.cat([first[index], rest], dim=1).float()
+            labels = self._pad([t + [-100] for t in targets], value=-100)[:, : logits.shape[1]]
+        else:
+            dec_in = self._pad([[BOS_ID] + t[:-1] for t in targets])
+            labels = self._pad(targets, value=-100)
+            logits = self.decode(dec_in, encoder_out, code_mode=code_mode).float()
         if code_mode:  # softmax over the code block only (OFA's constraint range)
             lo = self.tokenizer.code_offset
             logits = logits[..., lo: lo + self.tokenizer.num_codes]
@@ -374,7 +400,7 @@ class OFAUnifiedModel(UnifiedModel):
         enc = self.encode(self._source_ids(prompts), pixels)
         index = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
         targets, truncated = self._text_targets(candidates)
-        sum_nll, lengths = self._target_nll(self.select(enc, index), targets)
+        sum_nll, lengths = self._target_nll(enc, targets, index=index)
         return self._to_scores(sum_nll, lengths, counts, truncated)
 
     def score_boxes(self, images: ImageBatch, expressions: Sequence[Sequence[str]],
