@@ -9,7 +9,9 @@ through the registry of :mod:`unicon.core`.
 
 * :func:`build_model` -- a fresh (or ``pretrained``) model from the ``model:`` config section.
 * :func:`load_model` -- any checkpoint a user holds: a ``save_pretrained`` directory, an
-  OFA-Sys checkpoint directory, or a Lightning ``.ckpt`` written by ``unicon train``.
+  OFA-Sys checkpoint directory, a Lightning ``.ckpt`` written by ``unicon train``, or the
+  ``.ckpt`` *folder* a DeepSpeed run writes (ZeRO-2/3 shards, converted by Lightning's
+  ``convert_zero_checkpoint_to_fp32_state_dict``; :func:`read_deepspeed_checkpoint`).
 
 OFA model configs (``configs/model/ofa_*.yaml``)::
 
@@ -45,8 +47,8 @@ from unicon.models.registry import backend_class, backend_for_model_type
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnifiedModel", "apply_model_options", "build_model", "check_same_architecture", "load_model",
-           "read_training_checkpoint", "recorded_model_section"]
+__all__ = ["UnifiedModel", "apply_model_options", "build_model", "check_same_architecture", "is_deepspeed_checkpoint",
+           "load_model", "read_deepspeed_checkpoint", "read_training_checkpoint", "recorded_model_section"]
 
 
 def build_model(model_cfg: Any, world_root: str | Path | None = None) -> UnifiedModel:
@@ -82,9 +84,11 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
     """Any unicon/OFA checkpoint -> a ready :class:`UnifiedModel` (eval mode).
 
     ``path`` is a ``save_pretrained`` directory (``unicon_model.json`` names the backend), an
-    OFA-Sys checkpoint directory (``config.json`` with ``model_type: ofa`` + BPE files), or a
+    OFA-Sys checkpoint directory (``config.json`` with ``model_type: ofa`` + BPE files), a
     Lightning ``.ckpt`` from ``unicon train`` (its ``unicon_config`` rebuilds the model, whose
-    weights are the ``model.``-prefixed state-dict entries). ``kwargs``: ``world_root``
+    weights are the ``model.``-prefixed state-dict entries), or the checkpoint folder of a
+    DeepSpeed run (``<run_dir>/last.ckpt/`` with ``latest`` and the ZeRO-2/3 shards), converted to
+    the same ``.ckpt`` dict by :func:`read_deepspeed_checkpoint`. ``kwargs``: ``world_root``
     (a ShapesWorld whose vocabulary to use; default: the copy stored in the checkpoint, else the
     run's ``data.root``), ``map_location``, and
     for directories the backend's ``from_pretrained`` options (e.g. ``allow_pickle``).
@@ -95,6 +99,8 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
     if p.is_file():
         if p.suffix != ".ckpt":
             raise UserError(f"{p}: expected a Lightning .ckpt file or a save_pretrained directory")
+        model = load_lightning_checkpoint(p, **kwargs)[0]
+    elif is_deepspeed_checkpoint(p):
         model = load_lightning_checkpoint(p, **kwargs)[0]
     else:
         model = _load_directory(p, **kwargs)
@@ -139,6 +145,8 @@ def recorded_model_section(path: str | Path, allow_pickle: bool = False) -> dict
     p = Path(path)
     if p.is_file():
         return config_dict(checkpoint_config(read_training_checkpoint(p, allow_pickle=allow_pickle), p).model)
+    if is_deepspeed_checkpoint(p):  # the config is in the client state: no conversion needed
+        return config_dict(checkpoint_config(deepspeed_client_state(p), p).model)
     record = p / TRAINING_CONFIG_NAME
     if record.is_file():
         section = _json_object(record).get("model")
@@ -225,6 +233,125 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
     return ckpt
 
 
+# ---- DeepSpeed checkpoint folders ---------------------------------------------------------------
+# Under a DeepSpeed strategy Lightning's ModelCheckpoint writes ``<name>.ckpt/`` as a folder:
+# ``latest`` (the tag, "checkpoint"), ``<tag>/mp_rank_00_model_states.pt`` (ZeRO-2: the module's
+# weights; ZeRO-3: one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank) holding Lightning's
+# checkpoint dict without ``state_dict`` (DeepSpeed's "client state": our ``unicon_config``, loops,
+# ``global_step``, ...), and ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank (the fp32
+# master weights' partitions and the optimizer state).
+DEEPSPEED_TAG_FILE = "latest"
+
+
+def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    """A folder written by DeepSpeed's ``save_checkpoint`` (a ``latest`` file naming its tag folder)."""
+    p = Path(path)
+    return p.is_dir() and (p / DEEPSPEED_TAG_FILE).is_file()
+
+
+def _deepspeed_tag_dir(p: Path) -> Path:
+    tag = (p / DEEPSPEED_TAG_FILE).read_text().strip()
+    tag_dir = p / tag
+    if not tag or not tag_dir.is_dir():
+        raise UserError(f"{p / DEEPSPEED_TAG_FILE} names the tag {tag!r}, but {tag_dir} is not a folder: "
+                        "an incomplete DeepSpeed checkpoint?")
+    models = sorted(tag_dir.glob("*model_states.pt"))
+    optims = sorted(tag_dir.glob("*optim_states.pt"))
+    if not models or not optims:
+        raise UserError(f"{tag_dir}: a DeepSpeed checkpoint needs *model_states.pt and *optim_states.pt files, found "
+                        f"{[f.name for f in models + optims] or 'neither'}")
+    return tag_dir
+
+
+def _deepspeed_safe_globals() -> list:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors and containers (the
+    loss scaler objects, the ZeRO stage enum and the parameter-fragment addresses of the optimizer
+    state): data holders, whose unpickling runs no code of the file's choosing."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError as e:
+        raise UserError(f"reading a DeepSpeed checkpoint folder needs deepspeed ({e}); "
+                        "pip install -c constraints.txt -e '.[deepspeed]'") from None
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _load_deepspeed_file(f: Path, allow_pickle: bool):
+    """``torch.load(f, weights_only=True)`` with DeepSpeed's data classes allowed (memory-mapped, so
+    a large optimizer shard is not read); a file that needs anything else is refused unless
+    ``allow_pickle``. Returns the loaded object, or None when it was let through by ``allow_pickle``."""
+    import pickle
+    import zipfile
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        lines = str(e).strip().splitlines()
+        if not any("Weights only load failed" in ln for ln in lines[:1]):
+            raise UserError(f"{f}: not a readable PyTorch checkpoint ({lines[0] if lines else type(e).__name__}); "
+                            "truncated or corrupt?") from None
+        if not allow_pickle:
+            why = next((ln.strip() for ln in lines if "Unsupported global" in ln), lines[0])
+            raise UserError(f"{f}: refusing to unpickle Python objects stored in this DeepSpeed checkpoint file "
+                            f"({why[:200]}; loading it could run code); if you trust the folder, opt in with "
+                            f"{PICKLE_OPT_IN}") from None
+        logger.warning("%s: unpickling with weights_only=False (allow_pickle)", f)
+        return None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{f}: not a readable PyTorch checkpoint ({first}); truncated or corrupt?") from None
+
+
+def deepspeed_client_state(path: str | Path, allow_pickle: bool = False) -> dict:
+    """Rank 0's model-states file of a DeepSpeed checkpoint folder: Lightning's checkpoint dict
+    without the weights (``unicon_config``, ``global_step``, loops, ...). Cheap (memory-mapped)."""
+    p = Path(path)
+    tag_dir = _deepspeed_tag_dir(p)
+    first = next(f for f in (tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                             *sorted(tag_dir.glob("*model_states.pt"))) if f.is_file())
+    state = _load_deepspeed_file(first, allow_pickle)
+    if state is None:  # allowed to unpickle
+        state = torch.load(first, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or "unicon_config" not in state:
+        raise UserError(f"{p}: not a unicon training checkpoint ({first.name} has no 'unicon_config')")
+    return state
+
+
+def read_deepspeed_checkpoint(path: str | Path, allow_pickle: bool = False) -> dict:
+    """A DeepSpeed checkpoint folder (ZeRO-2 or ZeRO-3, any number of ranks) -> the dict of a
+    Lightning ``.ckpt`` (:func:`read_training_checkpoint`'s result): Lightning's
+    ``convert_zero_checkpoint_to_fp32_state_dict`` gathers the fp32 master weights from every
+    rank's partition (DeepSpeed's ``zero_to_fp32``) into ``state_dict`` and keeps the client state.
+
+    That converter unpickles every file (``weights_only=False``), so each file is first loaded
+    with ``weights_only=True`` and only DeepSpeed's loss-scaler and ZeRO-stage classes allowed
+    (memory-mapped: the shards are not read); a file holding anything else is refused unless
+    ``allow_pickle``. The converted dict is not written anywhere (the converter's output file is
+    ``os.devnull``): to keep one, call Lightning's function yourself.
+    """
+    import os
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {p} does not exist")
+    if not is_deepspeed_checkpoint(p):
+        raise UserError(f"{p}: not a DeepSpeed checkpoint folder (no {DEEPSPEED_TAG_FILE!r} file)")
+    tag_dir = _deepspeed_tag_dir(p)
+    for f in sorted(tag_dir.glob("*.pt")):
+        _load_deepspeed_file(f, allow_pickle)  # refuses foreign objects before anything unpickles
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    try:
+        ckpt = convert_zero_checkpoint_to_fp32_state_dict(str(p), os.devnull)
+    except (ValueError, FileNotFoundError, KeyError, IndexError, AssertionError) as e:
+        raise UserError(f"{p}: DeepSpeed checkpoint conversion failed ({type(e).__name__}: {e})") from None
+    if "unicon_config" not in ckpt or "state_dict" not in ckpt:
+        raise UserError(f"{p}: not a unicon training checkpoint (missing 'unicon_config' or 'state_dict')")
+    return ckpt
+
+
 def checkpoint_config(ckpt: dict, p: str | Path):
     """The validated run config stored in a training checkpoint."""
     from unicon.config import ConfigError, from_container
@@ -237,11 +364,15 @@ def checkpoint_config(ckpt: dict, p: str | Path):
 
 def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
                               allow_pickle: bool = False, **kwargs):
-    """A ``unicon train`` ``.ckpt`` -> ``(model, run config)``; LoRA adapters are re-applied, unmerged."""
+    """A ``unicon train`` ``.ckpt`` (or DeepSpeed checkpoint folder) -> ``(model, run config)``; LoRA
+    adapters are re-applied, unmerged."""
     from unicon.models.lora import apply_lora
 
     p = Path(p)
-    ckpt = read_training_checkpoint(p, map_location, allow_pickle)
+    if is_deepspeed_checkpoint(p):
+        ckpt = read_deepspeed_checkpoint(p, allow_pickle)
+    else:
+        ckpt = read_training_checkpoint(p, map_location, allow_pickle)
     cfg = checkpoint_config(ckpt, p)
     # The architecture comes from the run's model section (a `pretrained` directory is read
     # for its config and tokenizer, a world's vocabulary from the copy stored in the checkpoint);

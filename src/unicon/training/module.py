@@ -110,6 +110,17 @@ def task_candidates(sample: Any, contrasts: Sequence[Any], task: str) -> tuple[l
     raise ValueError(f"unknown evaluation task {task!r}; choose from {', '.join(EVAL_TASKS)}")
 
 
+def offloads_optimizer(strategy) -> bool:
+    """Whether ``strategy`` is a DeepSpeed one whose config offloads the optimizer (ZeRO-Offload,
+    ``configs/strategy/*_offload.json``): then the optimizer must be DeepSpeed's CPU Adam."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if not isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy.config, dict):
+        return False
+    offload = (strategy.config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return offload.get("device", "none") in ("cpu", "nvme")
+
+
 class ConsistencyModule(L.LightningModule):
     """Algorithm 1 around ``self.model`` (a :class:`UnifiedModel`); ``cfg`` is a RunConfig from
     :func:`unicon.config.compose`, which validated its values (``loss.type``, ``loss.gamma``, ...)."""
@@ -293,14 +304,20 @@ class ConsistencyModule(L.LightningModule):
                 (decay if p.ndim >= 2 else no_decay).append(p)
         if not decay and not no_decay:
             raise ValueError("no trainable parameters (check model.freeze / model.lora)")
-        # torch's fused AdamW kernel (CPU and CUDA): one pass over all tensors instead of one op per
-        # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update
-        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in decay + no_decay)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": ocfg.weight_decay, "name": "decay"},
-             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}],
-            lr=ocfg.lr, betas=tuple(ocfg.betas), fused=fused,
-        )
+        groups = [{"params": decay, "weight_decay": ocfg.weight_decay, "name": "decay"},
+                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        if offloads_optimizer(self.trainer.strategy):
+            # ZeRO-Offload steps the fp32 master weights and Adam moments in CPU memory: DeepSpeed's
+            # vectorised C++ Adam, the same update as AdamW (adamw_mode: decoupled weight decay);
+            # DeepSpeed refuses other optimizers with offload (zero_force_ds_cpu_optimizer)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), adamw_mode=True)
+        else:
+            # torch's fused AdamW kernel (CPU and CUDA): one pass over all tensors instead of one op per
+            # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update
+            fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in decay + no_decay)
+            optimizer = torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), fused=fused)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_scheduler(
             SCHEDULERS[ocfg.scheduler], optimizer,

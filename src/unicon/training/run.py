@@ -20,7 +20,9 @@
    fingerprint as the W&B config) and the enabled epoch-end evaluations;
    ``resume=<ckpt>`` restores optimizer, scheduler, step, the γ generator and the data order, and
    continues the same W&B run;
-5. export the final model with ``save_pretrained`` to ``<run_dir>/export`` (LoRA merged).
+5. export the final model with ``save_pretrained`` to ``<run_dir>/export`` (LoRA merged; a
+   DeepSpeed run's export is converted from its last checkpoint folder, ZeRO-2 and ZeRO-3 alike:
+   :func:`export_deepspeed_run`).
 
 ``unicon train resume=CKPT [overrides]`` (:func:`compose_run`) is the same run: its config is the
 one stored in ``CKPT``, with the command-line overrides on top, each change printed.
@@ -309,19 +311,38 @@ class SlurmRequeue:
 
 
 # ---- pieces of train() ------------------------------------------------------------------------
-def make_strategy(name: str):
+def deepspeed_config(name: str, micro_batch_size: int) -> dict:
+    """``configs/strategy/<name>.json`` with ``train_micro_batch_size_per_gpu`` set to
+    ``micro_batch_size`` (``data.batch_size``: the mixture rows one rank's step takes; DeepSpeed
+    uses it for ``train_batch_size = micro x accumulation x ranks`` and its throughput logs). The
+    key belongs to the data config, so a strategy file that sets it is refused."""
+    from unicon.data.jsonl import read_json
+
+    path = config_dir() / "strategy" / f"{name}.json"
+    if not path.is_file():
+        raise UserError(f"no DeepSpeed config {path}")
+    config = read_json(path, what="DeepSpeed config")
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    if "train_micro_batch_size_per_gpu" in config:
+        raise UserError(f"{path}: train_micro_batch_size_per_gpu comes from data.batch_size; remove the key "
+                        f"(it is {config['train_micro_batch_size_per_gpu']!r} there)")
+    config["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
+    return config
+
+
+def make_strategy(name: str, micro_batch_size: int = 1):
     """Lightning strategy object/name for ``trainer.strategy`` (one of ``unicon.config.STRATEGIES``,
-    checked at compose time); checks CUDA for DeepSpeed up front."""
+    checked at compose time); checks CUDA for DeepSpeed up front. ``micro_batch_size``:
+    ``data.batch_size`` (DeepSpeed's ``train_micro_batch_size_per_gpu``, :func:`deepspeed_config`)."""
     if name.startswith("deepspeed"):
         if not torch.cuda.is_available():
             raise UserError(f"trainer.strategy={name} needs CUDA GPUs, but torch.cuda.is_available() is False "
                             "on this machine; use trainer.strategy=ddp or auto")
-        path = config_dir() / "strategy" / f"{name}.json"
-        if not path.is_file():
-            raise UserError(f"no DeepSpeed config {path}")
+        config = deepspeed_config(name, micro_batch_size)
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(config=json.loads(path.read_text()))
+        return DeepSpeedStrategy(config=config)
     if name in ("ddp", "ddp_spawn"):
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -470,7 +491,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
     if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise UserError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA, but torch.cuda.is_available() is "
                         "False on this machine; use trainer=cpu")
-    strategy = make_strategy(cfg.trainer.strategy)  # fail early (DeepSpeed without CUDA)
+    strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size)  # fail early (DeepSpeed without CUDA)
     if cfg.resume:
         from unicon.models import read_training_checkpoint
 
@@ -505,7 +526,7 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: Slu
     from unicon.training.checkpoints import export_model
     from unicon.data.coco_mixture import image_resize_for
     from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.loggers import LogFilesCallback, log_run_config, make_loggers, wandb_run_dir
+    from unicon.loggers import LogFilesCallback, log_run_artifacts, log_run_config, make_loggers, wandb_run_dir
     from unicon.training.module import ConsistencyModule
 
     tcfg = cfg.trainer
@@ -562,13 +583,12 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: Slu
 
     export_dir = run_dir / "export"
     if trainer.is_global_zero:
-        if str(tcfg.strategy).startswith("deepspeed_zero3"):
-            export_dir = None  # parameters are sharded; export from the checkpoint instead
-            print("ZeRO-3: parameters are sharded across ranks; export with "
-                  "unicon.training.checkpoints.export_checkpoint after zero_to_fp32 conversion")
+        if str(tcfg.strategy).startswith("deepspeed"):
+            export_deepspeed_run(checkpoint.last_model_path, trainer.global_step, export_dir, cfg)
         else:
             export_model(module.model, export_dir, merge=cfg.model.lora.merge_on_export,
                          run_config=OmegaConf.to_container(cfg, resolve=True))
+    log_run_artifacts(loggers, cfg, export_dir, run_dir, step=trainer.global_step)  # logger.log_model=true
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     return {
         "run_dir": str(run_dir),
@@ -579,6 +599,28 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: Slu
         "global_step": trainer.global_step,
         "counts": dict(module.counts),
     }
+
+
+def export_deepspeed_run(last_checkpoint: str, global_step: int, export_dir: Path, cfg: DictConfig) -> None:
+    """A DeepSpeed run's export, from its last checkpoint folder (written by every rank at the final
+    step): Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` gathers the fp32 master
+    weights from all ZeRO-2/3 partitions (:func:`unicon.models.read_deepspeed_checkpoint`), then
+    :func:`~unicon.training.checkpoints.export_checkpoint` writes ``save_pretrained`` (LoRA merged
+    per ``model.lora.merge_on_export``). Under ZeRO-3 no rank holds the whole model in memory, and
+    under mixed precision the fp32 master weights are the trained ones, so the checkpoint is the
+    source for both stages."""
+    from unicon.models import deepspeed_client_state
+    from unicon.training.checkpoints import export_checkpoint
+
+    if not last_checkpoint:
+        raise RuntimeError("DeepSpeed run: no checkpoint was written, nothing to export from")
+    saved = int(deepspeed_client_state(last_checkpoint, allow_pickle=bool(cfg.model.allow_pickle))["global_step"])
+    if saved != global_step:
+        raise RuntimeError(f"DeepSpeed run: the last checkpoint {last_checkpoint} is at step {saved}, the run ended at "
+                           f"step {global_step}; export it with unicon.training.checkpoints.export_checkpoint")
+    export_checkpoint(last_checkpoint, export_dir, merge=cfg.model.lora.merge_on_export,
+                      allow_pickle=bool(cfg.model.allow_pickle))
+    print(f"export: {export_dir} (converted from the DeepSpeed checkpoint {last_checkpoint})")
 
 
 def train_from_overrides(overrides: list[str]) -> dict[str, Any]:
