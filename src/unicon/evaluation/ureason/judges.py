@@ -207,7 +207,55 @@ def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:
     return {"dtype": dtype if dtype == "auto" else DTYPES[dtype], "trust_remote_code": trust_remote_code}
 
 
-class VLMJudge(Judge):
+class _TransformersJudge(Judge):
+    """What the transformers-backed judges share: a model and its tokenizer (left padding for
+    batched decoder-only generation), greedy replies turned into verdicts batch by batch, and
+    loading with a one-line error. Subclasses say how a batch of items is tokenised."""
+
+    #: how error messages name the judge
+    what = "judge"
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
+                 batch_size: int = 4, prompt: str = ""):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.tokenizer.padding_side = "left"  # decoder-only batched generation
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.max_new_tokens, self.max_reply_chars = max_new_tokens, max_reply_chars
+        self.batch_size, self.prompt = batch_size, prompt
+
+    @staticmethod
+    def _load(what: str, path: str, model_class: str, preprocessor_class: str, dtype: str, trust_remote_code: bool):
+        """``(model, preprocessor)`` from ``path`` through the named ``transformers`` Auto classes."""
+        import transformers
+
+        try:
+            pre = getattr(transformers, preprocessor_class).from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = getattr(transformers, model_class).from_pretrained(path, **_load_kwargs(dtype, trust_remote_code))
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load {what} from {path}: {str(e).splitlines()[0]}") from None
+        return model, pre
+
+    def _verdicts(self, items: Sequence, empty: str, encode) -> list[Verdict]:
+        """One verdict per item: ``Verdict("no_input", empty)`` where the item is None or blank text,
+        else the reply to the model inputs ``encode(indices of a batch)``."""
+        verdicts: list[Verdict | None] = [None] * len(items)
+        todo = []
+        for i, item in enumerate(items):
+            if item is None or (isinstance(item, str) and not item.strip()):
+                verdicts[i] = Verdict("no_input", empty)
+            else:
+                todo.append(i)
+        for s in range(0, len(todo), self.batch_size):
+            preemption.check()
+            idx = todo[s : s + self.batch_size]
+            inputs = encode(idx)
+            for i, (reply, hit) in zip(idx, _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)):
+                verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
+        return verdicts  # type: ignore[return-value]
+
+
+class VLMJudge(_TransformersJudge):
     """Visual verification with an image-text-to-text model and the paper's Fig. 19 prompt.
 
     ``model``/``processor`` are any ``AutoModelForImageTextToText`` / ``AutoProcessor`` pair
@@ -216,34 +264,19 @@ class VLMJudge(Judge):
 
     name = "vlm"
 
-    def __init__(
-        self,
-        model,
-        processor,
-        max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
-        max_reply_chars: int = 8000,
-        batch_size: int = 4,
-        prompt: str = VISUAL_VERIFICATION_PROMPT,
-    ):
+    def __init__(self, model, processor, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
+                 batch_size: int = 4, prompt: str = VISUAL_VERIFICATION_PROMPT):
         if getattr(processor, "chat_template", None) is None:
             raise UserError("the VLM judge's processor has no chat template; it decides where the image goes")
-        self.model, self.processor = model.eval(), processor
-        self.tokenizer = processor.tokenizer
-        self.tokenizer.padding_side = "left"  # decoder-only batched generation
-        self.max_new_tokens, self.max_reply_chars = max_new_tokens, max_reply_chars
-        self.batch_size, self.prompt = batch_size, prompt
+        self.processor = processor
+        super().__init__(model, processor.tokenizer, max_new_tokens, max_reply_chars, batch_size, prompt)
 
     @classmethod
     def from_pretrained(
         cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, **kwargs
     ) -> "VLMJudge":
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        try:
-            processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForImageTextToText.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code))
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot load VLM judge from {path}: {str(e).splitlines()[0]}") from None
+        model, processor = cls._load("VLM judge", path, "AutoModelForImageTextToText", "AutoProcessor", dtype,
+                                     trust_remote_code)
         return cls(model.to(device), processor, **kwargs)
 
     def build_text(self, criterion: str) -> str:
@@ -261,25 +294,16 @@ class VLMJudge(Judge):
     def judge_images(self, instances, images):
         if len(instances) != len(images):
             raise ValueError(f"{len(instances)} instances but {len(images)} images")
-        verdicts: list[Verdict | None] = [None] * len(images)
-        todo = []
-        for i, im in enumerate(images):
-            if im is None:
-                verdicts[i] = Verdict("no_input", "no image was generated")
-            else:
-                todo.append(i)
-        for s in range(0, len(todo), self.batch_size):
-            preemption.check()
-            idx = todo[s : s + self.batch_size]
+
+        def encode(idx):
             texts = [self.build_text(instances[i].expect_en) for i in idx]
             ims = [images[i].convert("RGB") for i in idx]
-            inputs = self.processor(text=texts, images=ims, return_tensors="pt", padding=True)
-            for i, (reply, hit) in zip(idx, _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)):
-                verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
-        return verdicts  # type: ignore[return-value]
+            return self.processor(text=texts, images=ims, return_tensors="pt", padding=True)
+
+        return self._verdicts(images, "no image was generated", encode)
 
 
-class ReasoningChainJudge(Judge):
+class ReasoningChainJudge(_TransformersJudge):
     """LLM-as-judge of reasoning chains with the paper's Fig. 20 prompt (Table 3).
 
     The chat template is used when the tokenizer has one; otherwise the prompt is fed raw.
@@ -288,33 +312,16 @@ class ReasoningChainJudge(Judge):
     name = "chain-llm"
     judges_reasoning = True
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
-        max_reply_chars: int = 8000,
-        batch_size: int = 4,
-        prompt: str = REASONING_CHAIN_PROMPT,
-    ):
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.max_new_tokens, self.max_reply_chars = max_new_tokens, max_reply_chars
-        self.batch_size, self.prompt = batch_size, prompt
+    def __init__(self, model, tokenizer, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
+                 batch_size: int = 4, prompt: str = REASONING_CHAIN_PROMPT):
+        super().__init__(model, tokenizer, max_new_tokens, max_reply_chars, batch_size, prompt)
 
     @classmethod
     def from_pretrained(
         cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, **kwargs
     ) -> "ReasoningChainJudge":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code))
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot load reasoning-chain judge from {path}: {str(e).splitlines()[0]}") from None
+        model, tokenizer = cls._load("reasoning-chain judge", path, "AutoModelForCausalLM", "AutoTokenizer", dtype,
+                                     trust_remote_code)
         return cls(model.to(device), tokenizer, **kwargs)
 
     def build_text(self, user_prompt: str, thought: str, criterion: str) -> str:
@@ -331,22 +338,13 @@ class ReasoningChainJudge(Judge):
     def judge_reasoning(self, instances, traces, refined_prompts):
         if not (len(instances) == len(traces) == len(refined_prompts)):
             raise ValueError("instances, traces and refined prompts must have the same length")
-        verdicts: list[Verdict | None] = [None] * len(traces)
-        todo = []
-        for i, trace in enumerate(traces):
-            if not trace or not trace.strip():
-                verdicts[i] = Verdict("no_input", "empty reasoning trace")
-            else:
-                todo.append(i)
-        for s in range(0, len(todo), self.batch_size):
-            preemption.check()
-            idx = todo[s : s + self.batch_size]
+
+        def encode(idx):
             texts = [self.build_text(instances[i].prompt, traces[i], instances[i].expect_en) for i in idx]
             # chat templates already hold the special tokens
-            inputs = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            for i, (reply, hit) in zip(idx, _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)):
-                verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
-        return verdicts  # type: ignore[return-value]
+            return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+        return self._verdicts(traces, "empty reasoning trace", encode)
 
 
 # ---------------------------------------------------------------------------------------------
