@@ -401,3 +401,13 @@ def _fake_model_class():
 
 #: the configurable UnifiedModel test double (registered as backend "fake")
 FakeModel = _fake_model_class()
+
+
+def fake_backend_plugin(root: Path) -> str:
+    """A ``PYTHONPATH`` under which other processes find backend ``fake`` the way an installed plugin
+    is found: a distribution's ``entry_points.txt`` declaring ``[unicon.backends] fake = standins``."""
+    info = root / "unicon_fake_backend-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: unicon-fake-backend\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[unicon.backends]\nfake = standins\n")
+    return f"{root}:{Path(__file__).resolve().parent}"

@@ -97,3 +97,78 @@ def test_evaluate_sbatch_body_runs(srun_shim, tmp_path):
     out = tmp_path / "outputs" / "eval-77"
     for f in ("cococon/results.json", "drift/drift.json", "ureason/ureason.json"):
         assert (out / f).is_file(), f
+
+
+# ---------------------------------------------------------------------------------------------
+# slurm/evaluate_array.sbatch: checkpoints x suites x shards, then a dependent merge
+# ---------------------------------------------------------------------------------------------
+ARRAY_SCRIPT = REPO / "slurm" / "evaluate_array.sbatch"
+
+
+def test_evaluate_array_sbatch_static():
+    text = ARRAY_SCRIPT.read_text()
+    assert subprocess.run(["bash", "-n", str(ARRAY_SCRIPT)]).returncode == 0
+    directives = [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    for needed in ("--signal=SIGUSR1@90", "--requeue", "--open-mode=append", "--output=slurm-%x-%A_%a.out"):
+        assert needed in directives, needed
+    assert "--shard" in text and "--merge" in text and "--dependency=\"afterok:$JOB\"" in text
+
+
+def _sbatch_shim(bin_dir: Path, log: Path) -> None:
+    """An ``sbatch`` that records its arguments and answers job ids 100, 101, ..."""
+    shim = bin_dir / "sbatch"
+    shim.write_text(f'#!/bin/bash\necho "$@" >> {log}\necho $((100 + $(wc -l < {log}) - 1))\n')
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+
+
+def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp_path):
+    log = tmp_path / "sbatch.log"
+    _sbatch_shim(srun_shim, log)
+    env = dict(os.environ, PATH=f"{srun_shim}:{os.environ['PATH']}", CKPTS="a/export b/export", SUITES="drift cococon",
+               SHARDS="3", OUT=str(tmp_path / "out"), SBATCH_ARGS="--partition=p")
+    proc = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    shards, merge = log.read_text().splitlines()
+    assert shards.split() == ["--parsable", "--partition=p", "--array=0-11", str(ARRAY_SCRIPT), "task"]
+    assert "--dependency=afterok:100" in merge.split() and "--array=0-3" in merge.split()
+    assert merge.split()[-2:] == [str(ARRAY_SCRIPT), "merge"] and "shards job 100" in proc.stdout
+    bad = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": "shapes"}, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "suite 'shapes' cannot be sharded" in bad.stderr
+
+
+def test_evaluate_array_tasks_and_merge_equal_one_run(srun_shim, tmp_path):
+    """The array body for 1 checkpoint x drift x 2 shards, then the merge body, as SLURM runs them;
+    drift.json equals an unsharded ``unicon evaluate drift`` byte for byte. Each run is its own
+    process and records the checkout's git state, which others may commit to meanwhile in a shared
+    tree: those two values are compared for presence only (tests/test_sharding.py pins them)."""
+    import re
+
+    import standins
+
+    if not (REPO / ".venv" / "bin" / "unicon").is_file():
+        pytest.skip("needs the project's virtual environment (make setup), which the script activates")
+    world = standins.build_world(tmp_path / "world", "--num-drift-seeds", "3", "--num-reason-train", "0", train=8)
+    ckpt = tmp_path / "ckpt" / "export"
+    standins.FakeModel(captions="world", draw="world", world=str(world)).save_pretrained(str(ckpt))
+    args = f"--world {world} --generations 2 --embedders scene --batch-size 2 --logger none"
+    env = slurm_env(srun_shim, "5")
+    env.update(SLURM_SUBMIT_DIR=str(tmp_path), CKPTS=str(ckpt), SUITES="drift", SHARDS="2", OUT=str(tmp_path / "out"),
+               DRIFT_ARGS=args, PYTHONPATH=standins.fake_backend_plugin(tmp_path / "plugin"))  # backend "fake"
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    for role, ids in (("task", (0, 1)), ("merge", (0,))):
+        for i in ids:
+            proc = subprocess.run(["bash", str(ARRAY_SCRIPT), role], env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
+                                  capture_output=True, text=True, timeout=600, cwd=tmp_path)
+            assert proc.returncode == 0, (role, i, proc.stdout[-2000:], proc.stderr[-2000:])
+    one = tmp_path / "one"
+    proc = subprocess.run([str(REPO / ".venv" / "bin" / "unicon"), "evaluate", "drift", "--ckpt", str(ckpt),
+                           "--out", str(one), *args.split()], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def text(path: Path) -> str:
+        return re.sub(r'"git\.(commit|dirty)": [^\n,]*', r'"git.\1": _', path.read_text())
+
+    merged = tmp_path / "out" / "00-export" / "drift" / "drift.json"
+    assert text(merged) == text(one / "drift.json")
+    assert '"git.commit"' in merged.read_text()
