@@ -73,6 +73,15 @@ RUNS: dict[str, tuple[list[str], int]] = {
         ["--max-samples", "2", "--max-new-tokens", "8", "--judge-max-new-tokens", "4", "--logger", "none"], 0),
     "unicon evaluate shapes  --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/shapes": (
         ["--limit", "4", "--logger", "none"], 0),
+    "unicon evaluate all     --ckpt checkpoints/shapes_demo/export --out outputs/all eval=shapes": (
+        ["eval.cococon.max_samples=4", "eval.drift.num_chains=2", "eval.drift.generations=1",
+         "eval.drift.embedders=[scene]", "eval.ureason.max_samples=2"], 0),
+    "unicon evaluate drift   --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/drift-split --shard 0/2": (
+        ["--generations", "2", "--logger", "none"], 0),
+    "unicon evaluate drift   --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/drift-split --shard 1/2": (
+        ["--generations", "2", "--logger", "none"], 0),
+    "unicon evaluate drift   --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/drift-split --merge": (
+        ["--generations", "2", "--logger", "none"], 0),
     "unicon report checkpoints/shapes_demo": ([], 0),
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
     "unicon bench train": (["trainer.max_steps=2"], 0),
@@ -179,6 +188,8 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
             shutil.copytree(proj / "checkpoints" / "shapes_clip", proj.parent / "models" / "clip")
     assert (proj / "checkpoints" / "shapes_consistency" / "last.ckpt").is_file()
     assert (proj / "outputs" / "drift" / "drift.json").is_file()
+    assert (proj / "outputs" / "drift-split" / "drift.json").is_file()
+    assert sorted(p.name for p in (proj / "outputs" / "all").iterdir()) == ["cococon", "drift", "ureason"]
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
 
 
