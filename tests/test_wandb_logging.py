@@ -17,11 +17,14 @@ serialized ``wandb_internal_pb2.Record`` messages.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,24 @@ def read_records(path: Path) -> list:
     return out
 
 
+def read_finished(path: Path, timeout: float = 300.0) -> list:
+    """:func:`read_records` of a finished run: W&B's service process writes the file and may still
+    be flushing it when ``run.finish()`` has returned (seen on a loaded machine), so the file is
+    read again until its ``exit`` record is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = read_records(path)
+            if any(r.WhichOneof("record_type") == "exit" for r in records):
+                return records
+            state = f"{len(records)} records, no exit record"
+        except AssertionError as e:  # a record cut at the end of what is written so far
+            state = str(e)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: not finished after {timeout:.0f} s ({state})")
+        time.sleep(0.5)
+
+
 def _item_value(item):
     """A history item's value: ``value_json`` (what wandb 0.31 writes) or the typed ``value`` oneof."""
     field = item.WhichOneof("value")
@@ -102,12 +123,16 @@ class OfflineRun:
     def __init__(self, folder: Path):
         self.folder = folder
         (path,) = folder.glob("run-*.wandb")
-        self.records = read_records(path)
+        self.records = read_finished(path)
         runs = [r.run for r in self.records if r.WhichOneof("record_type") == "run"]
         self.run_id = runs[0].run_id
         self.config: dict = {}
         self.metrics: dict = {}
         self.history: list[dict] = []  # one dict per row: top-level key -> value (media: their JSON dict)
+        self.kinds = [r.WhichOneof("record_type") for r in self.records]
+        # artifacts unicon logs (W&B logs each wandb.Table as an artifact of type run_table, too)
+        self.artifacts = [r.artifact for r in self.records
+                          if r.WhichOneof("record_type") == "artifact" and r.artifact.type in ("model", "evaluation")]
         for r in self.records:
             kind = r.WhichOneof("record_type")
             if kind == "config":
@@ -150,7 +175,7 @@ def _overrides(world: Path, export: Path, out: Path) -> list[str]:
             f"trainer.limit_train_batches={STEPS_PER_EPOCH}", "trainer.log_every_n_steps=1",
             "eval.fail_on_error=true", "eval.cococon.max_samples=4", "eval.cococon.generative=false",
             "eval.drift.num_chains=1", "eval.drift.generations=1", "eval.drift.embedders=[scene]",
-            "eval.ureason.max_samples=2"]
+            "eval.ureason.max_samples=2", "logger.log_model=true"]
 
 
 _BUILT: dict[str, dict] = {}
@@ -179,26 +204,32 @@ def _make_runs(tiny_shapes_world: Path, tmp_path_factory) -> dict:
     export = root / "export"
     torch.manual_seed(0)
     build_model(compose(["model=ofa_shapes_tiny"]).model, tiny_shapes_world).save_pretrained(str(export))
+    progress = {"train": io.StringIO(), "evaluate": io.StringIO()}  # stderr: unicon.progress's lines
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")  # the evaluation CLIs take the mode from the environment
         mp.setenv("WANDB_SILENT", "true")
-        first = train(compose(_overrides(tiny_shapes_world, export, root / "runs")))
-        run_dir = Path(first["run_dir"])
-        assert first["global_step"] == 2 * STEPS_PER_EPOCH
-        resumed = train(compose_run([f"resume={run_dir / 'last.ckpt'}", "trainer.max_epochs=3"], announce=False))
-        assert resumed["global_step"] == 3 * STEPS_PER_EPOCH
+        mp.setenv("UNICON_PROGRESS", "plain")  # as in a SLURM log, also under `pytest -s` on a terminal
+        mp.setenv("WANDB_DATA_DIR", str(root / "wandb-data"))  # W&B stages artifact files there
+        with contextlib.redirect_stderr(progress["train"]):
+            first = train(compose(_overrides(tiny_shapes_world, export, root / "runs")))
+            run_dir = Path(first["run_dir"])
+            assert first["global_step"] == 2 * STEPS_PER_EPOCH
+            resumed = train(compose_run([f"resume={run_dir / 'last.ckpt'}", "trainer.max_epochs=3"], announce=False))
+            assert resumed["global_step"] == 3 * STEPS_PER_EPOCH
         common = ["--ckpt", str(export), "--device", "cpu", "--logger", "wandb"]
         evaluated = {}
-        assert cococon_cli([*common, "--data", str(tiny_shapes_world / "cococon_test.json"), "--max-samples", "4",
-                            "--no-generative", "--out", str(root / "cococon")]) == 0
-        assert drift_cli([*common, "--world", str(tiny_shapes_world), "--num-chains", "1", "--generations", "1",
-                          "--embedders", "scene", "--out", str(root / "drift")]) == 0
-        assert ureason_cli([*common, "--data", str(tiny_shapes_world), "--max-samples", "2",
-                            "--out", str(root / "ureason")]) == 0
+        with contextlib.redirect_stderr(progress["evaluate"]):
+            assert cococon_cli([*common, "--data", str(tiny_shapes_world / "cococon_test.json"), "--max-samples", "4",
+                                "--no-generative", "--out", str(root / "cococon")]) == 0
+            assert drift_cli([*common, "--world", str(tiny_shapes_world), "--num-chains", "1", "--generations", "1",
+                              "--embedders", "scene", "--out", str(root / "drift")]) == 0
+            assert ureason_cli([*common, "--data", str(tiny_shapes_world), "--max-samples", "2",
+                                "--out", str(root / "ureason")]) == 0
         for suite in ("cococon", "drift", "ureason"):
             (evaluated[suite],) = offline_runs(root / suite)
     first_run, resumed_run = offline_runs(run_dir)
-    return {"run_dir": run_dir, "export": export, "first": first_run, "resumed": resumed_run, "evaluate": evaluated}
+    return {"run_dir": run_dir, "export": export, "first": first_run, "resumed": resumed_run, "evaluate": evaluated,
+            "progress": {k: v.getvalue() for k, v in progress.items()}}
 
 
 def test_every_epoch_end_logs_every_table_figure_and_scalar(runs):
@@ -287,6 +318,71 @@ def test_standalone_evaluations_log_tables_and_figures(runs):
         assert run.config["args.logger"] == "wandb" and re.fullmatch(r"[0-9a-f]{32}", run.config["weights.fingerprint"])
         ids.add(run.run_id)
     assert len(ids) == 3 and runs["first"].run_id not in ids  # each evaluation is its own W&B run
+
+
+def _md5_b64(path: Path) -> str:
+    import base64
+    import hashlib
+
+    return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def test_artifacts_hold_the_export_and_the_evaluation_outputs(runs):
+    """logger.log_model=true: each training process logs ``wb-export`` (type model) and ``wb-eval``
+    (type evaluation) with the config as metadata, then finishes its W&B run."""
+    import importlib.metadata
+
+    run_dir = runs["run_dir"]
+    export = run_dir / "export"
+    for run, epochs in ((runs["first"], (1, 2)), (runs["resumed"], (1, 2, 3))):
+        step = epochs[-1] * STEPS_PER_EPOCH
+        arts = {a.name: a for a in run.artifacts}
+        assert sorted(arts) == ["wb-eval", "wb-export"] and (arts["wb-export"].type, arts["wb-eval"].type) == (
+            "model", "evaluation")
+        for art in arts.values():
+            meta = json.loads(art.metadata)
+            config = meta["config"]
+            assert (config["name"], config["logger"]["log_model"], meta["trainer/global_step"]) == ("wb", True, step)
+            assert config["loss"]["type"] == "spearman" and config["trainer"]["limit_train_batches"] == STEPS_PER_EPOCH
+            assert meta["versions.wandb"] == importlib.metadata.version("wandb")
+            assert set(art.aliases) == {"latest", f"step-{step}"}
+        model = {c.path: c for c in arts["wb-export"].manifest.contents}
+        assert set(model) == {p.relative_to(export).as_posix() for p in export.rglob("*") if p.is_file()}
+        assert {"config.json", "unicon_model.json"} <= set(model)
+        evaluation = {c.path: c for c in arts["wb-eval"].manifest.contents}
+        expected = {f"eval/{suite}/epoch-{e}/{name}" for e in epochs
+                    for suite, name in (("cococon", "results.json"), ("drift", "drift.json"), ("ureason", "ureason.json"))}
+        expected |= {"metrics.jsonl", "tables/cococon_samples.jsonl", "tables/ureason_samples.jsonl"}
+        assert expected <= set(evaluation), sorted(expected - set(evaluation))
+        # the run is finished after its artifacts (not left open until the process exits)
+        assert "exit" in run.kinds and run.kinds.index("exit") > max(i for i, k in enumerate(run.kinds) if k == "artifact")
+        assert len(run.artifacts) == 2  # one version of each per process
+    # the last process's artifacts hold the bytes now on disk
+    last = {c.path: c for a in runs["resumed"].artifacts for c in a.manifest.contents}
+    for rel, base in (("unicon_model.json", export), ("config.json", export), ("metrics.jsonl", run_dir),
+                      ("eval/drift/epoch-3/drift.json", run_dir)):
+        assert last[rel].digest == _md5_b64(base / rel) and last[rel].size == (base / rel).stat().st_size, rel
+    for run in runs["evaluate"].values():  # logger.log_model is a training option
+        assert not run.artifacts
+
+
+def test_long_loops_report_progress_in_logs(runs):
+    """unicon.progress in plain mode (stderr not a terminal, as in a SLURM log): every long loop
+    of every suite writes its start and its completion, at each of the three epoch ends and in
+    each standalone evaluation (drift runs the text-first chains twice: the MCD seeds' and the
+    GenEval seeds')."""
+    loops = {"cococon: scoring": 1, "drift: text-first chains": 2, "drift: image-first chains": 1,
+             "drift: similarities": 1, "drift: GenEval judging": 1, "ureason: generation (settings 1-3)": 1,
+             "ureason: judging (exact)": 1}
+    for phase, times in (("train", 3), ("evaluate", 1)):
+        log = runs["progress"][phase]
+        for loop, per_eval in loops.items():
+            starts = re.findall(rf"^{re.escape(loop)}: 0/(\d+)", log, re.M)
+            ends = re.findall(rf"^{re.escape(loop)}: (\d+)/(\d+) \w+ \(100%\) in \d+:\d\d:\d\d$", log, re.M)
+            assert len(starts) == len(ends) == times * per_eval, (phase, loop, starts, ends, log[-2000:])
+            assert all(done == total == start for (done, total), start in zip(ends, starts)), (phase, loop, ends)
+        # generations 0 and 1 of each of the three chain runs, batch by batch
+        assert len(re.findall(r"^drift: \S+ generation \d+: \d+/\d+ batches \(100%\)", log, re.M)) == times * 3 * 2
 
 
 # ---------------------------------------------------------------------------------------------

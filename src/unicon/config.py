@@ -254,6 +254,8 @@ class LoggerConfig:
     # default $WANDB_MODE, else online with an API key, offline without
     mode: Optional[str] = choice(None, ("online", "offline", "disabled"), optional=True)
     tags: list[str] = field(default_factory=list)
+    # W&B artifacts at the end of training: the export (type model) and the evaluation outputs
+    log_model: bool = False
 
 
 @dataclass

@@ -49,6 +49,16 @@ What reaches W&B (:class:`UniconWandbLogger`, Lightning's ``WandbLogger`` plus t
   them in order. ``finalize("success"|"failed")`` (the end of ``Trainer.fit``, or of a standalone
   evaluation) finishes the W&B run, so that a second run in the same process (``unicon experiment
   table2``, tests) gets its own W&B run instead of Lightning reusing the first one.
+* **Artifacts** (opt-in: ``logger.log_model=true``). At the end of a training run
+  :func:`log_run_artifacts` logs ``<name>-export`` (type ``model``: the ``save_pretrained`` folder)
+  and ``<name>-eval`` (type ``evaluation``: ``eval/<suite>/epoch-<n>/``, ``tables/`` and
+  ``metrics.jsonl``), each with the resolved run config (nested, under ``config``: W&B allows 100
+  top-level metadata keys), :func:`environment_info` and ``trainer/global_step`` as metadata and
+  the aliases ``latest`` and ``step-<global step>``; a resumed run logs new versions. The W&B
+  run is then finished (``finalize("success")`` leaves it open for them). W&B copies the files to
+  its staging folder (``$WANDB_DATA_DIR``, default ``~/.local/share/wandb``) until they are
+  uploaded (offline: by ``wandb sync``), so the export is on disk twice until then. Lightning's own
+  checkpoint logging (``WandbLogger(log_model=...)``) stays off: checkpoints carry optimizer state.
 """
 
 from __future__ import annotations
@@ -290,9 +300,11 @@ class UniconWandbLogger(WandbLogger):
     first time it is logged (with ``trainer/global_step`` as its x-axis: a key's own definition
     replaces the ``"*"`` glob's)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, artifacts: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._defined: set[str] = set()
+        self.artifacts = artifacts  # logger.log_model: log_run_artifacts logs, then finishes the run
+        self._finish_pending = False
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -313,7 +325,16 @@ class UniconWandbLogger(WandbLogger):
         and a later ``WandbLogger`` in the same process would log into it. One ``fit`` per logger."""
         super().finalize(status)
         if status in ("success", "failed") and self._experiment is not None:
+            if status == "success" and self.artifacts:
+                self._finish_pending = True  # the export comes after fit: log_run_artifacts finishes the run
+                return
             self._experiment.finish(exit_code=0 if status == "success" else 1)
+
+    def finish_run(self) -> None:
+        """Finish the W&B run that ``finalize("success")`` left open for the artifacts."""
+        if self._experiment is not None:
+            self._experiment.finish(exit_code=0)
+        self._finish_pending = False
 
 
 WANDB_ID_FILE = "wandb_run_id"
@@ -361,6 +382,7 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist
                     id=persistent_run_id(run_dir) if persist_run_id else None,  # WandbLogger: resume="allow"
                     tags=list(lcfg.tags or []),
                     mode=mode,
+                    artifacts=bool(getattr(lcfg, "log_model", False)),
                     settings={"silent": True} if mode == "offline" else None,
                 )
             )
@@ -401,6 +423,17 @@ def flatten_config(cfg: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = dict(value) if isinstance(value, Mapping) else value
     return out
+
+
+def _config_container(cfg: Any) -> Any:
+    """A (resolved) config -- OmegaConf, dataclass or mapping -- as plain nested dicts and lists."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return dict(cfg) if isinstance(cfg, Mapping) else cfg
 
 
 def git_state() -> dict[str, Any]:
@@ -462,3 +495,57 @@ def log_run_config(loggers: list[Logger], cfg: Any, model: Any = None) -> dict[s
     for lg in loggers:
         lg.log_hyperparams(params)
     return params
+
+
+# ---- artifacts -----------------------------------------------------------------------------------
+EVAL_ARTIFACT_PARTS = ("eval", "tables", "metrics.jsonl")  # under the run folder
+
+
+def artifact_name(name: str) -> str:
+    """``name`` with what W&B does not allow in artifact names (anything but letters, digits,
+    ``-``, ``_`` and ``.``) replaced by ``-``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+
+
+@rank_zero_only
+def log_run_artifacts(loggers: list[Logger], cfg: Any, export_dir: str | Path | None, run_dir: str | Path,
+                      step: int | None = None) -> list[str]:
+    """Log a finished training run's artifacts to every :class:`UniconWandbLogger` that has
+    ``artifacts`` on (``logger.log_model=true``; see the module docstring), then finish its W&B
+    run. ``export_dir`` None or missing (ZeRO-3): only the evaluation outputs; no ``eval/`` folder
+    (``eval=none``): only the export. Returns the names of the artifacts logged."""
+    run_dir = Path(run_dir)
+    logged: list[str] = []
+    for lg in loggers:
+        if not isinstance(lg, UniconWandbLogger) or not lg.artifacts:
+            continue
+        try:
+            import wandb
+
+            # W&B allows 100 top-level metadata keys: the config stays nested
+            metadata = {"config": _config_container(cfg), **environment_info()}
+            if step is not None:
+                metadata[STEP_KEY] = step
+            aliases = ["latest", *([f"step-{step}"] if step is not None else [])]
+            name = artifact_name(str(getattr(cfg, "name", None) or run_dir.name))
+            if export_dir is not None and Path(export_dir).is_dir():
+                art = wandb.Artifact(f"{name}-export", type="model", metadata=metadata,
+                                     description=f"save_pretrained export of the unicon run {name}")
+                art.add_dir(str(export_dir))
+                lg.experiment.log_artifact(art, aliases=aliases)
+                logged.append(art.name)
+            if (run_dir / "eval").is_dir():
+                art = wandb.Artifact(f"{name}-eval", type="evaluation", metadata=metadata,
+                                     description=f"epoch-end evaluation outputs of the unicon run {name}")
+                for part in EVAL_ARTIFACT_PARTS:
+                    path = run_dir / part
+                    if path.is_dir():
+                        art.add_dir(str(path), name=part)
+                    elif path.is_file():
+                        art.add_file(str(path), name=part)
+                lg.experiment.log_artifact(art, aliases=aliases)
+                logged.append(art.name)
+        finally:
+            if lg._finish_pending:
+                lg.finish_run()
+    return logged

@@ -71,6 +71,7 @@ from unicon.evaluation.cococon.metrics import (
 )
 from unicon.evaluation.cococon.plots import plot_results
 from unicon.evaluation.distributed import gather_objects, gather_records, metric_sync_kwargs, padding_repeats, shard_indices
+from unicon.progress import track
 
 
 def normalize_text(text: str) -> str:
@@ -316,7 +317,7 @@ class CocoConEvaluator:
         return row
 
 
-def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16, progress: bool = False,
+def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16, progress: bool = True,
                    **evaluator_kwargs) -> CocoConResult:
     """Evaluate ``samples`` with this rank's :func:`shard_indices` (all of them without a process
     group) and return the metrics over every sample, the same on every rank."""
@@ -327,11 +328,7 @@ def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16
     shard = [samples[i] for i in shard_indices(len(samples))]
     repeats = {samples[i].index for i in padding_repeats(len(samples))}
     batches = [shard[i: i + batch_size] for i in range(0, len(shard), batch_size)]
-    iterator: Iterable = batches
-    if progress:
-        from rich.progress import track
-
-        iterator = track(batches, description="cococon")
+    iterator: Iterable = track(batches, "cococon: scoring", unit="batches") if progress else batches
     for batch in iterator:
         preemption.check()
         ev.update(model, batch, repeats)

@@ -66,6 +66,7 @@ from unicon.evaluation.drift import metrics, plots
 from unicon.evaluation.drift.geneval import Detector, score_images
 from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, mapping_generations, modality
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
+from unicon.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +442,7 @@ class ChainRunner:
         results: dict[str, str] = {}
         for items in done.values():
             results.update(items)
-        for b in todo:
+        for b in track(todo, f"drift: {chain} generation {g}", unit="batches"):
             preemption.check()  # between batches: the journal holds every finished one
             items = self._produce(chain, g, b, self.batches[b], prev_texts)
             results.update(items)
@@ -484,7 +485,7 @@ class ChainRunner:
         for chain in self.chains:
             self.layout.chain_dir(chain).mkdir(exist_ok=True)
             self._clean_temporaries(chain)
-            for g in range(self.generations + 1):
+            for g in track(range(self.generations + 1), f"drift: {chain} chains", unit="generations"):
                 marker = self._read_marker(chain, g)
                 if marker is None:
                     self._run_generation(chain, g)
@@ -512,7 +513,7 @@ def chain_similarities(layout: ChainLayout, ids: Sequence[str], embedders: Mappi
     """``{id: {embedder: {mapping: [cos(e(inp), e(M^(g))) for g in G_delta]}}}``, the input of
     :func:`metrics.mcd`: each embedder, each mapping it supports on the chains run."""
     per_id: dict[str, dict[str, dict[str, list[float]]]] = {i: {} for i in ids}
-    for name, emb in embedders.items():
+    for name, emb in track(embedders.items(), "drift: similarities", len(embedders), unit="embedders"):
         for i in ids:
             per_id[i][name] = {}
         for mapping, (chain, _, src, tgt) in MAPPINGS.items():
@@ -536,7 +537,7 @@ def geneval_verdicts(layout: ChainLayout, seeds: Sequence[DriftSeed], generation
     ids = [s.id for s in seeds]
     prompts = [s.geneval for s in seeds]
     verdicts: dict[str, dict[int, bool]] = {i: {} for i in ids}
-    for g in range(1, generations + 1, 2):
+    for g in track(range(1, generations + 1, 2), "drift: GenEval judging", unit="generations"):
         preemption.check()
         _, results = score_images(prompts, layout.load("text-first", g, ids), detector)
         for i, r in zip(ids, results):

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from unicon.evaluation.cococon.metrics import box_iou, normalize_answer
+from unicon.progress import track
 
 TASKS = ("vqa", "caption", "grounding", "t2i")
 
@@ -77,7 +78,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     hits: dict[str, list[float]] = {t: [] for t in tasks}
     ious: list[float] = []
     for task in tasks:
-        for chunk in batches(task):
+        for chunk in track(batches(task), f"shapes: {task}", -(-len(rows[task][:limit or None]) // batch_size), unit="batches"):
             start = len(hits[task])
             if task == "vqa":
                 preds = model.answer([image(r) for r in chunk], [r["text"] for r in chunk])

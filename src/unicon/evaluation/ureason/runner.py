@@ -61,6 +61,7 @@ from unicon.evaluation.ureason.metrics import (
     ordered_categories,
 )
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
+from unicon.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def generate_samples(
 ) -> list[Sample]:
     """Run settings 1-3 for every instance (no judging)."""
     samples = [Sample(inst) for inst in instances]
-    for start in range(0, len(samples), batch_size):
+    for start in track(range(0, len(samples), batch_size), "ureason: generation (settings 1-3)", unit="batches"):
         preemption.check()
         batch = samples[start : start + batch_size]
         # setting 1
@@ -224,7 +225,7 @@ def generate_samples(
 def judge_samples(judge: Judge, samples: Sequence[Sample]) -> None:
     """Fill ``verdicts`` (and ``chain`` when the judge can judge reasoning chains) in place."""
     instances = [s.instance for s in samples]
-    for k in SETTINGS:
+    for k in track(SETTINGS, f"ureason: judging ({judge.name})", unit="settings"):
         verdicts = judge.judge_images(instances, [s.images.get(k) for s in samples])
         if len(verdicts) != len(samples):
             raise RuntimeError(f"judge '{judge.name}' returned {len(verdicts)} verdicts for {len(samples)} images")
