@@ -271,7 +271,7 @@ def test_offload_optimizer_is_deepspeed_cpu_adam_with_adamw_groups(tiny_shapes_w
     assert isinstance(opt, DeepSpeedCPUAdam) and opt.adam_w_mode
     assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
-    assert opt.param_groups[0]["lr"] == cfg.optim.lr
+    assert opt.param_groups[0]["initial_lr"] == cfg.optim.lr  # ("lr" is the warm-up schedule's, 0 at step 0)
 
 
 # ---- LoRA adapters in PEFT's format --------------------------------------------------------------
