@@ -232,6 +232,21 @@ def _make_runs(tiny_shapes_world: Path, tmp_path_factory) -> dict:
             "progress": {k: v.getvalue() for k, v in progress.items()}}
 
 
+def _expected_rows(eval_dir: Path, epoch: int) -> dict[str, int]:
+    """Rows of the sample tables of one epoch end, from the files its evaluations wrote: CocoCon's
+    first ``table_rows`` samples with a contrast, drift's strips, UReason's samples."""
+    from unicon.config import CocoConEvalConfig
+
+    def jsonl(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    per_sample = jsonl(eval_dir / "cococon" / f"epoch-{epoch}" / "per_sample.jsonl")
+    with_contrast = sum(len(r["nll"]["caption"]) >= 2 for r in per_sample)
+    return {"cococon/samples": min(CocoConEvalConfig.table_rows, with_contrast),
+            "drift/strips": len(json.loads((eval_dir / "drift" / f"epoch-{epoch}" / "drift.json").read_text())["strips"]),
+            "ureason/samples": len(jsonl(eval_dir / "ureason" / f"epoch-{epoch}" / "samples.jsonl"))}
+
+
 def test_every_epoch_end_logs_every_table_figure_and_scalar(runs):
     first, resumed = runs["first"], runs["resumed"]
     for run, epochs in ((first, (1, 2)), (resumed, (3,))):
@@ -248,6 +263,11 @@ def test_every_epoch_end_logs_every_table_figure_and_scalar(runs):
                 image = run.media(key, step)
                 assert image["_type"] == "image-file" and image["format"] == "png", (key, image)
                 assert (run.folder / "files" / image["path"]).is_file()
+            # every row of the epoch's evaluation reaches its table (the files the suites wrote)
+            for key, n in _expected_rows(runs["run_dir"] / "eval", epoch).items():
+                assert run.media(key, step)["nrows"] == n >= 1, (key, epoch, run.media(key, step)["nrows"], n)
+    # the resumed process continues: nothing of epochs 1-2 is logged again
+    assert not (set(TABLES) | set(FIGURES) | set(SCALARS)) & (resumed.keys_at(STEPS_PER_EPOCH) | resumed.keys_at(2 * STEPS_PER_EPOCH))
     # the symptom of the old explicit-step logging: W&B dropping rows logged "in the past"
     for run in (first, resumed):
         log = (run.folder / "logs" / "debug-internal.log").read_text()
