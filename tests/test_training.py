@@ -549,7 +549,8 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
     lora_a, lora_b = state["model.fc1.lora_A.default.weight"], state["model.fc1.lora_B.default.weight"]
     assert lora_b.abs().sum() > 0  # B starts at zero: the adapters trained
     export = Path(out["export_dir"])
-    assert (export / "lora_adapters.safetensors").is_file()
+    assert (export / "adapter" / "adapter_config.json").is_file()
+    assert (export / "adapter" / "adapter_model.safetensors").is_file()
     sd = torch.load(export / "weights.pt")
     assert "fc1.weight" in sd and not any("lora_" in k for k in sd)
     # merged weight = base + (alpha / r) * B @ A

@@ -75,19 +75,14 @@ def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True
     """``model.save_pretrained(out_dir)`` with LoRA adapters merged (``merge``) -- in place.
 
     The adapters are always also saved, in PEFT's format, to ``<out_dir>/adapter/``
-    (:func:`save_lora_adapter`; and, for older readers, as ``<out_dir>/lora_adapters.safetensors``
-    with unicon's parameter names); with ``merge=False`` the exported model is the base model
-    without them. ``run_config`` (the
+    (:func:`save_lora_adapter`; ``PeftModel.from_pretrained`` loads them); with ``merge=False``
+    the exported model is the base model without them. ``run_config`` (the
     resolved config of the run that trained it) is written as ``training_config.json``: a run
     started ``init_from`` this export checks its ``model:`` section against that record.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if has_lora(model):
-        from safetensors.torch import save_file
-
-        adapters = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if "lora_" in k}
-        save_file(adapters, str(out / "lora_adapters.safetensors"))
         base = (run_config or {}).get("init_from") or ((run_config or {}).get("model") or {}).get("pretrained")
         save_lora_adapter(model, out / ADAPTER_DIR, base_model_name_or_path=base)
         merge_lora(model, merge=merge)

@@ -35,7 +35,6 @@ import argparse
 import fcntl
 import importlib
 import inspect
-import json
 import os
 import shutil
 import signal
