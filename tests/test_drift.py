@@ -710,6 +710,10 @@ def test_mcd_end_to_end_with_scene_embedder_and_outputs(world_cfg, tmp_path):
         assert im.size == (2 * (128 + 4), 128)  # image-first, G = 3: images at generations 0 and 2
     report = json.loads((tmp_path / "o" / "drift.json").read_text())
     assert report["image_generation"]["do_sample"] is False and "versions.torch" in report["environment"]
+    # which embedder measured, and whether G compares with the paper's 20
+    assert report["embedders"]["scene"]["class"] == "SceneEmbedder" and report["embedders"]["scene"]["source"]
+    assert report["G"] == {"value": 3, "paper": 20, "comparable_with_paper": False}
+    assert set(report["SDR"]) <= set(report["MCD"]) and "SDR_avg" in report
 
 
 def test_train_shapes_clip_saves_open_clip_checkpoint(world_cfg, tmp_path):
@@ -949,3 +953,126 @@ def test_owlv2_detector_wiring_on_a_tiny_random_model(tmp_path):
         assert d.box[0] + d.box[2] <= 40 + 1e-3  # [x, y, w, h] in pixels of the padded 40x40 square
     with pytest.raises(Exception, match="cannot load OWLv2"):
         Owlv2Detector(str(tmp_path / "missing"))
+
+
+# ---- issue 22 item 4: drift fidelity (detectors, thresholds, SDR, GenEval-R, MPNet) ----------------------
+def test_color_crop_masks_like_geneval_and_box_crop_without_mask():
+    from unicon.evaluation.drift.geneval import MASK_BACKGROUND, Detection, color_crop
+
+    im = Image.new("RGB", (8, 8), (0, 0, 255))
+    im.paste((255, 0, 0), (2, 2, 4, 4))  # a 2x2 red object inside a 4x4 box of blue
+    mask = np.zeros((8, 8), dtype=bool)
+    mask[2:4, 2:4] = True
+    box = (1.0, 1.0, 4.0, 4.0)
+    plain = np.asarray(color_crop(im, Detection(box, "apple", 0.9)))
+    masked = np.asarray(color_crop(im, Detection(box, "apple", 0.9, mask=mask)))
+    assert plain.shape == masked.shape == (4, 4, 3)
+    assert (plain[0, 0] == (0, 0, 255)).all() and (masked[0, 0] == MASK_BACKGROUND).all()
+    assert (masked[1:3, 1:3] == (255, 0, 0)).all() and (plain[1:3, 1:3] == (255, 0, 0)).all()
+    with pytest.raises(ValueError, match="mask"):
+        color_crop(im, Detection(box, "apple", 0.9, mask=np.ones((4, 4), dtype=bool)))
+
+
+def test_detector_threshold_is_applied_and_recorded(tmp_path):
+    from standins import owlv2
+
+    from unicon.evaluation.drift.geneval import OWLV2_THRESHOLD, check_detector_spec, load_detector, score_images
+
+    path = owlv2(tmp_path / "owl")
+    det = load_detector(f"owlv2:{path}", color_classifier=lambda im, boxes, c: ["red"] * len(boxes))
+    d = det.describe()
+    assert (d["name"], d["threshold"], d["source"], d["color"]) == ("owlv2", OWLV2_THRESHOLD, str(path),
+                                                                    "CLIP on box crops")
+    assert load_detector(f"owlv2:{path}", threshold=0.5).describe()["threshold"] == 0.5
+    prompt = parse_row({"tag": "single_object", "include": [{"class": "apple", "count": 1}], "prompt": "an apple"},
+                       "x", 1)
+    images = [Image.new("RGB", (32, 32), (200, 30, 30))]
+    scores = [dt.score for dt in det.detect(images, ["apple"])[0]]
+    # the kept set follows the detector's threshold: with it at the best score nothing is kept
+    det.threshold = max(scores)
+    assert score_images([prompt], images, det)[0]["overall"] == 0.0
+    det.threshold = min(scores) - 1e-6
+    assert score_images([prompt], images, det)[0]["overall"] == 1.0
+    with pytest.raises(UserError, match="mask2former"):
+        check_detector_spec("yolo:/x")
+
+
+def test_mask2former_detections_carry_masks_and_coco_labels(tmp_path):
+    from transformers import (Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor,
+                              SwinConfig)
+
+    from unicon.evaluation.drift.geneval import THRESHOLD, load_detector
+
+    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
+                          window_size=2, out_features=["stage1", "stage2", "stage3", "stage4"])
+    cfg = Mask2FormerConfig(backbone_config=backbone, hidden_dim=32, mask_feature_size=32, feature_size=32,
+                            encoder_feedforward_dim=32, dim_feedforward=32, encoder_layers=1, decoder_layers=2,
+                            num_attention_heads=2, num_queries=4, common_stride=4, use_pretrained_backbone=False,
+                            id2label={0: "apple", 1: "dog"}, label2id={"apple": 0, "dog": 1})
+    torch.manual_seed(0)
+    Mask2FormerForUniversalSegmentation(cfg).eval().save_pretrained(tmp_path / "m2f")
+    Mask2FormerImageProcessor(size={"height": 64, "width": 64}, do_resize=True).save_pretrained(tmp_path / "m2f")
+    det = load_detector(f"mask2former:{tmp_path / 'm2f'}", color_classifier=lambda im, b, c: ["red"] * len(b))
+    assert det.describe()["threshold"] == THRESHOLD and det.describe()["color"] == "CLIP on masked crops"
+    out = det.detect([Image.new("RGB", (40, 24), (10, 200, 10))], ["apple", "dog"])
+    assert len(out) == 1
+    for d in out[0]:
+        assert d.label in ("apple", "dog") and d.mask.shape == (24, 40) and d.mask.any()
+        ys, xs = np.nonzero(d.mask)
+        assert d.box == (xs.min(), ys.min(), xs.max() - xs.min() + 1, ys.max() - ys.min() + 1)
+    assert all(d.label == "dog" for d in det.detect([Image.new("RGB", (40, 24))], ["dog"])[0])
+
+
+def test_sdr_per_mapping_and_the_reference_average():
+    gens = 10
+    sims = []
+    for d in range(3):
+        chain = {"t2t": [0.9 * math.exp(-0.5 * g) + 0.05 * d for g in metrics.mapping_generations("t2t", gens)],
+                 "t2i": [0.8 * math.exp(-0.2 * g) for g in metrics.mapping_generations("t2i", gens)]}
+        sims.append({"text": {"t2t": chain["t2t"]}, "clip": {"t2i": chain["t2i"]}})
+    out = metrics.mcd(sims, gens)
+    assert out["SDR"]["t2t"] == pytest.approx(0.5, rel=1e-3) and out["SDR"]["t2i"] == pytest.approx(0.2, rel=1e-3)
+    assert out["SDR_avg"] == pytest.approx((out["SDR"]["t2t"] + out["SDR"]["t2i"]) / 2)
+    short = metrics.mcd([{"text": {"t2t": [0.5]}}], 2)  # one point: no fit, no SDR
+    assert short["SDR"] == {} and math.isnan(short["SDR_avg"])
+
+
+def test_geneval_r_is_the_default_outside_shapesworld(tmp_path, monkeypatch):
+    from unicon.data.geneval import geneval_r_path
+
+    monkeypatch.setenv("UNICON_SHARED_DIR", str(tmp_path))
+    with pytest.raises(UserError, match="geneval_prompt_blip3o_rewritten.jsonl"):
+        geneval_r_path()
+    (tmp_path / "data" / "geneval").mkdir(parents=True)
+    row = {"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench",
+           "detailed_caption": "A long rewrite of a wooden bench.", "index": "00000"}
+    (tmp_path / "data" / "geneval" / "geneval_prompt_blip3o_rewritten.jsonl").write_text(json.dumps(row) + "\n")
+    assert geneval_r_path() == tmp_path / "data" / "geneval" / "geneval_prompt_blip3o_rewritten.jsonl"
+    # the CLI without a world reaches the GenEval-R default (and then needs a model detector)
+    seeds = tmp_path / "seeds.jsonl"
+    Image.new("RGB", (8, 8)).save(tmp_path / "s0.png")
+    seeds.write_text(json.dumps({"id": "s0", "caption": "a bench", "image": str(tmp_path / "s0.png")}) + "\n")
+    with pytest.raises(UserError, match="'shapes' detector needs the ShapesWorld"):
+        drift_cli.cli(["--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--world",
+                       str(tmp_path / "noworld"), "--seeds", str(seeds), "--embedders", ""])
+
+
+def test_mpnet_sentence_embedder_from_a_local_directory(tmp_path):
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import MPNetConfig, MPNetModel, MPNetTokenizerFast
+
+    from unicon.embedders.factory import load_embedders
+
+    words = ["[PAD]", "[UNK]", "<s>", "</s>", "<mask>", "a", "red", "blue", "circle", "square"]
+    tok = MPNetTokenizerFast(vocab={w: i for i, w in enumerate(words)}, pad_token="[PAD]", unk_token="[UNK]")
+    torch.manual_seed(0)
+    MPNetModel(MPNetConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=40)).save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    word = models.Transformer(str(tmp_path / "hf"), max_seq_length=16)
+    SentenceTransformer(modules=[word, models.Pooling(16, "mean")]).save(str(tmp_path / "mpnet"))
+    emb = load_embedders(["text"], sentence=str(tmp_path / "mpnet"))["text"]
+    v = emb.embed_text(["a red circle", "a blue square", "a red circle"])
+    assert v.shape == (3, 16) and torch.allclose(v.norm(dim=-1), torch.ones(3), atol=float32_tol(16))
+    assert torch.allclose(v[0], v[2], atol=float32_tol(16)) and not torch.allclose(v[0], v[1], atol=1e-3)
+    assert emb.describe() == {"class": "SentenceEmbedder", "source": str(tmp_path / "mpnet")}

@@ -216,7 +216,11 @@ class DriftEvalConfig:
     i2t_prompt: Optional[str] = None
     embedders: list[str] = choice(["scene", "clip", "text"], ("scene", "clip", "text", "dino"), each=True)
     geneval: bool = True
-    geneval_prompts: Optional[str] = None  # GenEval metadata file for MGG; default the world's geneval_metadata.jsonl
+    # GenEval metadata file for MGG; default: the world's geneval_metadata.jsonl (ShapesWorld), else GenEval-R
+    # (the long BLIP3-o rewrites, <shared>/data/geneval/geneval_prompt_blip3o_rewritten.jsonl, as the paper)
+    geneval_prompts: Optional[str] = None
+    # MGG detector score threshold; None: the detector's reference value (owlv2 0.1, mask2former 0.3)
+    detector_threshold: Optional[float] = None
     long_prompts: bool = False  # use 'detailed_caption' (BLIP3-o rewrite) as T0
     clip: Optional[str] = "checkpoints/shapes_clip"  # open_clip dir / '<arch>:<weights>' (python -m unicon.embedders.clip)
     dino: Optional[str] = None  # transformers DINO directory (image->image)

@@ -25,6 +25,7 @@ clause ``j``" (``j`` must refer to an earlier clause). Any problem raises
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,25 @@ def parse_row(row: Any, where: str, row_number: int) -> GenEvalPrompt:
         index=index, tag=tag, prompt=prompt, include=tuple(include), exclude=exclude,
         detailed_caption=detailed, raw=row,
     )
+
+
+#: GenEval-R, the Telephone-Game paper's MGG prompts: BLIP3-o's long rewrites (``detailed_caption``)
+GENEVAL_R = Path("geneval") / "geneval_prompt_blip3o_rewritten.jsonl"
+
+
+def geneval_r_path(data_dir: str | Path | None = None) -> Path:
+    """``<data_dir>/geneval/geneval_prompt_blip3o_rewritten.jsonl``; ``data_dir`` defaults to
+    ``$UNICON_SHARED_DIR/data``, else ``../shared/data`` beside the checkout. A missing file is a
+    UserError naming the path and the way out."""
+    if data_dir is None:
+        shared = os.environ.get("UNICON_SHARED_DIR") or Path(__file__).resolve().parents[3].parent / "shared"
+        data_dir = Path(shared) / "data"
+    path = Path(data_dir) / GENEVAL_R
+    if not path.is_file():
+        raise UserError(f"no GenEval-R prompts at {path} (the default MGG seeds outside ShapesWorld): copy "
+                        "BLIP3-o's geneval_prompt_blip3o_rewritten.jsonl there, set UNICON_SHARED_DIR, "
+                        "give --geneval FILE, or --geneval none to skip MGG")
+    return path
 
 
 def load_geneval(path: str | Path, tasks: tuple[str, ...] | None = TASKS) -> list[GenEvalPrompt]:

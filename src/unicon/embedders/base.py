@@ -38,6 +38,13 @@ class Embedder(abc.ABC):
         """``[N, D]`` L2-normalised image embeddings."""
         raise NotImplementedError(f"the {self.name} embedder does not embed images")
 
+    #: where the weights came from (a path, hub id or "ShapesWorld"), recorded in drift.json
+    source: str | None = None
+
+    def describe(self) -> dict[str, str | None]:
+        """``{"class", "source"}`` of this embedder, for the reports that must say which model measured."""
+        return {"class": type(self).__name__, "source": self.source}
+
     def supports(self, source: str, target: str) -> bool:
         """Whether ``sim(source item, target item)`` is defined (e.g. ``("text", "image")``)."""
         if source not in self.modalities or target not in self.modalities:

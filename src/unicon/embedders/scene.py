@@ -35,6 +35,7 @@ class SceneEmbedder(Embedder):
         self._shape_index = {s: len(self.kinds) + i for i, s in enumerate(world_cfg.shapes)}
         self.dim = len(self.kinds) + len(world_cfg.shapes)
         self.failures = {"text": 0, "image": 0}  # items that mapped to the zero vector
+        self.source = "ShapesWorld world.json (exact scene parser)"
 
     def scene_vector(self, scene) -> torch.Tensor:
         v = torch.zeros(self.dim)

@@ -47,7 +47,8 @@ FLAGS = {
     "batch_size": Flag("chains per model call"),
     "i2t_prompt": Flag('captioning prompt, e.g. "Describe the image in detail." (default: the backend\'s)'),
     "embedders": Flag("comma list of scene, clip, text, dino ('' = none)", comma=True),
-    "geneval_prompts": Flag("GenEval metadata file for MGG (default: the world's, if any; 'none' skips MGG)",
+    "geneval_prompts": Flag("GenEval metadata file for MGG (default: a ShapesWorld's own; otherwise GenEval-R, "
+                            "the long BLIP3-o rewrites in the shared data; 'none' skips MGG)",
                             names=("--geneval", "--geneval-prompts"), dest="geneval"),
     "long_prompts": Flag("use the long 'detailed_caption' GenEval prompts", names=("--long", "--long-prompts"),
                          dest="long"),
@@ -56,6 +57,8 @@ FLAGS = {
     "dino": Flag("DINO model directory (transformers)"),
     "sentence": Flag("sentence-transformers dir (default: the bundled all-MiniLM-L6-v2)"),
     "strips": Flag("chains shown in the strip plot and table"),
+    "detector_threshold": Flag("MGG detector score threshold (default: the detector's reference value: "
+                               "owlv2 0.1, mask2former 0.3)"),
 }
 #: eval.drift fields without a flag: ``geneval`` (MGG on/off) is ``--geneval none`` here
 SKIP = ("geneval",)
@@ -88,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docci-images", help="ND400: folder of DOCCI images")
     p.add_argument("--nd-n", type=int, default=200, help="ND400: pairs drawn from each source (200 -> 400)")
     p.add_argument("--geneval-limit", type=int, default=None, help="first N prompts of every task")
-    p.add_argument("--detector", default="shapes", help="'shapes' or 'owlv2:<dir>'")
+    p.add_argument("--detector", default="shapes",
+                   help="'shapes', 'owlv2:<dir>' (the paper's reference code) or 'mask2former:<dir>' (GenEval's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-batch image sampling seeds")
     add_shard_args(p)
     return p
@@ -153,14 +157,20 @@ def cli(argv: Sequence[str] | None = None) -> int:
         gpath = args.seeds  # MGG scores the prompts of the GenEval file given as seeds
     elif gpath is None and not args.seeds and world is not None and world.geneval_path.is_file():
         gpath = str(world.geneval_path)
+    long = args.long
+    if gpath is None and world is None:  # real data: the paper's GenEval-R prompts (long rewrites)
+        from unicon.data.geneval import geneval_r_path
+
+        gpath, long = str(geneval_r_path()), True
     if gpath and gpath != "none":
-        gseeds = geneval_seeds(gpath, long=args.long, limit=args.geneval_limit, tasks=None)
+        gseeds = geneval_seeds(gpath, long=long, limit=args.geneval_limit, tasks=None)
         if args.num_chains and not args.geneval_limit:
             gseeds = balanced(gseeds, args.num_chains)
         color = None
         if args.detector != "shapes" and "clip" in embedders:
             color = ClipColorClassifier(embedders["clip"])
-        detector = load_detector(args.detector, world_cfg=world.config if world else None, color_classifier=color)
+        detector = load_detector(args.detector, world_cfg=world.config if world else None, color_classifier=color,
+                                 threshold=args.detector_threshold)
 
     model = load_model_for(args)
     model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": weights_fingerprint(model)}

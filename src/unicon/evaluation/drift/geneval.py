@@ -1,12 +1,16 @@
 """GenEval for MGG: object-level checks of a generated image against its prompt's metadata.
 
-Rules and aggregation are pure functions; the detectors (:class:`Owlv2Detector`, :class:`ShapesDetector`)
-run models and load weights from disk. Used by the drift suite only.
+Rules and aggregation are pure functions; the detectors (:class:`Mask2FormerDetector`,
+:class:`Owlv2Detector`, :class:`ShapesDetector`) run models and load weights from disk. Used by the
+drift suite only.
 
 The rules follow GenEval's ``evaluation/evaluate_images.py`` (Ghosh et al., 2023); only the
-detector is pluggable (OWLv2 as in the Telephone-Game paper, or ShapesWorld's exact detector):
+detector is pluggable: Mask2Former (COCO instance) with masked colour crops and threshold 0.3 is
+the GenEval-comparable one; OWLv2 with box crops and the Telephone-Game reference code's 0.1 is
+the one comparable with the paper's MGG numbers; ShapesWorld's exact detector serves its world.
+``drift.json`` records which (``Detector.describe``):
 
-* **Detections kept** per class: score strictly above 0.3 (0.9 for ``counting`` prompts), sorted by
+* **Detections kept** per class: score strictly above the detector's threshold (0.9 for ``counting`` prompts), sorted by
   score (highest first), at most 16 per class, no extra NMS (GenEval's defaults).
 * **include** ``{class, count}``: the top-``count`` detections of ``class`` must exist.
   **color**: each of those ``count`` boxes is colour-classified, and at least ``count`` must have
@@ -36,7 +40,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -54,6 +58,10 @@ COLOR_TEMPLATES = (
     "a photo of a {c} {object}", "a photo of a {c}-colored {object}", "a photo of a {c} object",
 )
 THRESHOLD = 0.3
+#: the Telephone-Game reference code's OWLv2 score threshold (GenEval's 0.3 is for Mask2Former)
+OWLV2_THRESHOLD = 0.1
+#: GenEval's background for masked colour crops (``ImageCrops``: composite over "#999", then crop)
+MASK_BACKGROUND = (153, 153, 153)
 COUNTING_THRESHOLD = 0.9
 MAX_OBJECTS = 16
 POSITION_MARGIN = 0.1
@@ -67,6 +75,7 @@ class Detection:
     label: str
     score: float
     color: str | None = None  # known colour (exact detectors); None -> use a colour classifier
+    mask: np.ndarray | None = field(default=None, repr=False, compare=False)  # [H, W] bool instance mask
 
     @classmethod
     def coerce(cls, d: Any, where: str = "detection") -> "Detection":
@@ -210,6 +219,22 @@ def detection_colors(image: Image.Image | None, boxes: Sequence[Detection], clas
     return [b.color for b in boxes]
 
 
+def color_crop(image: Image.Image, det: Detection) -> Image.Image:
+    """The pixels a colour classifier sees for one detection, as GenEval's ``ImageCrops``: with an
+    instance mask, the image composited over a #999 grey background outside the mask, then cut to
+    the box; without one, the plain box crop. A crop is at least one pixel (a detector may return a
+    degenerate, zero-width box)."""
+    image = image.convert("RGB")
+    if det.mask is not None:
+        mask = np.asarray(det.mask, dtype=bool)
+        if mask.shape != (image.height, image.width):
+            raise ValueError(f"mask of {det.label!r} is {mask.shape}, the image is {(image.height, image.width)}")
+        blank = Image.new("RGB", image.size, MASK_BACKGROUND)
+        image = Image.composite(image, blank, Image.fromarray(mask.astype(np.uint8) * 255))
+    x, y, w, h = det.box
+    return image.crop((round(x), round(y), round(x) + max(1, round(w)), round(y) + max(1, round(h))))
+
+
 class ClipColorClassifier:
     """Zero-shot colour of a box crop with an open_clip model (GenEval's templates, per class)."""
 
@@ -232,9 +257,7 @@ class ClipColorClassifier:
     def __call__(self, image: Image.Image | None, boxes: Sequence[Detection], classname: str) -> list[str]:
         if image is None:
             raise ValueError("ClipColorClassifier needs the image to crop the boxes from")
-        # a crop is at least one pixel: a detector may return a degenerate (zero-width) box
-        crops = [image.convert("RGB").crop((round(x), round(y), round(x) + max(1, round(w)), round(y) + max(1, round(h))))
-                 for (x, y, w, h) in (b.box for b in boxes)]
+        crops = [color_crop(image, b) for b in boxes]
         logits = self.embedder.embed_image(crops) @ self._head(classname).T
         return [self.colors[i] for i in logits.argmax(-1).tolist()]
 
@@ -245,6 +268,20 @@ class Detector(abc.ABC):
 
     #: optional colour classifier for boxes without a colour (None: the detections carry colours)
     color_classifier: ColorFn | None = None
+    #: name recorded in drift.json, and the score a detection must exceed to be kept (not counting)
+    name: str = "detector"
+    threshold: float = THRESHOLD
+    source: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What drift.json records: the detector, its weights, threshold and colour crops."""
+        return {"name": self.name, "source": self.source, "threshold": self.threshold,
+                "counting_threshold": COUNTING_THRESHOLD,
+                "color": "detections' own colours" if self.color_classifier is None else
+                ("CLIP on masked crops" if self.masks else "CLIP on box crops")}
+
+    #: whether detections carry instance masks (colour crops are then masked, as GenEval's)
+    masks: bool = False
 
     @abc.abstractmethod
     def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]: ...
@@ -255,10 +292,14 @@ class Owlv2Detector(Detector):
 
     ``path`` is a local ``save_pretrained`` directory (model + processor) or a hub id (needs network
     or a filled HF cache). Boxes are converted from the processor's ``[x0, y0, x1, y1]`` to ``[x, y, w, h]``.
+    The default ``threshold`` is the Telephone-Game reference code's 0.1 (:data:`OWLV2_THRESHOLD`:
+    the SDP-comparable setting); GenEval's 0.3 belongs to its Mask2Former. Colours come from box crops.
     """
 
+    name = "owlv2"
+
     def __init__(self, path: str, device: str = "cpu", color_classifier: ColorFn | None = None,
-                 query_template: str = "a photo of a {}"):
+                 query_template: str = "a photo of a {}", threshold: float = OWLV2_THRESHOLD):
         from transformers import Owlv2ForObjectDetection, Owlv2Processor
 
         hint = ("give a local directory holding the model and processor (e.g. "
@@ -274,6 +315,8 @@ class Owlv2Detector(Detector):
         self.device = device
         self.color_classifier = color_classifier
         self.query_template = query_template
+        self.threshold = float(threshold)
+        self.source = str(path)
 
     @torch.no_grad()
     def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
@@ -301,11 +344,72 @@ class Owlv2Detector(Detector):
         return out
 
 
+class Mask2FormerDetector(Detector):
+    """Mask2Former (COCO instance segmentation) through transformers
+    (``Mask2FormerForUniversalSegmentation``), the GenEval-comparable detector.
+
+    GenEval runs mmdetection's Mask2Former (Swin-S, COCO instance) and keeps its masks; here the
+    same model family comes from a local ``save_pretrained`` directory (model + image processor,
+    e.g. facebook/mask2former-swin-small-coco-instance). The instances of
+    ``post_process_instance_segmentation`` become detections labelled with ``config.id2label``
+    (COCO names, GenEval's class list), boxed by their masks' extent; other labels are dropped.
+    Each detection carries its mask, so colour crops are masked as GenEval's (:func:`color_crop`).
+    Threshold: GenEval's 0.3 (:data:`THRESHOLD`).
+    """
+
+    name = "mask2former"
+    masks = True
+
+    def __init__(self, path: str, device: str = "cpu", color_classifier: ColorFn | None = None,
+                 threshold: float = THRESHOLD):
+        from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
+
+        local = Path(path).expanduser()
+        if not local.is_dir():
+            raise UserError(f"cannot load Mask2Former: {local.resolve()} is not a local directory (model + "
+                            "image processor saved with save_pretrained)")
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(str(local))
+            self.model = Mask2FormerForUniversalSegmentation.from_pretrained(str(local)).to(device).eval()
+        except OSError as e:
+            raise UserError(f"cannot load Mask2Former from {local}: {str(e).splitlines()[0]}") from None
+        self.device = device
+        self.color_classifier = color_classifier
+        self.threshold = float(threshold)
+        self.source = str(path)
+
+    @torch.no_grad()
+    def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
+        images = [im.convert("RGB") for im in images]
+        inputs = self.processor(images=images, return_tensors="pt").to(self.device)
+        outputs = self.model(**inputs)
+        results = self.processor.post_process_instance_segmentation(
+            outputs, threshold=0.0, target_sizes=[(im.height, im.width) for im in images])
+        wanted = set(class_names)
+        out = []
+        for res in results:
+            seg = res["segmentation"].cpu().numpy()
+            dets = []
+            for info in res["segments_info"]:
+                label = self.model.config.id2label[int(info["label_id"])]
+                mask = seg == info["id"]
+                if label not in wanted or not mask.any():
+                    continue
+                ys, xs = np.nonzero(mask)
+                box = (float(xs.min()), float(ys.min()), float(xs.max() - xs.min() + 1), float(ys.max() - ys.min() + 1))
+                dets.append(Detection(box, label, float(info["score"]), mask=mask))
+            out.append(dets)
+        return out
+
+
 class ShapesDetector(Detector):
     """ShapesWorld's exact detector (``unicon.worlds.shapes.detect``): exact boxes, labels and colours."""
 
+    name = "shapes"
+
     def __init__(self, world_cfg):
         self.world_cfg = world_cfg
+        self.source = "ShapesWorld world.json"
 
     def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
         from unicon.worlds.shapes import NotAShapesWorldImage, detect
@@ -320,26 +424,34 @@ class ShapesDetector(Detector):
         return out
 
 
+#: model detectors by spec prefix (``<prefix>:<local directory>``)
+DETECTORS = {"owlv2": Owlv2Detector, "mask2former": Mask2FormerDetector}
+
+
 def check_detector_spec(spec: str) -> None:
-    """Refuse a detector spec before anything loads: ``shapes`` or ``owlv2:<local directory>``."""
+    """Refuse a detector spec before anything loads: ``shapes``, ``owlv2:<dir>`` or ``mask2former:<dir>``."""
     if spec == "shapes":
         return
-    if not spec.startswith("owlv2:"):
-        raise UserError(f"--detector {spec!r}: use 'shapes' or 'owlv2:<local model directory>'")
+    if spec.split(":", 1)[0] not in DETECTORS or ":" not in spec:
+        raise UserError(f"--detector {spec!r}: use 'shapes', 'owlv2:<local model directory>' (the Telephone-Game "
+                        "reference, threshold 0.1) or 'mask2former:<local model directory>' (GenEval's, 0.3)")
     path = Path(spec.split(":", 1)[1]).expanduser()
     if not path.is_dir():
         raise UserError(f"--detector {spec}: {path} is not a local model directory (detectors load from disk only)")
 
 
-def load_detector(spec: str, world_cfg=None, color_classifier: ColorFn | None = None) -> Detector:
-    """``"shapes"`` (needs ``world_cfg``) or ``"owlv2:<local directory>"``."""
+def load_detector(spec: str, world_cfg=None, color_classifier: ColorFn | None = None,
+                  threshold: float | None = None) -> Detector:
+    """``"shapes"`` (needs ``world_cfg``), ``"owlv2:<local directory>"`` or ``"mask2former:<local directory>"``;
+    ``threshold`` None keeps the detector's reference value (OWLv2 0.1, Mask2Former 0.3)."""
     if spec == "shapes":
         if world_cfg is None:
             raise UserError("the 'shapes' detector needs the ShapesWorld config (give --world DIR)")
         return ShapesDetector(world_cfg)
-    if spec.startswith("owlv2:"):
-        return Owlv2Detector(spec.split(":", 1)[1], color_classifier=color_classifier)
-    raise UserError(f"unknown detector {spec!r}: use 'shapes' or 'owlv2:<path>'")
+    check_detector_spec(spec)
+    kind, path = spec.split(":", 1)
+    extra = {} if threshold is None else {"threshold": threshold}
+    return DETECTORS[kind](path, color_classifier=color_classifier, **extra)
 
 
 def score_images(
@@ -355,5 +467,6 @@ def score_images(
     for s in range(0, len(images), batch_size):
         dets = detector.detect(images[s : s + batch_size], class_names)
         for p, im, d in zip(prompts[s : s + batch_size], images[s : s + batch_size], dets):
-            results.append(evaluate_detections(p, d, image=im, color_classifier=detector.color_classifier))
+            results.append(evaluate_detections(p, d, image=im, color_classifier=detector.color_classifier,
+                                               threshold=detector.threshold))
     return summarize([p.tag for p in prompts], [r.correct for r in results]), results

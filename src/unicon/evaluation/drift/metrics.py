@@ -20,8 +20,19 @@ Eq. 2 writes ``1/G sum_{g=1..G}``; each mapping only exists at every other gener
 mean runs over those (``ceil(G/2)`` odd or ``floor(G/2)`` even generations). Each embedder that
 supports a mapping gets its own S/MCD (``by_embedder``); the headline value of a mapping uses the
 first available of :data:`PREFERRED` (sentence embedder for t2t, DINO for i2i, CLIP across
-modalities). The **semantic drift rate** is ``b`` of the least-squares fit
-``S_delta(g) ~ a exp(-b g) + c`` with ``b >= 0`` (:func:`fit_decay`).
+modalities).
+
+**SDR** (semantic drift rate). The paper's text defines only MCD and MGG; SDR comes from the
+authors' public reference code, which reports a drift rate per mapping and their average. Here
+``SDR_delta`` is ``b`` of the least-squares fit ``S_delta(g) ~ a exp(-b g) + c`` with ``b >= 0``
+(:func:`fit_decay`; needs >= 3 points of a mapping, i.e. G >= 5 or 6), and ``SDR_avg`` is the mean of
+``SDR_delta`` over the mappings whose fit succeeded, the reference's average. The reference code
+was not available to this project, so the estimator of ``b`` (the exponential fit) is unicon's;
+compare SDR across unicon runs, and with published SDR only as a trend.
+
+**G.** Every average above runs over generations ``1..G``: runs compare only at equal G. The paper
+uses ``G = 20`` (:data:`PAPER_G`); the epoch-end callback's default 4 is a cheap training-time
+signal, and ``drift.json`` marks whether a run's G is the paper's.
 
 **MGG** (section 3.2). GenEval on the images of every image-bearing generation ``g in {1, 3, 5, ...}``
 of text-first chains started from GenEval prompts::
@@ -44,6 +55,8 @@ import torch
 from unicon.evaluation.drift.geneval import summarize
 
 CHAINS = ("text-first", "image-first")
+#: the paper's number of generations per chain
+PAPER_G = 20
 #: mapping -> (chain, parity of its generations, source modality, target modality)
 MAPPINGS = {
     "t2t": ("text-first", 0, "text", "text"),
@@ -102,7 +115,8 @@ def mcd(similarities: Sequence[Mapping[str, Mapping[str, Sequence[float]]]], gen
     at ``g in G_delta`` (:func:`mapping_generations`), one entry per seed in seed order; every seed
     has the same embedders and mappings. Returns ``{"S": {mapping: {g: value}}, "MCD": {mapping:
     value}, "MCD_avg", "embedder": {mapping: name}, "by_embedder": {name: {mapping: {"S", "MCD",
-    "per_chain"}}}, "decay": {mapping: fit}}``.
+    "per_chain"}}}, "decay": {mapping: fit}, "SDR": {mapping: b}, "SDR_avg"}`` (``SDR_avg`` is NaN
+    when no fit succeeded).
     """
     if not similarities:
         raise ValueError("MCD needs at least one chain")
@@ -130,6 +144,8 @@ def mcd(similarities: Sequence[Mapping[str, Mapping[str, Sequence[float]]]], gen
                 result["decay"][mapping] = fit_decay(list(entry["S"]), list(entry["S"].values()))
                 break
     result["MCD_avg"] = float(np.mean(list(result["MCD"].values()))) if result["MCD"] else float("nan")
+    result["SDR"] = {m: fit["b"] for m, fit in result["decay"].items() if "b" in fit}
+    result["SDR_avg"] = float(np.mean(list(result["SDR"].values()))) if result["SDR"] else float("nan")
     return result
 
 
@@ -157,7 +173,7 @@ def mgg(tags: Sequence[str], correct: Sequence[Mapping[int, bool]]) -> dict[str,
 
 def drift_metrics(report: Mapping[str, Any], prefix: str = "drift") -> dict[str, float]:
     """Flat scalars of a ``drift.json`` report for the loggers: ``MCD_avg``, ``MCD_<mapping>``,
-    ``<embedder>/MCD_<mapping>``, ``drift_rate_<mapping>`` (the fitted ``b``), ``MGG``,
+    ``<embedder>/MCD_<mapping>``, ``drift_rate_<mapping>`` (SDR: the fitted ``b``), ``SDR_avg``, ``MGG``,
     ``MGG_micro`` and ``MGG_<task>`` (the task's accuracy averaged over the image generations)."""
     m: dict[str, float] = {}
     if "mcd" in report:
@@ -170,6 +186,8 @@ def drift_metrics(report: Mapping[str, Any], prefix: str = "drift") -> dict[str,
         for k, fit in report["mcd"]["decay"].items():
             if "b" in fit:
                 m[f"{prefix}/drift_rate_{k}"] = fit["b"]
+        if report["mcd"].get("SDR"):
+            m[f"{prefix}/SDR_avg"] = report["mcd"]["SDR_avg"]
     if "mgg" in report:
         m[f"{prefix}/MGG"] = report["MGG"]
         m[f"{prefix}/MGG_micro"] = report["MGG_micro"]

@@ -64,7 +64,7 @@ from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_objects, gather_records, rank_and_world, shard_indices, writes_outputs
 from unicon.evaluation.drift import metrics, plots
 from unicon.evaluation.drift.geneval import Detector, score_images
-from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, mapping_generations, modality
+from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, PAPER_G, mapping_generations, modality
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 
@@ -596,7 +596,12 @@ def evaluate_drift(
     report: dict[str, Any] = {
         "generations": generations, "i2t_prompt": i2t_prompt, "repairs": [],
         "image_generation": asdict(image_config or model.image_generation_config),
+        # G: MCD and MGG average over generations 1..G, so only runs with the same G compare
+        "G": {"value": generations, "paper": PAPER_G, "comparable_with_paper": generations == PAPER_G},
+        "embedders": {name: emb.describe() for name, emb in (embedders or {}).items()},
     }
+    if geneval_seeds:
+        report["detector"] = detector.describe()
     if model_id:
         report.update(checkpoint=model_id["checkpoint"], model_fingerprint=model_id["fingerprint"])
     if geneval_seeds:
@@ -621,6 +626,7 @@ def evaluate_drift(
             mcd = metrics.mcd([r["similarity"] for r in records.values()], generations)
             report["mcd"] = mcd
             report["MCD_avg"], report["MCD"] = mcd["MCD_avg"], mcd["MCD"]
+            report["SDR"], report["SDR_avg"] = mcd["SDR"], mcd["SDR_avg"]
         trails = [(c, seeds[k].id, r["trail"][c]) for c in chains for k, r in records.items() if r["trail"]]
     if geneval_seeds:
         index = shard_indices(len(geneval_seeds))
