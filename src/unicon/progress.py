@@ -47,14 +47,11 @@ def progress_mode(mode: str | None = None) -> str:
 
 
 def _rank() -> int:
-    """This process's rank in the default process group (0 without one); ``$RANK`` before it is made."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    """This process's rank in the default process group (0 without one); ``$RANK`` before it is made.
+    (A process group exists only where ``torch.distributed`` was imported: no import here.)"""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
