@@ -5,86 +5,28 @@ and evaluated by CocoCon; plugins arrive through the ``unicon.backends`` entry p
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import zlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 import standins
 
 from unicon.core import build_image_tokenizer
 from unicon.errors import UserError
 from unicon.models import build_model, load_model
-from unicon.models.base import Scores, TextGeneration, UnifiedModel, pil_to_tensor
 from unicon.models.registry import backend_class, register_backend, registered_backends
 
 BACKEND = "registry-test-fake"
 
 
-def _text_nll(*parts) -> float:
-    """A deterministic pseudo-NLL in [0, 10) of the scored inputs (crc32: the same in every process)."""
-    return (zlib.crc32("|".join(map(str, parts)).encode()) % 10_000) / 1000.0
-
-
 @register_backend(BACKEND)
-class FakeBackend(UnifiedModel):
-    """A backend with one parameter, ``scale``: every NLL is ``scale * crc32-hash(inputs)``."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.tensor(float(scale)))
-
-    @classmethod
-    def from_config(cls, model_cfg: dict, world_root=None) -> "FakeBackend":
-        return cls(model_cfg["arch"]["scale"])
-
-    @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> "FakeBackend":
-        return cls(json.loads((Path(path) / "unicon_model.json").read_text())["scale"])
-
-    def save_pretrained(self, path: str) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "unicon_model.json").write_text(json.dumps({"backend": BACKEND, "scale": self.scale.item()}))
-
-    def prepare_images(self, images):
-        return images if isinstance(images, torch.Tensor) else pil_to_tensor([im.resize((8, 8)) for im in images])
-
-    def _scores(self, rows: list[list[float]]) -> Scores:
-        width = max(len(r) for r in rows)
-        nll = torch.zeros(len(rows), width)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for b, row in enumerate(rows):
-            nll[b, : len(row)] = torch.tensor(row)
-            mask[b, : len(row)] = True
-        nll = nll * self.scale
-        return Scores(nll=nll, sum_nll=nll * 2, mask=mask, num_tokens=mask.long() * 2)
-
-    def score_text(self, images, prompts, candidates):
-        return self._scores([[_text_nll(im.size, p, c) for c in cands] for im, p, cands in zip(images, prompts, candidates)])
-
-    def score_boxes(self, images, expressions, boxes):
-        return self._scores([[_text_nll(im.size, e, box) for e in exprs] for im, exprs, box in zip(images, expressions, boxes)])
-
-    def score_image(self, prompts, images, contexts=None):
-        return self._scores([[_text_nll(im.size, p) for p in ps] for ps, im in zip(prompts, images)])
-
-    def caption(self, images, prompt=None, **generate_kwargs):
-        return ["a red circle" for _ in images]
-
-    def answer(self, images, questions, **generate_kwargs):
-        return ["red" for _ in questions]
-
-    def locate(self, images, expressions):
-        return torch.tensor([[0.0, 0.0, im.size[0] / 2, im.size[1] / 2] for im in images])
-
-    def generate_image(self, prompts, context=None, config=None):
-        return [Image.new("RGB", (8, 8), (200, 40, 40)) for _ in prompts]
-
-    def reason(self, prompts, max_new_tokens=256):
-        return [TextGeneration(text=p) for p in prompts]
+class FakeBackend(standins.FakeModel):
+    """The project's configurable test double (``standins.FakeModel``: one parameter, ``scale``; every
+    NLL is ``scale * crc32(inputs)``), registered under a name of this module: no edit to ``src/``."""
 
 
 def test_in_tree_backends_are_registered():
@@ -174,3 +116,15 @@ def build(spec):
     monkeypatch.setattr(importlib.metadata, "entry_points",
                         _entry_points("unicon.image_tokenizers", "plugin-grid", "unicon_plugin_tokenizer"))
     assert build_image_tokenizer({"type": "plugin-grid", "grid": 2}).grid_size == (2, 2)
+
+
+def test_an_installed_plugin_reaches_other_processes(tmp_path):
+    """A distribution's ``entry_points.txt`` (what ``pip install`` of a plugin leaves) is all another
+    process needs: ``load_model`` there finds backend ``fake`` of ``standins``."""
+    standins.FakeModel(scale=0.75).save_pretrained(str(tmp_path / "export"))
+    code = ("from unicon.models import load_model; m = load_model(r'%s'); print(type(m).__name__, m.scale.item())"
+            % (tmp_path / "export"))
+    env = {**os.environ, "PYTHONPATH": standins.fake_backend_plugin(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["FakeModel", "0.75"]

@@ -6,90 +6,30 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
+import standins
 from unicon.data.cococon import CocoConFormatError, load_cococon
 from unicon.evaluation.cococon import metrics, runner
 from unicon.evaluation.distributed import padding_repeats
 from unicon.evaluation.cococon.callback import CocoConCallback
 from unicon.evaluation.cococon.cli import cli
-from unicon.models.base import Scores, UnifiedModel, pil_to_tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# A small deterministic UnifiedModel test double (no learning; NLLs from crc32 of the inputs)
+# The test double: standins.FakeModel (NLLs from crc32 of the inputs), set up for CocoCon
 # ---------------------------------------------------------------------------------------------
-def _h(*parts) -> float:
-    """Deterministic pseudo-NLL in [0, 10) (crc32: identical in every process, unlike hash())."""
-    return (zlib.crc32("|".join(map(str, parts)).encode()) % 10_000) / 1000.0
+#: the contrast word "tie" scores like the gold word "red" in T2I (exercises tie counting); answers
+#: alternate with the question's length; generated images are grey levels of the prompt
+HASH = dict(score_alias={"tie": "red"}, captions="a child in a bed", answers=["2", "Blanket."], draw="gray")
 
 
-class HashModel(UnifiedModel):
-    backend = "hash"
-    caption_prompt = " what does the image describe?"
-
-    def __init__(self):
-        super().__init__()
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-        self.calls: list[str] = []
-
-    def prepare_images(self, images):
-        return images if isinstance(images, torch.Tensor) else pil_to_tensor([im.resize((8, 8)) for im in images])
-
-    def _img(self, image) -> tuple:
-        return image.getpixel((0, 0)) + image.size
-
-    def _scores(self, values):
-        K = max(len(v) for v in values)
-        nll = torch.zeros(len(values), K)
-        mask = torch.zeros(len(values), K, dtype=torch.bool)
-        for b, v in enumerate(values):
-            nll[b, : len(v)] = torch.tensor(v)
-            mask[b, : len(v)] = True
-        return Scores(nll=nll, sum_nll=nll * 3, mask=mask, num_tokens=mask.long() * 3)
-
-    def score_text(self, images, prompts, candidates):
-        self.calls.append("score_text")
-        return self._scores([[_h(self._img(im), p, c) for c in cands]
-                             for im, p, cands in zip(images, prompts, candidates)])
-
-    def score_boxes(self, images, expressions, boxes):
-        self.calls.append("score_boxes")
-        return self._scores([[_h(self._img(im), e, box) for e in exprs]
-                             for im, exprs, box in zip(images, expressions, boxes)])
-
-    def score_image(self, prompts, images):
-        self.calls.append("score_image")
-        # the contrast word "tie" scores like the gold word "red": exercises tie counting
-        return self._scores([[_h(self._img(im), p.replace("tie", "red")) for p in ps]
-                             for ps, im in zip(prompts, images)])
-
-    def caption(self, images, prompt=None, **kw):
-        return ["a child in a bed" for _ in images]
-
-    def answer(self, images, questions, **kw):
-        return ["Blanket." if len(q) % 2 else "2" for q in questions]
-
-    def locate(self, images, expressions):
-        return torch.tensor([[0.0, 0.0, im.size[0] / 2, im.size[1] / 2] for im in images])
-
-    def generate_image(self, prompts, context=None, config=None):
-        return [Image.new("RGB", (8, 8), (int(_h(p) * 25),) * 3) for p in prompts]
-
-    def reason(self, prompts, max_new_tokens=256):
-        raise NotImplementedError("not used by CocoCon")
-
-    def save_pretrained(self, path):
-        raise NotImplementedError("not used by CocoCon")
-
-    @classmethod
-    def from_pretrained(cls, path, **kw):
-        return cls()
+def HashModel(**options) -> standins.FakeModel:
+    return standins.FakeModel(**{**HASH, **options})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +252,7 @@ def test_scoring_end_to_end_matches_reference(tmp_path):
     data = load_cococon(_mini_file(tmp_path))
     model = HashModel()
     result = runner.evaluate_model(model, data.samples, batch_size=3, cider_tokenizer="simple")
-    assert {"score_text", "score_boxes", "score_image"} <= set(model.calls)
+    assert {"score_text", "score_boxes", "score_image"} <= {name for name, _ in model.calls}
     out = tmp_path / "out"
     import matplotlib
 
@@ -398,7 +338,7 @@ def test_cli_writes_results(tmp_path, monkeypatch):
     assert results["model_fingerprint"] == weights_fingerprint(HashModel())
     assert {"versions.python", "versions.torch"} <= set(results["environment"])
     assert results["generation"]["image"]["seed"] == 3
-    assert results["generation"]["caption_prompt"] == HashModel.caption_prompt
+    assert results["generation"]["caption_prompt"] == standins.FakeModel.caption_prompt
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("cococon/vqa/C_1" in m for m in logged)
     assert (out / "tables" / "cococon_samples.jsonl").is_file()
@@ -419,11 +359,9 @@ def test_cli_writes_results(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # DDP: evaluate_model (the path the callback takes) on 2 gloo ranks == 1 process
 # ---------------------------------------------------------------------------------------------
-class LongCaptionModel(HashModel):
+def LongCaptionModel() -> standins.FakeModel:
     """Generated captions of about 600 UTF-8 bytes, multi-byte characters included."""
-
-    def caption(self, images, prompt=None, **kw):
-        return [f"{im.size[0]}: " + "ein Kind schläft unter einer grünen Decke " * 14 for im in images]
+    return HashModel(captions="{width}: " + "ein Kind schläft unter einer grünen Decke " * 14)
 
 
 def _ddp_worker(rank, world, init_file, data_path, out_dir):
@@ -541,7 +479,7 @@ def test_callback_logs_metrics_and_table(tmp_path):
             self.model = HashModel()
 
         def training_step(self, batch, batch_idx):
-            return (self.model.dummy * batch).sum()
+            return (self.model.scale * batch).sum() * 0  # the fake model is not trained
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -613,7 +551,7 @@ def test_t2i_scene_match_counts_exact_renders(tiny_world_model):
     data = load_cococon(world_root / "cococon_test.json").subset(8)
     scenes = {runner.normalize_text(s.caption): s.scene for s in data}
 
-    class RenderingModel(HashModel):
+    class RenderingModel(standins.FakeModel):
         def generate_image(self, prompts, context=None, config=None):
             return [render(Scene.from_dict(scenes[p]), cfg) if i % 2 == 0 else Image.new("RGB", (64, 64))
                     for i, p in enumerate(prompts)]
