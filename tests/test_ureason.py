@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+import standins
 from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import (
     CATEGORIES,
@@ -39,7 +40,7 @@ from unicon.evaluation.ureason.judges import (
 )
 from unicon.evaluation.ureason.metrics import SETTING_NAMES, UReasonMetric, compute_metrics, markdown_table
 from unicon.errors import UserError
-from unicon.models.base import TextGeneration, UnifiedModel
+from unicon.models.base import TextGeneration
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,56 +290,14 @@ def test_metrics_by_hand_missing_image_is_a_failure():
 # ---------------------------------------------------------------------------------------------
 # a deterministic test double of a unified model and a colour judge
 # ---------------------------------------------------------------------------------------------
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+COLORS = standins.FAKE_COLORS
 
 
-class ColorDouble(UnifiedModel):
+def ColorDouble(fail_on: str | None = None) -> standins.FakeModel:
     """Draws a solid image of the LAST colour word in (context + prompt); reasons by echoing the
-    first colour word of the prompt into a refined prompt, wrapped in distracting commentary."""
-
-    backend = "double"
-
-    def __init__(self, fail_on: str | None = None):
-        super().__init__()
-        self.fail_on = fail_on
-        self.calls: list[tuple[list[str], list[str] | None]] = []
-
-    def _color(self, text):
-        words = [w for w in re.findall(r"[a-z]+", text.lower()) if w in COLORS]
-        return words[-1] if words else None
-
-    def generate_image(self, prompts, context=None, config=None):
-        self.calls.append((list(prompts), None if context is None else list(context)))
-        out = []
-        for b, p in enumerate(prompts):
-            if self.fail_on and self.fail_on in p:
-                raise RuntimeError(f"cannot draw {p!r}")
-            c = self._color((context[b] + " " if context else "") + p)
-            out.append(Image.new("RGB", (8, 8), COLORS.get(c, (0, 0, 0))))
-        return out
-
-    def reason(self, prompts, max_new_tokens=256):
-        out = []
-        for p in prompts:
-            words = [w for w in re.findall(r"[a-z]+", p.lower()) if w in COLORS]
-            first = words[0] if words else "grey"
-            text = f"<think>The prompt mentions {' and '.join(words)}.</think>\n**Refined prompt:** a {first} square"
-            out.append(TextGeneration(text=text, truncated=len(text.split()) > max_new_tokens,
-                                      num_tokens=len(text.split())))
-        return out
-
-    # unused by UReason
-    def prepare_images(self, images): raise NotImplementedError
-    def score_text(self, images, prompts, candidates): raise NotImplementedError
-    def score_boxes(self, images, expressions, boxes): raise NotImplementedError
-    def score_image(self, prompts, images): raise NotImplementedError
-    def caption(self, images, prompt=None, **kw): raise NotImplementedError
-    def answer(self, images, questions, **kw): raise NotImplementedError
-    def locate(self, images, expressions): raise NotImplementedError
-    def save_pretrained(self, path): raise NotImplementedError
-
-    @classmethod
-    def from_pretrained(cls, path, **kwargs): raise NotImplementedError
+    first colour word of the prompt into a refined prompt, wrapped in distracting commentary
+    (``standins.FakeModel``'s ``draw="color"``); ``image_calls`` records (prompts, contexts)."""
+    return standins.FakeModel(draw="color", fail_on=fail_on)
 
 
 class ColorJudge(Judge):
@@ -388,9 +347,9 @@ def test_three_settings_with_a_test_double_and_outputs(tmp_path):
     assert metrics["acc_s3_excl_missing"] == 100.0
     assert metrics["chain_acc"] == 100.0 and metrics["fallback_rate"] == 0.0
     # setting 2 passes the trace as context; setting 3 passes R_p alone
-    s2_calls = [c for c in model.calls if c[1] is not None]
+    s2_calls = [c for c in model.image_calls if c[1] is not None]
     assert s2_calls and s2_calls[0][1][0] == samples[0].trace
-    assert any(c[0] == ["a red square", "a blue square", "a green square"] for c in model.calls)
+    assert any(c[0] == ["a red square", "a blue square", "a green square"] for c in model.image_calls)
     # outputs
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4
@@ -635,7 +594,7 @@ def test_exact_judge_on_rendered_scenes():
         judge.judge_images([_inst(1, "code")], [good])
 
 
-class ShapesDouble(ColorDouble):
+class ShapesDouble(standins.FakeModel):
     """Test double of a think-then-draw ShapesWorld model: it draws the scene of a caption it knows
     (an empty board otherwise) and reasons by an answer key with one wrong answer."""
 
@@ -646,7 +605,7 @@ class ShapesDouble(ColorDouble):
     def generate_image(self, prompts, context=None, config=None):
         from unicon.worlds.shapes import Scene, render
 
-        self.calls.append((list(prompts), None if context is None else list(context)))
+        self.image_calls.append((list(prompts), None if context is None else list(context)))
         return [render(self.drawings.get(p if context is None else None, Scene()), self.cfg) for p in prompts]
 
     def reason(self, prompts, max_new_tokens=256):
