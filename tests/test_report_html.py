@@ -193,3 +193,77 @@ def test_report_html_renders_every_section_in_chromium(report, chromium, tmp_pat
         shutil.copyfile(shot, SCREENSHOT_COPY)
     except OSError:  # a read-only /tmp: the one in the test's tmp dir is enough
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Other folders (no browser needed)
+# ---------------------------------------------------------------------------------------------
+def _section(page: str, sid: str) -> str:
+    found = re.search(rf'<section id="{sid}">(.*?)</section>', page, re.S)
+    assert found, f"no section {sid}"
+    return found.group(1)
+
+
+def test_report_of_a_standalone_evaluation_folder(runs):  # noqa: F811
+    """``unicon report`` on ``unicon evaluate cococon --out DIR``'s folder: its results, figures and
+    samples in the CocoCon section; the other suites say they were not evaluated."""
+    from unicon.report import cli
+
+    out = runs["export"].parent / "cococon"
+    assert cli([str(out)]) == 0
+    page = (out / "report.html").read_text(encoding="utf-8")
+    cococon = _section(page, "cococon")
+    for name in ("consistency_by_k", "consistency_vs_accuracy"):
+        assert cococon.count(f'data-key="cococon/fig/{name}"') == 1
+    assert 'class="cococon-ck"' in cococon and 'class="cococon-samples"' in cococon
+    for sid in ("drift", "ureason"):
+        assert f"No {sid} evaluation in this run" in _section(page, sid)
+    assert "No config.yaml in this folder" in _section(page, "config")
+
+
+def test_report_without_evaluations_thumbnails_and_bad_files(tmp_path):
+    """A run without evaluation: every section, the empty ones saying so; a COCO-size sample image
+    is inlined as a thumbnail; an unreadable results.json is an error naming the file."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from unicon.config import compose, to_yaml
+    from unicon.errors import UserError
+    from unicon.report import THUMB_SIDE, write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(compose(["name=plain", "eval=none"])))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / (s + 1)}) + "\n"
+                                               for s in range(5)))
+    write_report(run)
+    page = (run / "report.html").read_text(encoding="utf-8")
+    assert [m for m in re.findall(r'<section id="(\w+)">', page)] == [sid for sid, _ in SECTIONS]
+    assert page.count('data-key="training/curves"') == 1 and 'data-key="evaluation/curves"' not in page
+    for sid in ("cococon", "drift", "ureason"):
+        assert f"No {sid} evaluation in this run" in _section(page, sid)
+    config = _section(page, "config")
+    assert "<td>name</td>" in config and "<td>loss.lambda_</td>" in config
+
+    # a CocoCon evaluation with a 640x480 sample photo
+    ev = run / "eval" / "cococon" / "epoch-1"
+    ev.mkdir(parents=True)
+    (ev / "results.json").write_text(json.dumps({"vqa": {"C_k": {"1": 50.0}, "acc@k": {"1": 40.0}, "rho": 0.5,
+                                                         "num_samples": 2}, "max_k": 1}))
+    (run / "tables" / "cococon_samples").mkdir(parents=True)
+    Image.new("RGB", (640, 480), "orange").save(run / "tables" / "cococon_samples" / "photo.png")
+    (run / "tables" / "cococon_samples.jsonl").write_text(json.dumps(
+        {"step": 4, "image": "cococon_samples/photo.png", "id": 7, "caption": "a <b>cat</b> & a dog",
+         "vqa_consistent": True}) + "\n")
+    write_report(run)
+    cococon = _section((run / "report.html").read_text(encoding="utf-8"), "cococon")
+    assert "a &lt;b&gt;cat&lt;/b&gt; &amp; a dog" in cococon  # text is escaped
+    (uri,) = re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="sample 7"', cococon)
+    with Image.open(io.BytesIO(base64.b64decode(uri))) as im:
+        assert im.size == (THUMB_SIDE, THUMB_SIDE * 480 // 640)
+
+    (ev / "results.json").write_text("{not json")
+    with pytest.raises(UserError, match=re.escape(str(ev / "results.json"))):
+        write_report(run)

@@ -199,7 +199,7 @@ td.text { max-width: 360px; white-space: pre-wrap; }
 figure { margin: 0; border: 1px solid #e3e7ec; padding: 6px; background: #fff; }
 figure img { max-width: 100%; display: block; }
 figcaption { font-size: 12px; color: #56606b; margin-top: 4px; }
-img.thumb { width: 96px; height: 96px; image-rendering: pixelated; border: 1px solid #d8dde3; }
+img.thumb { width: 96px; height: 96px; object-fit: contain; image-rendering: pixelated; border: 1px solid #d8dde3; background: #eef1f5; }
 img.strip { max-height: 110px; image-rendering: pixelated; }
 .ok { color: #17702f; font-weight: 600; }
 .bad { color: #a4161a; font-weight: 600; }
@@ -224,15 +224,33 @@ def _data_uri(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def _img(path: Path, alt: str, cls: str = "", key: str | None = None) -> str:
-    """An ``<img>`` with the file inlined, or a visible note when the file is missing (never a
-    broken image)."""
+#: sample images (CocoCon, UReason) are inlined at most this many pixels a side (COCO photos are 640)
+THUMB_SIDE = 192
+
+
+def _img(path: Path, alt: str, cls: str = "", key: str | None = None, max_side: int | None = None) -> str:
+    """An ``<img>`` with the file inlined (downscaled to ``max_side`` pixels a side, as PNG, when it
+    is larger), or a visible note when the file is missing or unreadable (never a broken image)."""
     if not path.is_file():
         return f'<span class="empty">missing: {_e(path.name)}</span>'
     mime = "image/jpeg" if path.suffix.lower() in (".jpg", ".jpeg") else "image/png"
+    data = path.read_bytes()
+    if max_side:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                if max(im.size) > max_side:
+                    im = im.convert("RGB")
+                    im.thumbnail((max_side, max_side))
+                    buf = io.BytesIO()
+                    im.save(buf, format="PNG")
+                    data, mime = buf.getvalue(), "image/png"
+        except (UnidentifiedImageError, OSError) as e:
+            return f'<span class="empty">unreadable image {_e(path.name)}: {_e(e)}</span>'
     attrs = f' class="{cls}"' if cls else ""
     attrs += f' data-key="{_e(key)}"' if key else ""
-    return f'<img src="{_data_uri(path.read_bytes(), mime)}" alt="{_e(alt)}"{attrs}>'
+    return f'<img src="{_data_uri(data, mime)}" alt="{_e(alt)}"{attrs}>'
 
 
 def _figure_png(fig, key: str, caption: str) -> str:
@@ -367,7 +385,8 @@ def _cococon_samples(tables_dir: Path) -> str:
     flags = [c for c in rows[0] if c.endswith("_consistent")]
     body = []
     for r in rows:
-        img = _img(tables_dir / r["image"], f"sample {r.get('id')}", "thumb") if r.get("image") else ""
+        img = _img(tables_dir / r["image"], f"sample {r.get('id')}", "thumb", max_side=THUMB_SIDE) \
+            if r.get("image") else ""
         body.append([f"<td>{img}</td>", _td(r.get("id")), _td(r.get("caption")), _td(r.get("hardest_contrast")),
                      _td(r.get("answer")), _td(r.get("contrast_answer")),
                      *(f'<td class="{"ok" if r.get(c) else "bad"}">{"yes" if r.get(c) else "no"}</td>' for c in flags)])
@@ -450,7 +469,8 @@ def _ureason_eval(label: str, out: Path) -> str:
             cells = [_td(s.get("category")), _td(s.get("expect_en")), _td(s.get("refined_prompt"))]
             for k, _ in settings:
                 verdict = "yes" if s.get(f"correct_s{k}") else "no"
-                img = _img(out / s[f"image_s{k}"], f"setting {k}", "thumb", f"ureason/s{k}") if s.get(f"image_s{k}") \
+                img = _img(out / s[f"image_s{k}"], f"setting {k}", "thumb", f"ureason/s{k}", THUMB_SIDE) \
+                    if s.get(f"image_s{k}") \
                     else f'<span class="empty">{_e(s.get(f"image_error_s{k}") or "no image")}</span>'
                 cells.append(f'<td>{img}<div class="{"ok" if verdict == "yes" else "bad"}">{verdict}</div></td>')
             body.append(cells)
