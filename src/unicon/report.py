@@ -36,6 +36,7 @@ import html
 import io
 import json
 import math
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -144,7 +145,7 @@ def write_report(run_dir: str | Path) -> Path:
     if plot:
         lines += ["## Curves", "", f"![curves]({plot.name})", ""]
     out = run_dir / "report.md"
-    out.write_text("\n".join(lines))
+    _atomic_write(out, "\n".join(lines).encode("utf-8"))
     write_html(run_dir, series)
     return out
 
@@ -174,7 +175,9 @@ def _plot(run_dir: Path, series: dict) -> Path | None:
     if not keys:
         return None
     path = run_dir / "report_curves.png"
-    _curves_figure(series, keys).savefig(path, dpi=110)
+    buf = io.BytesIO()
+    _curves_figure(series, keys).savefig(buf, format="png", dpi=110)
+    _atomic_write(path, buf.getvalue())
     return path
 
 
@@ -534,13 +537,19 @@ def render_html(run_dir: Path, series: dict | None = None) -> str:
             f"</p></header><nav>{nav}</nav><main>{sections}</main></body></html>\n")
 
 
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write through a temporary file of this process: every DDP rank runs ``unicon train`` to its
+    end and writes the (same) report; a reader never sees a partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
 def write_html(run_dir: str | Path, series: dict | None = None) -> Path:
     """Write ``<run_dir>/report.html`` (see the module docstring) and return its path."""
     run_dir = Path(run_dir)
     out = run_dir / "report.html"
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render_html(run_dir, series), encoding="utf-8")
-    tmp.replace(out)
+    _atomic_write(out, render_html(run_dir, series).encode("utf-8"))
     return out
 
 
