@@ -184,3 +184,52 @@ def test_requeued_ddp_job_resumes_at_the_exact_step(slurm_cluster, tiny_shapes_w
     attempts = sorted((run / "wandb").glob("offline-run-*"))
     assert len(attempts) == 2 and all(p.name.endswith(f"-{run_id}") for p in attempts), attempts
     assert (run / "export" / "training_config.json").is_file()
+
+
+def test_sharded_drift_array_and_merge_equal_one_run(slurm_cluster, tmp_path):
+    """``slurm/evaluate_array.sbatch submit``: a 2-shard drift array job and its dependent merge job run
+    on the cluster; the merged ``drift.json`` equals one unsharded ``unicon evaluate drift`` byte for
+    byte (the checkout's git state, which others may commit to meanwhile, compared for presence)."""
+    import re
+
+    import standins
+
+    if not (REPO / ".venv" / "bin" / "unicon").is_file():
+        pytest.skip("needs the project's virtual environment (make setup), which the sbatch script activates")
+    world = standins.build_world(tmp_path / "world", "--num-drift-seeds", "3", "--num-reason-train", "0", train=8)
+    ckpt = tmp_path / "ckpt" / "export"
+    standins.FakeModel(captions="world", draw="world", world=str(world)).save_pretrained(str(ckpt))
+    args = f"--world {world} --generations 2 --embedders scene --batch-size 2 --logger none"
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    env = dict(slurm_cluster, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CKPTS=str(ckpt), SUITES="drift", SHARDS="2",
+               OUT=str(tmp_path / "out"), DRIFT_ARGS=args, SBATCH_ARGS="--gpus-per-node=0 --cpus-per-task=1 --time=10",
+               PYTHONPATH=standins.fake_backend_plugin(tmp_path / "plugin"))  # sbatch exports it to the jobs
+    t0 = time.monotonic()
+    submit = subprocess.run(["bash", str(REPO / "slurm" / "evaluate_array.sbatch"), "submit"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    shards_job, merge_job = re.search(r"shards job (\d+) .* merge job (\d+)", submit.stdout).groups()
+    merged = tmp_path / "out" / "00-export" / "drift" / "drift.json"
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end:
+            queue = subprocess.run(["squeue", "-h", "-j", f"{shards_job},{merge_job}"], env=env, capture_output=True,
+                                   text=True).stdout
+            if not queue.strip():
+                break
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", shards_job, merge_job], env=env, timeout=30)
+    logs = "\n".join(f"{p.name}:\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("slurm-*.out")))
+    print(f"array + merge: {time.monotonic() - t0:.0f} s\n{logs}")
+    assert merged.is_file(), logs
+    assert len(list(tmp_path.glob("slurm-unicon-eval-array-*.out"))) == 2, logs  # one log per shard task
+    one = tmp_path / "one"
+    proc = subprocess.run([str(REPO / ".venv" / "bin" / "unicon"), "evaluate", "drift", "--ckpt", str(ckpt), "--out",
+                           str(one), *args.split()], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def text(path: Path) -> str:
+        return re.sub(r'"git\.(commit|dirty)": [^\n,]*', r'"git.\1": _', path.read_text())
+
+    assert text(merged) == text(one / "drift.json")
