@@ -157,6 +157,7 @@ def test_report_html_renders_every_section_in_chromium(report, chromium, tmp_pat
     assert {"cococon-trend", "cococon-ck", "cococon-samples"} <= set(sections["cococon"]["tables"])
     assert {"drift-trend", "drift-mcd", "drift-strips"} <= set(sections["drift"]["tables"])
     assert {"ureason-trend", "ureason-acc", "ureason-side"} <= set(sections["ureason"]["tables"])
+    assert keys("ureason")["ureason/fig/settings_by_category"] == EPOCHS
     tables = probe["tables"]
     # the last evaluation's tables (earlier epochs' are folded in <details>, also in the DOM)
     assert keys("drift")["drift/strip"] >= len(tables["drift-strips"]) >= 1
