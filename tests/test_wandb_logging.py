@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 TABLES = ("cococon/samples", "drift/strips", "drift/S_t2i_table", "drift/S_i2t_table",
           "drift/MGG_by_generation_table", "ureason/samples")
 FIGURES = ("cococon/fig/consistency_by_k", "cococon/fig/consistency_vs_accuracy", "drift/fig/drift_curves",
-           "drift/fig/mgg_heatmap", "drift/fig/strips")
+           "drift/fig/mgg_heatmap", "drift/fig/strips", "ureason/fig/settings_by_category")
 SCALARS = ("cococon/vqa/C_1", "cococon/failed", "drift/MCD_avg", "drift/MGG", "drift/failed", "ureason/acc_s1",
            "ureason/failed")
 STEPS_PER_EPOCH = 2  # trainer.limit_train_batches

@@ -454,27 +454,6 @@ def _ureason_categories(metrics: dict) -> list[str]:
     return [k.split("/", 1)[1] for k in metrics if k.startswith("acc_s1/")]
 
 
-def _settings_figure(metrics: dict, cats: list[str], settings: Sequence[tuple[str, str]]):
-    """Grouped bars: per category (and overall), the accuracy of settings 1-3."""
-    from matplotlib.figure import Figure
-
-    groups = [*cats, "overall"]
-    fig = Figure(figsize=(1.3 * len(groups) + 2.0, 2.8))
-    ax = fig.subplots()
-    width = 0.8 / len(settings)
-    for j, (k, name) in enumerate(settings):
-        values = [metrics.get(f"acc_s{k}/{c}" if c != "overall" else f"acc_s{k}") or 0.0 for c in groups]
-        ax.bar([i + (j - (len(settings) - 1) / 2) * width for i in range(len(groups))], values, width,
-               label=f"{k} {name}")
-    ax.set_xticks(range(len(groups)), groups, fontsize=8)
-    ax.set_ylabel("accuracy %", fontsize=8)
-    ax.set_ylim(0, 100)
-    ax.tick_params(labelsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return fig
-
-
 def _ureason_eval(label: str, out: Path) -> str:
     summary = _read_json(out / SUITE_FILES["ureason"]) or {}
     metrics = summary.get("metrics") or {}
@@ -486,8 +465,8 @@ def _ureason_eval(label: str, out: Path) -> str:
                  _td(metrics.get("chain_acc"))])
     html_ = _table(["setting (accuracy %)", *(_e(c) for c in cats), "overall"], rows, "ureason-acc")
     if cats:
-        html_ += '<div class="figures">' + _figure_png(
-            _settings_figure(metrics, cats, settings), "ureason/fig/settings_by_category",
+        html_ += '<div class="figures">' + _figure_file(
+            out / "settings_by_category.png", "ureason/fig/settings_by_category",
             f"accuracy of the three settings per category ({label or 'evaluation'})") + "</div>"
     html_ += f'<p class="note">judge: {_e(summary.get("judge"))}; N = {_num(metrics.get("n"))}</p>'
     samples = _read_jsonl(out / "samples.jsonl")[:MAX_ROWS]

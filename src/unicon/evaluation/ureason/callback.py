@@ -13,8 +13,9 @@ from typing import Any
 
 from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import UReasonInstance, load_instances, subset, world_root_of
-from unicon.evaluation.callbacks import EvalCallback, log_table
+from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
 from unicon.evaluation.ureason.judges import Judge, build_judge, check_judge_fits
+from unicon.evaluation.ureason.plots import FIGURES
 from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
 
 HEADLINE = ("acc_s1", "acc_s2", "acc_s3", "delta_12", "delta_23", "chain_acc", "fallback_rate")
@@ -80,4 +81,5 @@ class UReasonCallback(EvalCallback):
             info={"epoch": trainer.current_epoch + 1}, device=trainer.strategy.root_device)
         log_table(trainer.loggers, "ureason/samples", TABLE_COLUMNS, table_rows(samples, self.table_rows),
                   step=trainer.global_step)
+        log_figures(trainer.loggers, "ureason", self.output_dir(trainer), FIGURES, step=trainer.global_step)
         return {f"ureason/{k}": metrics[k] for k in HEADLINE if k in metrics}

@@ -60,6 +60,7 @@ from unicon.evaluation.ureason.metrics import (
     metric_categories,
     ordered_categories,
 )
+from unicon.evaluation.ureason.plots import plot_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 
@@ -288,12 +289,14 @@ def save_images(out_dir: Path, s: Sample) -> dict[int, str | None]:
 
 
 def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
-    """``samples.jsonl``, ``ureason.json`` (``{"metrics": ..., **info}``) and ``table.md``."""
+    """``samples.jsonl``, ``ureason.json`` (``{"metrics": ..., **info}``), ``table.md`` and the
+    figures of :mod:`.plots` (``settings_by_category.png``)."""
     with (out_dir / "samples.jsonl").open("w") as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     (out_dir / "ureason.json").write_text(json.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
     (out_dir / "table.md").write_text(markdown_table(metrics, metric_categories(metrics)))
+    plot_results(metrics, out_dir)
 
 
 TABLE_COLUMNS = [
