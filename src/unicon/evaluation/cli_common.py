@@ -248,7 +248,39 @@ def add_shard_args(p: argparse.ArgumentParser) -> None:
                         "its parts go to OUT/shards/, no final files")
     x.add_argument("--merge", action="store_true",
                    help="after every shard of OUT/shards/ finished: write the files one unsharded run writes "
-                        "(byte-identical; loads the model for its fingerprint and settings, calls it never)")
+                        "(byte-identical; no model is loaded: the shards recorded its settings)")
+
+
+def _merge_makes_no_model_call(*args, **kwargs):
+    raise RuntimeError("a merge of shards makes no model call")
+
+
+class RecordedModel:
+    """The merge's stand-in for the shards' model: what the suites read of a model besides its calls
+    (``caption_prompt``, ``image_generation_config``, the weights fingerprint), as the shards recorded
+    it, and no weights; every model call raises. A merge job needs no GPU and no memory for the model."""
+
+    def __new__(cls, recorded: Mapping[str, Any]):
+        from unicon.models.base import ImageGenerationConfig, UnifiedModel
+
+        class Recorded(UnifiedModel):
+            backend = "recorded"
+
+        for name in Recorded.__abstractmethods__:
+            setattr(Recorded, name, _merge_makes_no_model_call)
+        Recorded.__abstractmethods__ = frozenset()
+        model = Recorded()
+        model.caption_prompt = recorded["caption_prompt"]
+        config = ImageGenerationConfig(**recorded["image_generation_config"])
+        Recorded.image_generation_config = property(lambda self: config)
+        model.fingerprint = recorded["model_fingerprint"]
+        return model
+
+
+def model_record(model, fingerprint: str) -> dict[str, Any]:
+    """What :class:`RecordedModel` needs, from the real model of a shard."""
+    return {"caption_prompt": model.caption_prompt, "model_fingerprint": fingerprint,
+            "image_generation_config": dataclasses.asdict(model.image_generation_config)}
 
 
 @dataclasses.dataclass
@@ -261,14 +293,37 @@ class ShardState:
     extra: dict
     done: list[dict]
 
-    def check_same_model(self, fingerprint: str) -> None:
-        """Shards record their weights fingerprint; the merge refuses a shard of other weights."""
+    def load_model(self, args: argparse.Namespace, loader=None):
+        """``(model, weights fingerprint)``: the model of ``--ckpt`` (``loader(args)``, default
+        :func:`load_model_for`; one run, a shard: which records it for the merge), or in a merge the
+        shards' :class:`RecordedModel` (all shards must agree)."""
+        from unicon.core import weights_fingerprint
+
+        if self.mode != "merge":
+            model = (loader or load_model_for)(args)
+            fingerprint = weights_fingerprint(model)
+            if self.mode == "shard":
+                self.extra["model"] = model_record(model, fingerprint)
+            return model, fingerprint
+        records = [info["extra"]["model"] for info in self.done]
+        for info, record in zip(self.done, records):
+            if record != records[0]:
+                diff = sorted(k for k in record if record[k] != records[0].get(k))
+                raise UserError(f"merge: shard {info['shard']} evaluated another model than shard 0 ({', '.join(diff)} "
+                                "differ); rerun it")
+        return RecordedModel(records[0]), records[0]["model_fingerprint"]
+
+    def record(self, name: str, value: Any) -> Any:
+        """A value the shards record and the merge reads back (all shards must agree): ``value`` in a
+        shard or one run, the shards' value in a merge (``value`` is not used there)."""
         if self.mode == "shard":
-            self.extra["model_fingerprint"] = fingerprint
-        for info in self.done:
-            if info["extra"].get("model_fingerprint") != fingerprint:
-                raise UserError(f"merge: shard {info['shard']} evaluated weights {info['extra'].get('model_fingerprint')}, "
-                                f"--ckpt has {fingerprint}")
+            self.extra[name] = value
+        if self.mode != "merge":
+            return value
+        values = [info["extra"][name] for info in self.done]
+        if any(v != values[0] for v in values):
+            raise UserError(f"merge: the shards recorded different {name} values {values}; rerun them")
+        return values[0]
 
 
 @contextmanager

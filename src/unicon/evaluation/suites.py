@@ -67,7 +67,11 @@ def _load() -> None:
 def suites() -> dict[str, Suite]:
     """Every registered suite, in-tree ones first (their :data:`IN_TREE` order)."""
     _load()
-    return dict(_SUITES)
+
+    def rank(s: Suite) -> int:
+        return IN_TREE.index(s.cli.__module__) if s.cli.__module__ in IN_TREE else len(IN_TREE)
+
+    return {s.name: s for s in sorted(_SUITES.values(), key=rank)}  # sorted() is stable: plugins keep their order
 
 
 def suite(name: str) -> Suite:

@@ -24,7 +24,6 @@ import torch
 from omegaconf import OmegaConf
 
 from unicon.config import CocoConEvalConfig, LoggerConfig
-from unicon.core import weights_fingerprint
 from unicon.data.cococon import CocoConSample, load_cococon
 from unicon.errors import UserError
 from unicon.evaluation import preemption
@@ -117,16 +116,14 @@ def cli(argv: Sequence[str] | None = None) -> int:
     log.info(data.report.summary())
     if not data.samples:
         raise UserError(f"{cfg.data}: no sample left to evaluate ({data.report.summary()})")
-    model = load_model_for(args)
-    if "t2i" in cfg.tasks and not args.merge:
-        check_can_score_t2i(model, data.samples[0])
-    settings = dict(max_k=args.max_k, generative=cfg.generative, world_root=data.images_root,
-                    fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=cfg.tasks,
-                    probe_words=cfg.probe_words, image_config=image_generation_config(model, args))
-    fingerprint = weights_fingerprint(model)
-    start = time.perf_counter()
     with sharding(args, out) as shards, preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch
-        shards.check_same_model(fingerprint)
+        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: the shards' recorded settings, no weights
+        if "t2i" in cfg.tasks and shards.mode != "merge":
+            check_can_score_t2i(model, data.samples[0])
+        settings = dict(max_k=args.max_k, generative=cfg.generative, world_root=data.images_root,
+                        fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer, tasks=cfg.tasks,
+                        probe_words=cfg.probe_words, image_config=image_generation_config(model, args))
+        start = time.perf_counter()
         result = evaluate_model(model, data.samples, cfg.batch_size, progress=True, **settings)
         seconds = time.perf_counter() - start
         shards.extra["seconds"] = seconds

@@ -115,7 +115,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
     from unicon.evaluation.drift.plots import log_plots
     from unicon.evaluation.drift.runner import chains_for, evaluate_drift
-    from unicon.core import weights_fingerprint
 
     config_from_args(args, DriftEvalConfig, FLAGS, skip=SKIP)  # ranges and choices, naming the flag
     out = check_common_args(args, ("nd_n", "geneval_limit"))
@@ -172,11 +171,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
         detector = load_detector(args.detector, world_cfg=world.config if world else None, color_classifier=color,
                                  threshold=args.detector_threshold)
 
-    model = load_model_for(args)
-    model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": weights_fingerprint(model)}
     # stops at the next batch; the journals make a rerun resume (a shard's chains: OUT/<set>/rank-<i>)
     with sharding(args, out) as shards, preemption.watch_signals():
-        shards.check_same_model(model_id["fingerprint"])
+        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: the shards' recorded settings, no weights
+        model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": fingerprint}
         report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
                                 batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,
                                 detector=detector, chains=chains, image_config=image_generation_config(model, args),

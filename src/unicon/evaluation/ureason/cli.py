@@ -38,6 +38,7 @@ from unicon.evaluation.cli_common import (
     sharding,
 )
 from unicon.evaluation.ureason.judges import (
+    Judge,
     JUDGE_DTYPES,
     JUDGE_MAX_NEW_TOKENS,
     build_judge,
@@ -57,6 +58,22 @@ FLAGS = {
     "batch_size": Flag("instances per model call"),
     "table_rows": Flag("samples in the W&B image table"),
 }
+
+
+class RecordedJudge(Judge):
+    """The merge's stand-in for the shards' judge: its name and abilities; it judges nothing (a
+    merge has no instance of its own)."""
+
+    def __init__(self, name: str, judges_reasoning: bool):
+        self.name, self.judges_reasoning = name, judges_reasoning
+
+    def judge_images(self, instances, images):
+        if instances:
+            raise RuntimeError("a merge of shards judges no image")
+        return []
+
+    def judge_reasoning(self, instances, traces, refined_prompts):
+        return self.judge_images(instances, [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +106,6 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from unicon.loggers import environment_info, make_loggers
-    from unicon.core import weights_fingerprint
 
     cfg = config_from_args(args, UReasonEvalConfig, FLAGS)
     out = check_common_args(args, ("judge_max_new_tokens",))
@@ -99,23 +115,26 @@ def cli(argv: Sequence[str] | None = None) -> int:
                         "--split selects a split of the UReason release")
     instances = subset(load_instances(cfg.data, split=args.split, categories=args.categories), cfg.max_samples)
     check_judge_fits(cfg.judge, instances)
-    judge = build_judge(cfg.judge, chain=cfg.chain_judge, world_root=world_root_of(cfg.data),
-                        device=args.device, dtype=args.judge_dtype,
-                        trust_remote_code=args.trust_remote_code, max_new_tokens=args.judge_max_new_tokens)
-    model = load_model_for(args)
-    image_config = image_generation_config(model, args)
-    info = {
-        "ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
-        "model_fingerprint": weights_fingerprint(model), "data": str(cfg.data), "split": args.split,
-        "categories": args.categories, "max_samples": cfg.max_samples,
-        "generation": {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
-                       "image": dataclasses.asdict(image_config)},
-        "judge_settings": {"judge": cfg.judge, "chain_judge": cfg.chain_judge, "dtype": args.judge_dtype,
-                           "max_new_tokens": args.judge_max_new_tokens},
-        "environment": environment_info(),
-    }
     with sharding(args, out) as shards, preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch
-        shards.check_same_model(info["model_fingerprint"])
+        if shards.mode == "merge":  # no judge model is loaded: the shards judged every instance
+            judge: Judge = RecordedJudge(**shards.record("judge", None))
+        else:
+            judge = build_judge(cfg.judge, chain=cfg.chain_judge, world_root=world_root_of(cfg.data),
+                                device=args.device, dtype=args.judge_dtype, trust_remote_code=args.trust_remote_code,
+                                max_new_tokens=args.judge_max_new_tokens)
+            shards.record("judge", {"name": judge.name, "judges_reasoning": judge.judges_reasoning})
+        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: the shards' recorded settings, no weights
+        image_config = image_generation_config(model, args)
+        info = {
+            "ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
+            "model_fingerprint": fingerprint, "data": str(cfg.data), "split": args.split,
+            "categories": args.categories, "max_samples": cfg.max_samples,
+            "generation": {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
+                           "image": dataclasses.asdict(image_config)},
+            "judge_settings": {"judge": cfg.judge, "chain_judge": cfg.chain_judge, "dtype": args.judge_dtype,
+                               "max_new_tokens": args.judge_max_new_tokens},
+            "environment": environment_info(),
+        }
         metrics, samples = evaluate_ureason(model, instances, judge, out, cfg.max_new_tokens, cfg.batch_size,
                                             image_config, info)
     if shards.mode == "shard":
