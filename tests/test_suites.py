@@ -118,3 +118,37 @@ def test_evaluate_all_runs_the_groups_suites(tmp_path, capsys):
     assert [p.name for p in (tmp_path / "only").iterdir()] == ["cococon"]
     assert unicon_main([*common, "--out", str(tmp_path / "none"), "eval=none", *quick]) == 2
     assert "enables no suite" in capsys.readouterr().err
+
+
+def test_every_results_file_records_commit_versions_fingerprint_and_generation(tmp_path, capsys, monkeypatch):
+    from unicon import loggers
+    from unicon.core import weights_fingerprint
+
+    state = loggers.git_state()  # others may commit meanwhile: the runs and the check see one state
+    monkeypatch.setattr(loggers, "git_state", lambda: state)
+
+    world = standins.build_world(tmp_path / "world")
+    ckpt = tmp_path / "ckpt"
+    model = standins.FakeModel(scale=0.5, captions="world", draw="world", world=str(world))
+    model.save_pretrained(str(ckpt))
+    common = ["--ckpt", str(ckpt), "--device", "cpu", "--logger", "none", "--image-seed", "7"]
+    runs = {  # suite -> (its arguments, its results file, where it keeps the image-generation settings)
+        "cococon": (["--data", str(world / "cococon_test.json"), "--cider-tokenizer", "simple"], "results.json",
+                    ("generation", "image")),
+        "drift": (["--world", str(world), "--generations", "1", "--embedders", "scene"], "drift.json",
+                  ("image_generation",)),
+        "ureason": (["--data", str(world), "--judge", "exact", "--max-samples", "2"], "ureason.json",
+                    ("generation", "image")),
+        "shapes": (["--world", str(world), "--limit", "2"], "shapes_eval.json", ("image_generation",)),
+    }
+    for name, (args, filename, image_key) in runs.items():
+        assert unicon_main(["evaluate", name, *common, *args, "--out", str(tmp_path / name)]) == 0, name
+        saved = json.loads((tmp_path / name / filename).read_text())
+        assert saved["model_fingerprint"] == weights_fingerprint(model), name
+        assert {"versions.python", "versions.torch", "versions.unicon"} <= set(saved["environment"]), name
+        assert saved["environment"].get("git.commit") == state.get("git.commit"), name
+        image = saved
+        for key in image_key:
+            image = image[key]
+        assert image["seed"] == 7, name  # --image-seed, recorded with the rest of the recipe
+    capsys.readouterr()
