@@ -152,3 +152,12 @@ def test_every_results_file_records_commit_versions_fingerprint_and_generation(t
             image = image[key]
         assert image["seed"] == 7, name  # --image-seed, recorded with the rest of the recipe
     capsys.readouterr()
+
+
+def test_the_registry_names_the_callbacks_a_training_run_builds():
+    """Until training routes through the registry, its table must name the same callbacks."""
+    from unicon.training.run import EVAL_CALLBACKS
+
+    registered = {s.section: s.callback for s in suites.suites().values() if s.section}
+    assert registered == {suite: f"{module}:{name}" for suite, (module, name) in EVAL_CALLBACKS.items()}
+    assert all(suites.suite(name).callback_class().__name__ == cls for name, (_, cls) in EVAL_CALLBACKS.items())

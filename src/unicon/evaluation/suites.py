@@ -38,19 +38,29 @@ class Suite:
     cli: Callable[[Sequence[str] | None], int]
     section: str | None = None  # eval.<section> of the run config (None: no epoch-end counterpart)
     argv: Callable | None = None  # (run config) -> the command's arguments for `evaluate all`
+    callback: str | None = None  # "module:Class" of the epoch-end callback (EvalCallback) of eval.<section>
+
+    def callback_class(self):
+        """The epoch-end callback class (imported now), None without one."""
+        if self.callback is None:
+            return None
+        module, name = self.callback.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 _SUITES: dict[str, Suite] = {}
 
 
-def register_suite(name: str, help: str, section: str | None = None, argv: Callable | None = None):
-    """Function decorator: ``cli`` becomes ``unicon evaluate <name>``."""
+def register_suite(name: str, help: str, section: str | None = None, argv: Callable | None = None,
+                   callback: str | None = None):
+    """Function decorator: ``cli`` becomes ``unicon evaluate <name>``; ``callback``: ``"module:Class"``
+    of its epoch-end callback."""
 
     def register(cli):
         known = _SUITES.get(name)
         if known is not None and known.cli is not cli:
             raise ValueError(f"suite {name!r} is already registered by {known.cli.__module__}")
-        _SUITES[name] = Suite(name, help, cli, section, argv)
+        _SUITES[name] = Suite(name, help, cli, section, argv, callback)
         return cli
 
     return register

@@ -5,10 +5,10 @@ The flags of ``eval.cococon``'s fields are generated from :class:`unicon.config.
 :data:`FLAGS`' exceptions: ``--data`` is required, ``images_root`` keeps its flag ``--images``, and
 ``--max-samples`` defaults to the whole file (``eval.cococon.max_samples`` is the epoch-end subset).
 ``--shard I/N`` and ``--merge`` split a run into jobs (:mod:`unicon.evaluation.distributed`); the
-merged files equal one run's, except ``results.json``'s :data:`TIMING_FIELDS` (the shards' sum). Writes ``results.json`` (metrics, the
-data and checkpoint, the model's weights fingerprint, the generation settings, git commit and
-package versions), ``per_sample.jsonl`` and the plots to ``--out``, and logs metrics, figures and
-the sample table to ``--logger``.
+merged files equal one run's, except ``results.json``'s :data:`TIMING_FIELDS` (the shards' sum).
+Writes ``results.json`` (metrics, the data and checkpoint, the model's weights fingerprint, the
+generation settings, git commit and package versions), ``per_sample.jsonl`` and the plots to
+``--out``, and logs metrics, figures and the sample table to ``--logger``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def argv_from_config(cfg) -> list[str]:
 
 
 @register_suite("cococon", "CocoCon cross-task consistency C_k, rho_rank, accuracies", section="cococon",
-                argv=argv_from_config)
+                argv=argv_from_config,
+                callback="unicon.evaluation.cococon.callback:CocoConCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     cfg = config_from_args(args, CocoConEvalConfig, FLAGS)
@@ -117,7 +118,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if not data.samples:
         raise UserError(f"{cfg.data}: no sample left to evaluate ({data.report.summary()})")
     with sharding(args, out) as shards, preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch
-        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: the shards' recorded settings, no weights
+        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: recorded, no weights
         if "t2i" in cfg.tasks and shards.mode != "merge":
             check_can_score_t2i(model, data.samples[0])
         settings = dict(max_k=args.max_k, generative=cfg.generative, world_root=data.images_root,

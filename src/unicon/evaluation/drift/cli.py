@@ -6,9 +6,10 @@ agree; :data:`FLAGS` keeps the flag names users know (``--geneval`` for ``geneva
 ``--long`` for ``long_prompts``, ``--embedders`` as a comma list) and ``--num-chains`` defaults to
 every seed (not the epoch-end subset). ``--shard I/N`` runs the chains of shard I's seeds (the
 DistributedSampler partition over the seed list) into ``OUT/<set>/rank-<I>``; ``--merge`` writes
-``drift.json`` and the plots from the finished shards, byte-identical to one run. The output folder holds the chains (``mcd/``, ``mgg/``), the
-report ``drift.json`` (metrics, model fingerprint, image-generation settings, git commit and
-package versions) and the plots; running the same command again resumes.
+``drift.json`` and the plots from the finished shards, byte-identical to one run. The output
+folder holds the chains (``mcd/``, ``mgg/``), the report ``drift.json`` (metrics, model
+fingerprint, image-generation settings, git commit and package versions) and the plots; running
+the same command again resumes.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def argv_from_config(cfg) -> list[str]:
     return argv + ([] if c["geneval"] else ["--geneval", "none"])
 
 
-@register_suite("drift", "semantic drift chains (MCD, MGG)", section="drift", argv=argv_from_config)
+@register_suite("drift", "semantic drift chains (MCD, MGG)", section="drift", argv=argv_from_config,
+                callback="unicon.evaluation.drift.callback:DriftCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate drift --ckpt ... --seeds ... --generations 20 --out DIR``."""
     args = build_parser().parse_args(argv)
@@ -173,7 +175,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
     # stops at the next batch; the journals make a rerun resume (a shard's chains: OUT/<set>/rank-<i>)
     with sharding(args, out) as shards, preemption.watch_signals():
-        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: the shards' recorded settings, no weights
+        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: recorded, no weights
         model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": fingerprint}
         report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
                                 batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,

@@ -102,7 +102,8 @@ def argv_from_config(cfg) -> list[str]:
     return config_argv(c, UReasonEvalConfig, FLAGS)
 
 
-@register_suite("ureason", "UReason reasoning-to-image, three settings", section="ureason", argv=argv_from_config)
+@register_suite("ureason", "UReason reasoning-to-image, three settings", section="ureason",
+                argv=argv_from_config, callback="unicon.evaluation.ureason.callback:UReasonCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from unicon.loggers import environment_info, make_loggers
@@ -123,7 +124,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
                                 device=args.device, dtype=args.judge_dtype, trust_remote_code=args.trust_remote_code,
                                 max_new_tokens=args.judge_max_new_tokens)
             shards.record("judge", {"name": judge.name, "judges_reasoning": judge.judges_reasoning})
-        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: the shards' recorded settings, no weights
+        model, fingerprint = shards.load_model(args, load_model_for)  # a merge: recorded, no weights
         image_config = image_generation_config(model, args)
         info = {
             "ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()),
@@ -138,7 +139,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         metrics, samples = evaluate_ureason(model, instances, judge, out, cfg.max_new_tokens, cfg.batch_size,
                                             image_config, info)
     if shards.mode == "shard":
-        print(f"ureason: shard {args.shard} done ({len(samples)} instances); merge with --merge once every shard is done")
+        print(f"ureason: shard {args.shard} done ({len(samples)} instances); "
+              "merge with --merge once every shard is done")
         return 0
     loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"ureason-{out.name}")
     log_eval_config(loggers, args, info["model_fingerprint"])
