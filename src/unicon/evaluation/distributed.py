@@ -230,7 +230,7 @@ def sharded_run(root: str | Path, shard: Shard, key: Mapping[str, Any]) -> Itera
     try:
         yield extra
         done = {"shard": str(shard), "collectives": _VIRTUAL.calls, "key": dict(key), "extra": extra}
-        (folder / "done.json").write_text(json.dumps(done, indent=1, sort_keys=True, default=str) + "\n")
+        (folder / "done.json").write_text(json.dumps(done, indent=1, default=str) + "\n")  # key order kept
     finally:
         _VIRTUAL = None
 

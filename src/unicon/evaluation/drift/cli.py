@@ -67,6 +67,16 @@ SKIP = ("geneval",)
 CHAIN_FIELDS = ("seeds", "num_chains", "generations", "batch_size", "i2t_prompt")
 
 
+class Described:
+    """The merge's stand-in for an embedder or detector that the shards used: its description, no model."""
+
+    def __init__(self, description):
+        self.description = description
+
+    def describe(self):
+        return self.description
+
+
 def add_chain_args(p: argparse.ArgumentParser) -> None:
     """The chain arguments shared with ``unicon bench chains``."""
     p.add_argument("--world", default="data/shapes",
@@ -149,8 +159,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
         log.warning("drift: no CLIP model at the default %s (train one with `python -m unicon.embedders.clip "
                     "--train-shapes data/shapes --out %s`); the CLIP mappings are skipped", args.clip, args.clip)
         names.remove("clip")
-    embedders = load_embedders(names, clip=args.clip, dino=args.dino, sentence=args.sentence,
-                               world_config=world.config if world else None)
+    embedders: dict = {}
+    if not args.merge:  # a merge embeds and detects nothing: the shards' records carry the scores
+        embedders = load_embedders(names, clip=args.clip, dino=args.dino, sentence=args.sentence,
+                                   world_config=world.config if world else None)
 
     gseeds, detector = None, None
     gpath = args.geneval
@@ -168,15 +180,23 @@ def cli(argv: Sequence[str] | None = None) -> int:
         if args.num_chains and not args.geneval_limit:
             gseeds = balanced(gseeds, args.num_chains)
         color = None
-        if args.detector != "shapes" and "clip" in embedders:
+        if args.detector != "shapes" and "clip" in embedders and not args.merge:
             color = ClipColorClassifier(embedders["clip"])
-        detector = load_detector(args.detector, world_cfg=world.config if world else None, color_classifier=color,
-                                 threshold=args.detector_threshold)
+        if not args.merge:
+            detector = load_detector(args.detector, world_cfg=world.config if world else None,
+                                     color_classifier=color, threshold=args.detector_threshold)
 
     # stops at the next batch; the journals make a rerun resume (a shard's chains: OUT/<set>/rank-<i>)
     with sharding(args, out) as shards, preemption.watch_signals():
         model, fingerprint = shards.load_model(args, load_model_for)  # a merge: recorded, no weights
         model_id = {"checkpoint": str(Path(args.ckpt).resolve()), "fingerprint": fingerprint}
+        # drift.json describes the embedders and the detector: a merge has the shards' descriptions
+        described = shards.record("described", None if args.merge else {
+            "embedders": {n: e.describe() for n, e in embedders.items()},
+            "detector": detector.describe() if detector is not None else None})
+        if shards.mode == "merge":
+            embedders = {n: Described(d) for n, d in described["embedders"].items()}
+            detector = Described(described["detector"]) if gseeds else None
         report = evaluate_drift(model, out, seeds=seeds, geneval_seeds=gseeds, generations=args.generations,
                                 batch_size=args.batch_size, i2t_prompt=args.i2t_prompt, embedders=embedders,
                                 detector=detector, chains=chains, image_config=image_generation_config(model, args),
