@@ -79,7 +79,7 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, *, l
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
               "deepspeed_zero3", "deepspeed_zero3_offload")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
-MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i", "image_codes")
+MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
 
 
