@@ -330,7 +330,7 @@ def test_standalone_evaluations_log_tables_and_figures(runs):
                             "cococon/vqa/C_1"},
                 "drift": {"drift/strips", "drift/S_t2i_table", "drift/MGG_by_generation_table", "drift/fig/strips",
                           "drift/fig/drift_curves", "drift/fig/mgg_heatmap", "drift/MCD_avg"},
-                "ureason": {"ureason/samples", "ureason/acc_s1"}}
+                "ureason": {"ureason/samples", "ureason/fig/settings_by_category", "ureason/acc_s1"}}
     ids = set()
     for suite, run in runs["evaluate"].items():
         missing = sorted(expected[suite] - run.keys_at(0))

@@ -23,7 +23,7 @@ from unicon.data.ureason import SPLITS, load_instances, subset, world_root_of
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.suites import register_suite
-from unicon.evaluation.callbacks import log_eval_config, log_metrics, log_table
+from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -45,6 +45,7 @@ from unicon.evaluation.ureason.judges import (
     check_judge_fits,
     check_judge_spec,
 )
+from unicon.evaluation.ureason.plots import FIGURES
 from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
 
 
@@ -146,6 +147,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     log_eval_config(loggers, args, info["model_fingerprint"])
     log_metrics(loggers, {f"ureason/{k}": v for k, v in metrics.items()}, step=0)
     log_table(loggers, "ureason/samples", TABLE_COLUMNS, table_rows(samples, cfg.table_rows), step=0)
+    log_figures(loggers, "ureason", out, FIGURES, step=0)
     for lg in loggers:
         lg.finalize("success")
     print((out / "table.md").read_text(), end="")
