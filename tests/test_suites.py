@@ -154,10 +154,15 @@ def test_every_results_file_records_commit_versions_fingerprint_and_generation(t
     capsys.readouterr()
 
 
-def test_the_registry_names_the_callbacks_a_training_run_builds():
-    """Until training routes through the registry, its table must name the same callbacks."""
-    from unicon.training.run import EVAL_CALLBACKS
+def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkeypatch):
+    """make_eval_callbacks reads the suite registry: one callback per enabled eval.<section>, in
+    registry order, of the class the suite registered; a disabled section builds none."""
+    from unicon.config import compose
+    from unicon.training import run
 
-    registered = {s.section: s.callback for s in suites.suites().values() if s.section}
-    assert registered == {suite: f"{module}:{name}" for suite, (module, name) in EVAL_CALLBACKS.items()}
-    assert all(suites.suite(name).callback_class().__name__ == cls for name, (_, cls) in EVAL_CALLBACKS.items())
+    monkeypatch.setattr(run, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
+    registered = [(s.section, s.callback_class().__name__) for s in suites.suites().values() if s.callback]
+    assert [section for section, _ in registered] == ["cococon", "drift", "ureason"]
+    assert run.make_eval_callbacks(compose(["eval=shapes"])) == registered
+    assert run.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
+        [r for r in registered if r[0] != "drift"]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import importlib
 import inspect
 import os
 import shutil
@@ -50,13 +49,6 @@ from omegaconf import OmegaConf
 
 from unicon.config import GROUPS, ConfigError, compose, compose_resume, config_dir, to_yaml
 from unicon.errors import UserError
-
-# suite -> (module, callback class)
-EVAL_CALLBACKS = {
-    "cococon": ("unicon.evaluation.cococon.callback", "CocoConCallback"),
-    "drift": ("unicon.evaluation.drift.callback", "DriftCallback"),
-    "ureason": ("unicon.evaluation.ureason.callback", "UReasonCallback"),
-}
 
 EXAMPLES = """\
 examples:
@@ -410,12 +402,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 def make_eval_callbacks(cfg: DictConfig) -> list:
     """Epoch-end evaluation callbacks of the enabled suites. A suite that cannot be built fails the
     run here, before training starts (never silently skipped)."""
+    from unicon.evaluation.suites import suites
+
     callbacks = []
-    for suite, (module_name, cls_name) in EVAL_CALLBACKS.items():
-        if not cfg.eval[suite].enabled:
+    for s in suites().values():  # the suite registry names each suite's eval.<section> and callback
+        if s.section is None or s.callback is None or s.section not in cfg.eval or not cfg.eval[s.section].enabled:
             continue
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        callbacks.append(_make_callback(suite, cls, cfg))
+        callbacks.append(_make_callback(s.section, s.callback_class(), cfg))
     return callbacks
 
 
