@@ -219,6 +219,61 @@ def crc_nll(*parts) -> float:
 FAKE_COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
 
 
+class Killed(Exception):
+    """Raised by ``FakeModel(kill_after=n)`` on its n-th model call: stands in for the process being killed."""
+
+
+def random_scene(cfg, rng, max_objects: int = 3):
+    """A random ShapesWorld scene of 1..``max_objects`` objects of world config ``cfg`` in distinct cells."""
+    from unicon.worlds import shapes
+
+    cells = rng.choice(cfg.grid ** 2, size=int(rng.integers(1, max_objects + 1)), replace=False)
+    return shapes.Scene(tuple(
+        shapes.ShapeObject(cfg.shapes[rng.integers(len(cfg.shapes))], cfg.color_names[rng.integers(len(cfg.color_names))],
+                           int(k) // cfg.grid, int(k) % cfg.grid) for k in cells))
+
+
+def scene_for(spec, cfg, rng):
+    """A scene that satisfies a ShapesWorld caption spec; relation pairs share a row/column (unambiguous geometry)."""
+    from unicon.worlds import shapes, shapes_text
+
+    G = cfg.grid
+    for _ in range(500):
+        free = {(r, c) for r in range(G) for c in range(G)}
+        objs = []
+
+        def put(np_, r, c):
+            free.discard((r, c))
+            color = np_.color or cfg.color_names[rng.integers(len(cfg.color_names))]
+            objs.append(shapes.ShapeObject(np_.shape, color, r, c))
+
+        ok = True
+        for cl in spec.clauses:
+            if cl.relation is None:
+                for _k in range(cl.subject.count):
+                    if not free:
+                        ok = False
+                        break
+                    r, c = sorted(free)[rng.integers(len(free))]
+                    put(cl.subject, r, c)
+            else:
+                line = int(rng.integers(G))
+                a, b = sorted(rng.choice(G, size=2, replace=False).tolist())
+                horizontal = cl.relation in ("left", "right")
+                first, second = ((line, a), (line, b)) if horizontal else ((a, line), (b, line))
+                if first not in free or second not in free:
+                    ok = False
+                    break
+                subj, obj = (first, second) if cl.relation in ("left", "above") else (second, first)
+                put(cl.subject, *subj)
+                put(cl.object, *obj)
+        if ok:
+            scene = shapes.Scene(tuple(objs))
+            if shapes_text.spec_matches(spec, scene):
+                return scene
+    raise AssertionError(f"could not build a scene for {spec.text()!r}")
+
+
 def _fake_model_class():
     import hashlib
     import re
@@ -238,13 +293,17 @@ def _fake_model_class():
         * ``scale``: the one parameter (the weights fingerprint); every NLL is ``scale * crc32(inputs)``;
         * ``score_alias``: words replaced in T2I prompts before scoring (``{"tie": "red"}``: ties);
         * ``captions``: caption template over ``{prompt} {hash} {width} {height}`` (``hash``: of the pixels),
-          or ``"world"``: the exact description of a ShapesWorld image of ``world`` (else the template's default);
+          or ``"world"``: the exact description of a ShapesWorld image of ``world`` (else the template's default),
+          or ``"world_random"``: the description of a random scene seeded by the pixels (ignores what they show);
         * ``answers``: VQA answers, ``answers[len(question) % len(answers)]``;
         * ``draw``: ``"hash"`` (16x16 pixels from sha256 of the prompt), ``"gray"`` (a grey level from
           crc32 of the prompt), ``"color"`` (solid colour of the last colour word of context + prompt),
-          ``"world"`` (a random scene of ``world``, seeded by the prompt), or ``"r,g,b"`` (one colour);
-        * ``world``: a ShapesWorld root, for the ``"world"`` modes;
+          ``"world"`` (a random scene of ``world``, seeded by the prompt), ``"world_exact"`` (a scene of
+          ``world`` that the prompt, a ShapesWorld caption, describes; seeded by the prompt), or ``"r,g,b"``
+          (one colour);
+        * ``world``: a ShapesWorld root, for the ``"world*"`` modes;
         * ``fail_on``: ``generate_image`` raises for a prompt containing this text;
+        * ``kill_after``: the n-th model call (any method) raises :class:`Killed`;
         * ``reason``: echoes the prompt's first colour word into a refined prompt, wrapped in commentary.
 
         ``calls`` records ``(method, batch size)``; ``image_calls`` the prompts and contexts drawn.
@@ -254,11 +313,13 @@ def _fake_model_class():
 
         def __init__(self, scale: float = 1.0, score_alias: dict | None = None,
                      captions: str = "{prompt} with pattern {hash}", answers: list | None = None,
-                     draw: str = "hash", fail_on: str | None = None, world: str | None = None):
+                     draw: str = "hash", fail_on: str | None = None, world: str | None = None,
+                     kill_after: int | None = None):
             super().__init__()
             self.scale = torch.nn.Parameter(torch.tensor(float(scale)))
             self.options = {"score_alias": dict(score_alias or {}), "captions": captions,
-                            "answers": list(answers or ["red"]), "draw": draw, "fail_on": fail_on, "world": world}
+                            "answers": list(answers or ["red"]), "draw": draw, "fail_on": fail_on, "world": world,
+                            "kill_after": kill_after}
             self.world_cfg = None
             if world is not None:
                 from unicon.worlds.shapes import load_world
@@ -284,6 +345,14 @@ def _fake_model_class():
             return cls(**saved)
 
         # helpers
+        def _call(self, method: str, batch: int) -> None:
+            self.calls.append((method, batch))
+            if self.options["kill_after"] is not None and len(self.calls) >= self.options["kill_after"]:
+                raise Killed(f"{method}: model call {len(self.calls)}")
+
+        def _rng(self, data: bytes):
+            return np.random.default_rng(int.from_bytes(hashlib.sha256(data).digest()[:8], "little"))
+
         @staticmethod
         def _image_key(image) -> tuple:
             return image.getpixel((0, 0)) + image.size
@@ -303,17 +372,17 @@ def _fake_model_class():
 
         # scoring
         def score_text(self, images, prompts, candidates):
-            self.calls.append(("score_text", len(images)))
+            self._call("score_text", len(images))
             return self._scores([[crc_nll(self._image_key(im), p, c) for c in cands]
                                  for im, p, cands in zip(images, prompts, candidates)])
 
         def score_boxes(self, images, expressions, boxes):
-            self.calls.append(("score_boxes", len(images)))
+            self._call("score_boxes", len(images))
             return self._scores([[crc_nll(self._image_key(im), e, box) for e in exprs]
                                  for im, exprs, box in zip(images, expressions, boxes)])
 
         def score_image(self, prompts, images, contexts=None):
-            self.calls.append(("score_image", len(images)))
+            self._call("score_image", len(images))
 
             def alias(p: str) -> str:
                 for word, other in self.options["score_alias"].items():
@@ -324,20 +393,25 @@ def _fake_model_class():
 
         # generation
         def caption(self, images, prompt=None, **kw):
-            self.calls.append(("caption", len(images)))
+            self._call("caption", len(images))
             if self.options["captions"] == "world":
                 return [self._describe(im, prompt) for im in images]
+            if self.options["captions"] == "world_random":
+                from unicon.worlds import shapes_text
+
+                return [shapes_text.describe_scene(random_scene(self.world_cfg, self._rng(np.asarray(im).tobytes())))
+                        for im in images]
             return [self.options["captions"].format(
                 prompt=prompt or "image", hash=hashlib.sha256(np.asarray(im).tobytes()).hexdigest()[:10],
                 width=im.size[0], height=im.size[1]) for im in images]
 
         def answer(self, images, questions, **kw):
-            self.calls.append(("answer", len(questions)))
+            self._call("answer", len(questions))
             answers = self.options["answers"]
             return [answers[len(q) % len(answers)] for q in questions]
 
         def locate(self, images, expressions):
-            self.calls.append(("locate", len(images)))
+            self._call("locate", len(images))
             return torch.tensor([[0.0, 0.0, im.size[0] / 2, im.size[1] / 2] for im in images])
 
         def _describe(self, image, prompt) -> str:
@@ -348,16 +422,11 @@ def _fake_model_class():
             except shapes.NotAShapesWorldImage:
                 return f"{prompt or 'image'} with pattern {hashlib.sha256(np.asarray(image).tobytes()).hexdigest()[:10]}"
 
-        def _random_scene(self, prompt: str):
-            from unicon.worlds import shapes
+        def _draw_scene(self, prompt: str, exact: bool):
+            from unicon.worlds import shapes, shapes_text
 
-            cfg = self.world_cfg
-            rng = np.random.default_rng(int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little"))
-            cells = rng.choice(cfg.grid ** 2, size=int(rng.integers(1, 4)), replace=False)
-            scene = shapes.Scene(tuple(
-                shapes.ShapeObject(cfg.shapes[rng.integers(len(cfg.shapes))],
-                                   cfg.color_names[rng.integers(len(cfg.color_names))], int(k) // cfg.grid,
-                                   int(k) % cfg.grid) for k in cells))
+            cfg, rng = self.world_cfg, self._rng(prompt.encode())
+            scene = scene_for(shapes_text.parse_caption(prompt, cfg), cfg, rng) if exact else random_scene(cfg, rng)
             return shapes.render(scene, cfg, seed=0)
 
         def _color(self, text: str):
@@ -365,7 +434,7 @@ def _fake_model_class():
             return words[-1] if words else None
 
         def generate_image(self, prompts, context=None, config=None):
-            self.calls.append(("generate_image", len(prompts)))
+            self._call("generate_image", len(prompts))
             self.image_calls.append((list(prompts), None if context is None else list(context)))
             draw, out = self.options["draw"], []
             for b, p in enumerate(prompts):
@@ -374,8 +443,8 @@ def _fake_model_class():
                 if draw == "hash":
                     pixels = np.frombuffer(hashlib.sha256(p.encode()).digest() * 24, dtype=np.uint8)[: 16 * 16 * 3]
                     out.append(Image.fromarray(pixels.reshape(16, 16, 3).copy(), "RGB"))
-                elif draw == "world":
-                    out.append(self._random_scene(p))
+                elif draw in ("world", "world_exact"):
+                    out.append(self._draw_scene(p, exact=draw == "world_exact"))
                 elif draw == "gray":
                     out.append(Image.new("RGB", (8, 8), (int(crc_nll(p) * 25),) * 3))
                 elif draw == "color":
@@ -386,7 +455,7 @@ def _fake_model_class():
             return out
 
         def reason(self, prompts, max_new_tokens=256):
-            self.calls.append(("reason", len(prompts)))
+            self._call("reason", len(prompts))
             out = []
             for p in prompts:
                 words = [w for w in re.findall(r"[a-z]+", p.lower()) if w in FAKE_COLORS]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -15,6 +14,7 @@ import pytest
 import torch
 from conftest import float32_tol
 from PIL import Image
+from standins import FakeModel, Killed, random_scene
 
 from unicon.data.drift_seeds import (
     DriftSeed, SeedFormatError, balanced, geneval_seeds, load_shapes_seeds, nd400_seeds,
@@ -26,65 +26,20 @@ from unicon.evaluation.drift import cli as drift_cli
 from unicon.evaluation.drift.callback import DriftCallback
 from unicon.errors import UserError
 from unicon.evaluation.drift.geneval import evaluate_detections, keep_detections, relative_position, summarize
-from unicon.models.base import UnifiedModel
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Test doubles
 # ---------------------------------------------------------------------------------------------------------
-class Killed(Exception):
-    """Stands in for the process being killed."""
+#: the chain runner's double (``standins.FakeModel``): ``generate_image(p)`` draws 16x16 pixels from sha256(p),
+#: ``caption(im)`` names the image's hash in a caption with quotes and a newline (the CSV must round-trip them).
+#: Every output depends on its input, so a wrong resume shows up as different bytes downstream.
+CHAIN_CAPTIONS = '{prompt} with pattern {hash}, "quoted"\nand a newline'
 
 
-class DoubleModel(UnifiedModel):
-    """Deterministic stand-in for a unified model (no weights).
-
-    ``generate_image(p)`` draws a 16x16 image from sha256(p); ``caption(im)`` names the image's hash.
-    Every output depends on its input, so a wrong resume shows up as different bytes downstream.
-    ``kill_after`` raises :class:`Killed` on that model call (counting both methods).
-    """
-
-    backend = "double"
-
-    def __init__(self, kill_after: int | None = None):
-        super().__init__()
-        self.calls = 0
-        self.kill_after = kill_after
-        self.batch_sizes: list[int] = []
-
-    def _tick(self, n):
-        self.calls += 1
-        self.batch_sizes.append(n)
-        if self.kill_after is not None and self.calls >= self.kill_after:
-            raise Killed()
-
-    def caption(self, images, prompt=None, **kw):
-        self._tick(len(images))
-        out = []
-        for im in images:
-            h = hashlib.sha256(np.asarray(im).tobytes()).hexdigest()[:10]
-            out.append(f"{prompt or 'image'} with pattern {h}, \"quoted\"\nand a newline")
-        return out
-
-    def generate_image(self, prompts, context=None, config=None):
-        self._tick(len(prompts))
-        out = []
-        for p in prompts:
-            b = np.frombuffer(hashlib.sha256(p.encode()).digest() * 24, dtype=np.uint8)[: 16 * 16 * 3]
-            out.append(Image.fromarray(b.reshape(16, 16, 3).copy(), "RGB"))
-        return out
-
-    # unused by drift chains
-    def prepare_images(self, images): raise NotImplementedError
-    def score_text(self, images, prompts, candidates): raise NotImplementedError
-    def score_boxes(self, images, expressions, boxes): raise NotImplementedError
-    def score_image(self, prompts, images): raise NotImplementedError
-    def answer(self, images, questions, **kw): raise NotImplementedError
-    def locate(self, images, expressions): raise NotImplementedError
-    def reason(self, prompts, max_new_tokens=256): raise NotImplementedError
-    def save_pretrained(self, path): raise NotImplementedError
-    @classmethod
-    def from_pretrained(cls, path, **kw): raise NotImplementedError
+def chain_model(kill_after: int | None = None) -> FakeModel:
+    """``kill_after``: that model call raises :class:`standins.Killed`."""
+    return FakeModel(captions=CHAIN_CAPTIONS, draw="hash", kill_after=kill_after)
 
 
 def make_seeds(tmp: Path, n: int) -> list[DriftSeed]:
@@ -106,7 +61,7 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 # ---------------------------------------------------------------------------------------------------------
 def test_chain_layout_and_batching(tmp_path):
     seeds = make_seeds(tmp_path, 5)
-    model = DoubleModel()
+    model = chain_model()
     run = runner.run_chains(model, seeds, tmp_path / "run", generations=3, batch_size=2, i2t_prompt="describe")
     out = tmp_path / "run"
     assert (out / "text-first" / "gen-0.csv").is_file() and (out / "text-first" / "gen-2.csv").is_file()
@@ -118,7 +73,8 @@ def test_chain_layout_and_batching(tmp_path):
     t2 = runner.read_csv(out / "text-first" / "gen-2.csv")
     assert all(c.startswith("describe with pattern") and "\n" in c and '"quoted"' in c for _, c in t2)
     # batched across samples: 3 batches (2+2+1) per model generation, 3 model generations per chain
-    assert model.batch_sizes == [2, 2, 1] * 6
+    assert [n for _, n in model.calls] == [2, 2, 1] * 6
+    assert {name for name, _ in model.calls} == {"caption", "generate_image"}  # nothing else is called
     assert run.model_steps == 5 * 3 * 2
     # nothing left but outputs and markers
     assert not list(out.rglob("*.partial.jsonl")) and not list(out.rglob(".*tmp*"))
@@ -128,9 +84,9 @@ def test_chain_layout_and_batching(tmp_path):
 def test_killed_run_resumes_to_identical_bytes(tmp_path, kill_after):
     seeds = make_seeds(tmp_path, 5)
     kw = dict(generations=4, batch_size=2, i2t_prompt="describe")
-    runner.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
+    runner.run_chains(chain_model(), seeds, tmp_path / "clean", **kw)
 
-    killed = DoubleModel(kill_after=kill_after)
+    killed = chain_model(kill_after=kill_after)
     with pytest.raises(Killed):
         runner.run_chains(killed, seeds, tmp_path / "resumed", **kw)
     # a half-written temporary file, as left by a kill inside a write
@@ -139,37 +95,37 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path, kill_after):
     if not (tmp_path / "resumed" / "text-first" / "gen-3.done.json").exists():
         (tmp_path / "resumed" / "text-first" / "gen-3").mkdir(parents=True, exist_ok=True)
         (tmp_path / "resumed" / "text-first" / "gen-3" / "s4.png").write_bytes(b"\x89PNG garbage")
-    resumed = DoubleModel()
+    resumed = chain_model()
     run = runner.run_chains(resumed, seeds, tmp_path / "resumed", **kw)
     assert tree_bytes(tmp_path / "clean") == tree_bytes(tmp_path / "resumed")
     # complete generations and journaled batches were not recomputed
     total_calls = 3 * 4 * 2  # batches x model generations x chains
-    assert resumed.calls == total_calls - (kill_after - 1)
+    assert len(resumed.calls) == total_calls - (kill_after - 1)
     assert any("leftover" in r for r in run.repairs)
 
 
 def test_resume_of_complete_run_does_nothing(tmp_path):
     seeds = make_seeds(tmp_path, 3)
-    runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
-    again = DoubleModel()
+    runner.run_chains(chain_model(), seeds, tmp_path / "r", generations=2, batch_size=2)
+    again = chain_model()
     run = runner.run_chains(again, seeds, tmp_path / "r", generations=2, batch_size=2)
-    assert again.calls == 0 and run.repairs == []
+    assert again.calls == [] and run.repairs == []
     # extending the chain computes only the new generations
-    more = DoubleModel()
+    more = chain_model()
     runner.run_chains(more, seeds, tmp_path / "r", generations=3, batch_size=2)
-    assert more.calls == 2 * 2  # gen 3 of both chains, 2 batches each
+    assert len(more.calls) == 2 * 2  # gen 3 of both chains, 2 batches each
 
 
 def test_corrupt_image_and_csv_are_reported_and_regenerated(tmp_path, caplog):
     seeds = make_seeds(tmp_path, 4)
     kw = dict(generations=3, batch_size=2)
-    runner.run_chains(DoubleModel(), seeds, tmp_path / "clean", **kw)
+    runner.run_chains(chain_model(), seeds, tmp_path / "clean", **kw)
     shutil.copytree(tmp_path / "clean", tmp_path / "bad")
     bad_img = tmp_path / "bad" / "text-first" / "gen-1" / "s2.png"
     bad_img.write_bytes(bad_img.read_bytes()[:40])  # truncated PNG
     csv_path = tmp_path / "bad" / "image-first" / "gen-1.csv"
     csv_path.write_bytes(runner.csv_bytes(runner.read_csv(csv_path)[:-1]))  # a row went missing
-    model = DoubleModel()
+    model = chain_model()
     with caplog.at_level("WARNING"):
         run = runner.run_chains(model, seeds, tmp_path / "bad", **kw)
     assert any(str(bad_img) in r for r in run.repairs)
@@ -177,27 +133,27 @@ def test_corrupt_image_and_csv_are_reported_and_regenerated(tmp_path, caplog):
     assert str(bad_img) in caplog.text
     assert tree_bytes(tmp_path / "clean") == tree_bytes(tmp_path / "bad")
     # only the affected batches were redone (deterministic model: later generations kept)
-    assert model.calls == 2
+    assert len(model.calls) == 2
 
 
 def test_reordered_csv_is_rewritten_without_model_calls(tmp_path):
     seeds = make_seeds(tmp_path, 3)
-    runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=2, batch_size=2)
+    runner.run_chains(chain_model(), seeds, tmp_path / "r", generations=2, batch_size=2)
     path = tmp_path / "r" / "text-first" / "gen-2.csv"
     clean = path.read_bytes()
     rows = runner.read_csv(path)
     path.write_bytes(runner.csv_bytes(rows[::-1] + rows[:1]))  # reversed, one duplicated row
-    model = DoubleModel()
+    model = chain_model()
     run = runner.run_chains(model, seeds, tmp_path / "r", generations=2, batch_size=2)
-    assert model.calls == 0 and path.read_bytes() == clean
+    assert model.calls == [] and path.read_bytes() == clean
     assert any(str(path) in r for r in run.repairs)
 
 
 def test_resume_refuses_other_settings(tmp_path):
     seeds = make_seeds(tmp_path, 2)
-    runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="a")
+    runner.run_chains(chain_model(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="a")
     with pytest.raises(Exception, match="different i2t_prompt"):
-        runner.run_chains(DoubleModel(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="b")
+        runner.run_chains(chain_model(), seeds, tmp_path / "r", generations=1, batch_size=2, i2t_prompt="b")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -537,85 +493,26 @@ SHAPES_GENEVAL = [
 ]
 
 
-def scene_for(spec, cfg, rng):
-    """A scene that satisfies a caption spec; relation pairs share a row/column (unambiguous geometry)."""
-    G = cfg.grid
-    for _ in range(500):
-        free = {(r, c) for r in range(G) for c in range(G)}
-        objs = []
-
-        def put(np_, r, c):
-            free.discard((r, c))
-            color = np_.color or cfg.color_names[rng.integers(len(cfg.color_names))]
-            objs.append(shapes.ShapeObject(np_.shape, color, r, c))
-
-        ok = True
-        for cl in spec.clauses:
-            if cl.relation is None:
-                for _k in range(cl.subject.count):
-                    if not free:
-                        ok = False
-                        break
-                    r, c = sorted(free)[rng.integers(len(free))]
-                    put(cl.subject, r, c)
-            else:
-                line = int(rng.integers(G))
-                a, b = sorted(rng.choice(G, size=2, replace=False).tolist())
-                horizontal = cl.relation in ("left", "right")
-                first, second = ((line, a), (line, b)) if horizontal else ((a, line), (b, line))
-                if first not in free or second not in free:
-                    ok = False
-                    break
-                subj, obj = (first, second) if cl.relation in ("left", "above") else (second, first)
-                put(cl.subject, *subj)
-                put(cl.object, *obj)
-        if ok:
-            scene = shapes.Scene(tuple(objs))
-            if shapes_text.spec_matches(spec, scene):
-                return scene
-    raise AssertionError(f"could not build a scene for {spec.text()!r}")
-
-
-class ShapesModel(DoubleModel):
-    """``competent=True``: an oracle that renders exactly what a caption says and describes what it sees.
-    ``competent=False``: ignores its input (a random scene per call, seeded by the input)."""
-
-    def __init__(self, cfg, competent: bool):
-        super().__init__()
-        self.cfg, self.competent = cfg, competent
-
-    def _rng(self, data: bytes):
-        return np.random.default_rng(int.from_bytes(hashlib.sha256(data).digest()[:8], "little"))
-
-    def _random_scene(self, rng):
-        cells = rng.choice(self.cfg.grid ** 2, size=int(rng.integers(1, 5)), replace=False)
-        return shapes.Scene(tuple(
-            shapes.ShapeObject(self.cfg.shapes[rng.integers(len(self.cfg.shapes))],
-                               self.cfg.color_names[rng.integers(len(self.cfg.color_names))],
-                               int(k) // self.cfg.grid, int(k) % self.cfg.grid) for k in cells))
-
-    def caption(self, images, prompt=None, **kw):
-        self._tick(len(images))
-        if not self.competent:
-            return [shapes_text.describe_scene(self._random_scene(self._rng(np.asarray(im).tobytes()))) for im in images]
-        return [shapes_text.describe_scene(shapes.parse(im, self.cfg)) for im in images]
-
-    def generate_image(self, prompts, context=None, config=None):
-        self._tick(len(prompts))
-        out = []
-        for p in prompts:
-            rng = self._rng(p.encode())
-            if self.competent:
-                scene = scene_for(shapes_text.parse_caption(p, self.cfg), self.cfg, rng)
-            else:
-                scene = self._random_scene(rng)
-            out.append(shapes.render(scene, self.cfg, seed=0))
-        return out
+def shapes_model(root, competent: bool) -> FakeModel:
+    """``standins.FakeModel`` over the ShapesWorld at ``root``. ``competent=True``: an oracle that renders exactly
+    what a caption says and describes what it sees. ``competent=False``: ignores its input (a random scene per
+    call, seeded by the input)."""
+    if competent:
+        return FakeModel(captions="world", draw="world_exact", world=str(root))
+    return FakeModel(captions="world_random", draw="world", world=str(root))
 
 
 @pytest.fixture(scope="module")
 def world_cfg():
     return shapes.WorldConfig()
+
+
+@pytest.fixture(scope="module")
+def world_root(world_cfg, tmp_path_factory):
+    """A world folder holding only ``world.json`` (what the model doubles read)."""
+    root = tmp_path_factory.mktemp("world_cfg")
+    (root / "world.json").write_text(json.dumps({"config": world_cfg.to_dict()}))
+    return root
 
 
 def test_scene_embedder_exact_similarity(world_cfg):
@@ -634,13 +531,13 @@ def test_scene_embedder_exact_similarity(world_cfg):
     assert float(t[3].norm()) == 0 and float(i[1].norm()) == 0 and e.failures == {"text": 1, "image": 1}
 
 
-def test_shapes_detector_feeds_geneval_rules(world_cfg, tmp_path):
+def test_shapes_detector_feeds_geneval_rules(world_cfg, world_root, tmp_path):
     from unicon.evaluation.drift.geneval import ShapesDetector, score_images
 
     f = tmp_path / "g.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in SHAPES_GENEVAL))
     prompts = load_geneval(f)
-    oracle = ShapesModel(world_cfg, competent=True)
+    oracle = shapes_model(world_root, competent=True)
     images = oracle.generate_image([p.prompt for p in prompts])
     summary, results = score_images(prompts, images, ShapesDetector(world_cfg))
     assert all(r.correct for r in results), [r.reasons for r in results]
@@ -653,7 +550,7 @@ def test_shapes_detector_feeds_geneval_rules(world_cfg, tmp_path):
     assert not res[0].correct
 
 
-def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
+def test_mgg_competent_model_beats_random(world_cfg, world_root, tmp_path):
     """Competent = oracle test double (renders the caption's scene, describes the parsed scene); the trained OFA
     is not used here. Random = ignores its input."""
     from unicon.evaluation.drift.geneval import ShapesDetector
@@ -664,7 +561,7 @@ def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
     det_ = ShapesDetector(world_cfg)
     reports = {}
     for name, competent in (("oracle", True), ("random", False)):
-        model = ShapesModel(world_cfg, competent)
+        model = shapes_model(world_root, competent)
         reports[name] = runner.evaluate_drift(model, tmp_path / name, geneval_seeds=seeds, generations=4,
                                               batch_size=6, detector=det_, strips=0)
     oracle, rand = reports["oracle"], reports["random"]
@@ -678,20 +575,20 @@ def test_mgg_competent_model_beats_random(world_cfg, tmp_path):
     assert m["drift/MGG"] == oracle["MGG"] and "drift/MGG_counting" in m
 
 
-def test_mcd_end_to_end_with_scene_embedder_and_outputs(world_cfg, tmp_path):
+def test_mcd_end_to_end_with_scene_embedder_and_outputs(world_cfg, world_root, tmp_path):
     from unicon.embedders.scene import SceneEmbedder
 
     seeds = []
     rng = np.random.default_rng(0)
-    model = ShapesModel(world_cfg, competent=False)
+    model = shapes_model(world_root, competent=False)
     for i in range(4):
-        scene = model._random_scene(rng)
+        scene = random_scene(world_cfg, rng, max_objects=4)
         p = tmp_path / f"{i}.png"
         shapes.render(scene, world_cfg, seed=0).save(p)
         seeds.append(DriftSeed(id=f"w{i}", caption=shapes_text.describe_scene(scene), image=p, scene=scene.to_dict()))
     emb = {"scene": SceneEmbedder(world_cfg)}
     backend = matplotlib.get_backend()
-    rep_oracle = runner.evaluate_drift(ShapesModel(world_cfg, True), tmp_path / "o", seeds=seeds, generations=3,
+    rep_oracle = runner.evaluate_drift(shapes_model(world_root, True), tmp_path / "o", seeds=seeds, generations=3,
                                        batch_size=4, embedders=emb, strips=1)
     rep_random = runner.evaluate_drift(model, tmp_path / "r", seeds=seeds, generations=3, batch_size=4,
                                        embedders=emb, strips=1)
@@ -722,11 +619,10 @@ def test_train_shapes_clip_saves_open_clip_checkpoint(world_cfg, tmp_path):
     from unicon.embedders.clip import ClipEmbedder, train_shapes_clip
 
     rng = np.random.default_rng(0)
-    gen = ShapesModel(world_cfg, competent=False)
     (tmp_path / "world" / "images").mkdir(parents=True)
     with open(tmp_path / "world" / "mixture_train.jsonl", "w") as f:
         for i in range(24):
-            scene = gen._random_scene(rng)
+            scene = random_scene(world_cfg, rng, max_objects=4)
             shapes.render(scene, world_cfg, seed=i).save(tmp_path / "world" / "images" / f"{i}.png")
             f.write(json.dumps({"id": i, "task": "caption", "image": f"images/{i}.png", "text": None,
                                 "target": shapes_text.describe_scene(scene)}) + "\n")
@@ -753,10 +649,9 @@ def make_world(root: Path, cfg, n: int = 4) -> Path:
     (root / "images").mkdir(parents=True, exist_ok=True)
     (root / "world.json").write_text(json.dumps({"config": cfg.to_dict()}))
     rng = np.random.default_rng(1)
-    gen = ShapesModel(cfg, competent=False)
     with open(root / "drift_seeds.jsonl", "w") as f:
         for i in range(n):
-            scene = gen._random_scene(rng)
+            scene = random_scene(cfg, rng, max_objects=4)
             shapes.render(scene, cfg, seed=0).save(root / "images" / f"{i}.png")
             f.write(json.dumps({"id": f"{i:05d}", "image": f"images/{i}.png", "caption": shapes_text.describe_scene(scene),
                                 "scene": scene.to_dict()}) + "\n")
@@ -792,7 +687,7 @@ def test_drift_callback_logs_metrics(world_cfg, tmp_path):
                      batch_size=4, strips=1)
     cb = DriftCallback.from_config(cfg)
     logger = JsonlLogger(tmp_path / "run")
-    result = cb.evaluate(fake_trainer(tmp_path / "run", loggers=[logger]), ShapesModel(world_cfg, competent=True))
+    result = cb.evaluate(fake_trainer(tmp_path / "run", loggers=[logger]), shapes_model(world, competent=True))
     # the missing CLIP was skipped (warning), the scene embedder covers all four mappings
     assert result["drift/MCD_avg"] == pytest.approx(1.0)
     assert {f"drift/MCD_{m}" for m in metrics.MAPPINGS} <= set(result)
@@ -812,7 +707,7 @@ def test_drift_callback_on_data_that_is_not_a_shapes_world(world_cfg, tmp_path):
                      embedders=["scene"], geneval=False, strips=0)
     cb = DriftCallback.from_config(cfg)
     assert cb.detector is None and cb.geneval_seeds == [] and cb.embedders == {} and len(cb.seeds) == 2
-    cb.evaluate(fake_trainer(tmp_path / "run"), ShapesModel(world_cfg, competent=True))
+    cb.evaluate(fake_trainer(tmp_path / "run"), shapes_model(world, competent=True))
     assert (tmp_path / "run" / "eval" / "drift" / "epoch-1" / "mcd" / "image-first" / "gen-1.csv").is_file()
     with pytest.raises(UserError, match=r"eval\.drift\.geneval.*not a ShapesWorld"):
         DriftCallback.from_config(run_config(data, seeds=str(world / "drift_seeds.jsonl")))
@@ -832,7 +727,7 @@ def _ddp_drift_rank(rank, world_size, init_file, world_root, run_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         cb = DriftCallback.from_config(run_config(Path(world_root), **DDP_SETTINGS))
-        result = cb.evaluate(fake_trainer(Path(run_dir), rank), ShapesModel(shapes.WorldConfig(), competent=False))
+        result = cb.evaluate(fake_trainer(Path(run_dir), rank), shapes_model(world_root, competent=False))
         Path(run_dir, f"metrics-rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -844,7 +739,7 @@ def test_ddp_two_ranks_match_single_process(world_cfg, tmp_path, fork_safe_threa
 
     world = make_world(tmp_path / "world", world_cfg)
     cb = DriftCallback.from_config(run_config(world, **DDP_SETTINGS))
-    single = cb.evaluate(fake_trainer(tmp_path / "single"), ShapesModel(world_cfg, competent=False))
+    single = cb.evaluate(fake_trainer(tmp_path / "single"), shapes_model(world, competent=False))
     # fork: the children inherit the imported modules and this module's test doubles
     mp.start_processes(_ddp_drift_rank, args=(2, str(tmp_path / "init"), str(world), str(tmp_path / "ddp")),
                        nprocs=2, join=True, start_method="fork")
@@ -865,8 +760,8 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     from unicon.core import weights_fingerprint
 
     world = make_world(tmp_path / "world", world_cfg)
-    monkeypatch.setattr(bench, "_load_model", lambda ckpt: ShapesModel(world_cfg, competent=True))
-    monkeypatch.setattr(drift_cli, "load_model_for", lambda args: ShapesModel(world_cfg, competent=True))
+    monkeypatch.setattr(bench, "_load_model", lambda ckpt: shapes_model(world, competent=True))
+    monkeypatch.setattr(drift_cli, "load_model_for", lambda args: shapes_model(world, competent=True))
     out = tmp_path / "out"
     rc = drift_cli.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
                         "--embedders", "scene", "--logger", "csv", "--batch-size", "3", "--image-seed", "5"])
@@ -877,7 +772,7 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     assert logged[0]["drift/MCD_avg"] == pytest.approx(1.0)
     report = json.loads((out / "drift.json").read_text())
     assert report["image_generation"]["seed"] == 5  # --image-seed overrides the model's setting
-    assert report["model_fingerprint"] == weights_fingerprint(ShapesModel(world_cfg, competent=True))
+    assert report["model_fingerprint"] == weights_fingerprint(shapes_model(world, competent=True))
     assert report["environment"] == environment_info()  # git commit, package versions
     # a second invocation resumes: nothing recomputed
     rc = drift_cli.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),

@@ -36,6 +36,18 @@ BOS, EOS, V = 256, 257, 258
 
 
 class TinyUnified(UnifiedModel):
+    """A tiny byte-level network (image pooling + byte embeddings + a 258-way output layer) that scores
+    text, boxes and images with real, differentiable NLLs.
+
+    Deliberately not ``standins.FakeModel``: these tests need what FakeModel is defined not to have, namely
+    learning. Gradients must reach many parameters (DDP's all-reduce, resume and 1-vs-2-process equality are
+    checked parameter by parameter), a ``nn.Linear`` must exist for LoRA to target, the weights must be
+    saved and reloaded, and ``double_tol`` is derived from this network's reductions (V = 258, depth 3).
+    FakeModel's every NLL is ``scale * crc32(inputs)``, a constant of its inputs; giving it this network as
+    an option would put a second model behind every scoring method and its persistence, and the training
+    tests would use none of FakeModel's generation behaviour.
+    """
+
     backend = "tiny-double"
     caption_prompt = " what does the image describe?"
 
