@@ -165,7 +165,7 @@ def test_requeued_ddp_job_resumes_at_the_exact_step(slurm_cluster, tiny_shapes_w
     assert hpc.is_file() and not (run / "hpc_ckpt_2.ckpt").exists()
     step = torch.load(hpc, map_location="cpu", weights_only=True, mmap=True)["global_step"]
     assert signalled_after < step < max_steps
-    assert f"SLURM job {job_id} requeued" in out
+    assert f"requeueing SLURM job {job_id}" in out
     # the second attempt resumed from it (not from an epoch-end last.ckpt), at its step
     assert f"restarted (1x): resuming from {hpc}" in out
     assert f"resume: {hpc} (run 'unicon-train-{job_id}', step {step})" in out

@@ -292,13 +292,16 @@ class SlurmRequeue:
         if not job:
             print(f"SIGUSR1 outside a SLURM job: not requeued; {hint}")
             return
+        # said before the call: SLURM kills the job as soon as the requeue is accepted, often before
+        # a message printed afterwards reaches the log
+        print(f"requeueing SLURM job {job}; it resumes from {self.checkpoint or 'the newest checkpoint'}", flush=True)
         try:
             proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
             ok, why = proc.returncode == 0, (proc.stderr or proc.stdout).strip()
         except (OSError, subprocess.TimeoutExpired) as e:
             ok, why = False, str(e)
-        print(f"SLURM job {job} requeued; it resumes from {self.checkpoint or 'the newest checkpoint'}" if ok
-              else f"scontrol requeue {job} failed ({why}); {hint}", flush=True)
+        if not ok:
+            print(f"scontrol requeue {job} failed ({why}); {hint}", flush=True)
 
 
 # ---- pieces of train() ------------------------------------------------------------------------
