@@ -149,6 +149,10 @@ def test_requeued_ddp_job_resumes_at_the_exact_step(slurm_cluster, tiny_shapes_w
         _wait("the job to be pending again", lambda: _job(env, job_id)["JobState"] in ("PENDING", "RUNNING"), 60,
               log, env, job_id)
         if _job(env, job_id)["JobState"] == "PENDING":
+            # slurmd refuses a launch credential created in the same second as the revocation of the
+            # job's previous one ("Killing non-startable batch job: Job credential revoked", and the
+            # job ends FAILED); SLURM's own BeginTime delay avoids that, forcing the start must too
+            time.sleep(2.0)
             subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env, check=True)
         final = _wait("the job to finish",
                       lambda: (s := _job(env, job_id)["JobState"]) not in ("PENDING", "RUNNING", "REQUEUED",
