@@ -480,3 +480,33 @@ def fake_backend_plugin(root: Path) -> str:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: unicon-fake-backend\nVersion: 0.0\n")
     (info / "entry_points.txt").write_text("[unicon.backends]\nfake = standins\n")
     return f"{root}:{Path(__file__).resolve().parent}"
+
+
+def drift_shard_case(tmp_path: Path) -> tuple[Path, str]:
+    """``(checkpoint, drift arguments)`` of the sharded-drift tests: a 3-seed world, a FakeModel export
+    that captions and draws by the world's rules, and ``tmp_path/.venv`` linked to the project's (the
+    sbatch scripts activate the venv of their working directory)."""
+    world = build_world(tmp_path / "world", "--num-drift-seeds", "3", "--num-reason-train", "0", train=8)
+    ckpt = tmp_path / "ckpt" / "export"
+    FakeModel(captions="world", draw="world", world=str(world)).save_pretrained(str(ckpt))
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    return ckpt, f"--world {world} --generations 2 --embedders scene --batch-size 2 --logger none"
+
+
+def assert_drift_equals_one_run(merged: Path, ckpt: Path, args: str, env: dict, out: Path) -> None:
+    """``merged`` (a merged sharded ``drift.json``) equals one unsharded ``unicon evaluate drift``
+    run into ``out``, byte for byte. Each run is its own process and records the checkout's git state,
+    which others may commit to meanwhile in a shared tree: those two values are compared for
+    presence only (tests/test_sharding.py pins them)."""
+    import re
+    import subprocess
+
+    proc = subprocess.run([str(REPO / ".venv" / "bin" / "unicon"), "evaluate", "drift", "--ckpt", str(ckpt),
+                           "--out", str(out), *args.split()], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def text(path: Path) -> str:
+        return re.sub(r'"git\.(commit|dirty)": [^\n,]*', r'"git.\1": _', path.read_text())
+
+    assert text(merged) == text(out / "drift.json")
+    assert '"git.commit"' in merged.read_text()

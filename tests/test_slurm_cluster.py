@@ -200,11 +200,7 @@ def test_sharded_drift_array_and_merge_equal_one_run(slurm_cluster, tmp_path):
 
     if not (REPO / ".venv" / "bin" / "unicon").is_file():
         pytest.skip("needs the project's virtual environment (make setup), which the sbatch script activates")
-    world = standins.build_world(tmp_path / "world", "--num-drift-seeds", "3", "--num-reason-train", "0", train=8)
-    ckpt = tmp_path / "ckpt" / "export"
-    standins.FakeModel(captions="world", draw="world", world=str(world)).save_pretrained(str(ckpt))
-    args = f"--world {world} --generations 2 --embedders scene --batch-size 2 --logger none"
-    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    ckpt, args = standins.drift_shard_case(tmp_path)
     env = dict(slurm_cluster, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CKPTS=str(ckpt), SUITES="drift", SHARDS="2",
                OUT=str(tmp_path / "out"), DRIFT_ARGS=args, SBATCH_ARGS="--gpus-per-node=0 --cpus-per-task=1 --time=10",
                PYTHONPATH=standins.fake_backend_plugin(tmp_path / "plugin"))  # sbatch exports it to the jobs
@@ -228,12 +224,4 @@ def test_sharded_drift_array_and_merge_equal_one_run(slurm_cluster, tmp_path):
     print(f"array + merge: {time.monotonic() - t0:.0f} s\n{logs}")
     assert merged.is_file(), logs
     assert len(list(tmp_path.glob("slurm-unicon-eval-array-*.out"))) == 2, logs  # one log per shard task
-    one = tmp_path / "one"
-    proc = subprocess.run([str(REPO / ".venv" / "bin" / "unicon"), "evaluate", "drift", "--ckpt", str(ckpt), "--out",
-                           str(one), *args.split()], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    def text(path: Path) -> str:
-        return re.sub(r'"git\.(commit|dirty)": [^\n,]*', r'"git.\1": _', path.read_text())
-
-    assert text(merged) == text(one / "drift.json")
+    standins.assert_drift_equals_one_run(merged, ckpt, args, env, tmp_path / "one")

@@ -142,33 +142,18 @@ def test_evaluate_array_tasks_and_merge_equal_one_run(srun_shim, tmp_path):
     drift.json equals an unsharded ``unicon evaluate drift`` byte for byte. Each run is its own
     process and records the checkout's git state, which others may commit to meanwhile in a shared
     tree: those two values are compared for presence only (tests/test_sharding.py pins them)."""
-    import re
-
     import standins
 
     if not (REPO / ".venv" / "bin" / "unicon").is_file():
         pytest.skip("needs the project's virtual environment (make setup), which the script activates")
-    world = standins.build_world(tmp_path / "world", "--num-drift-seeds", "3", "--num-reason-train", "0", train=8)
-    ckpt = tmp_path / "ckpt" / "export"
-    standins.FakeModel(captions="world", draw="world", world=str(world)).save_pretrained(str(ckpt))
-    args = f"--world {world} --generations 2 --embedders scene --batch-size 2 --logger none"
+    ckpt, args = standins.drift_shard_case(tmp_path)
     env = slurm_env(srun_shim, "5")
     env.update(SLURM_SUBMIT_DIR=str(tmp_path), CKPTS=str(ckpt), SUITES="drift", SHARDS="2", OUT=str(tmp_path / "out"),
                DRIFT_ARGS=args, PYTHONPATH=standins.fake_backend_plugin(tmp_path / "plugin"))  # backend "fake"
-    (tmp_path / ".venv").symlink_to(REPO / ".venv")
     for role, ids in (("task", (0, 1)), ("merge", (0,))):
         for i in ids:
             proc = subprocess.run(["bash", str(ARRAY_SCRIPT), role], env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
                                   capture_output=True, text=True, timeout=600, cwd=tmp_path)
             assert proc.returncode == 0, (role, i, proc.stdout[-2000:], proc.stderr[-2000:])
-    one = tmp_path / "one"
-    proc = subprocess.run([str(REPO / ".venv" / "bin" / "unicon"), "evaluate", "drift", "--ckpt", str(ckpt),
-                           "--out", str(one), *args.split()], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    def text(path: Path) -> str:
-        return re.sub(r'"git\.(commit|dirty)": [^\n,]*', r'"git.\1": _', path.read_text())
-
     merged = tmp_path / "out" / "00-export" / "drift" / "drift.json"
-    assert text(merged) == text(one / "drift.json")
-    assert '"git.commit"' in merged.read_text()
+    standins.assert_drift_equals_one_run(merged, ckpt, args, env, tmp_path / "one")
