@@ -84,6 +84,16 @@ def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_s
     md = (out / "table2.md").read_text()
     assert "| K |" in md and "| M − K |" in md and "VQA C₁" in md
     assert (out / "table2.png").stat().st_size > 0
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")  # a caller's backend other than Agg, which the plot must leave alone
+    try:
+        table2.plot(summary, tmp_path / "again.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
+    assert (tmp_path / "again.png").stat().st_size > 0
 
     def must_not_train(args):
         raise AssertionError(f"a recorded run was trained again: {args}")

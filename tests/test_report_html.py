@@ -107,8 +107,16 @@ def report(runs, tmp_path_factory):  # noqa: F811
     """``(run_dir, report.html path)``, written by ``unicon report RUN_DIR``."""
     from unicon.report import cli
 
+    import matplotlib
+
     run_dir = runs["run_dir"]
-    assert cli([str(run_dir)]) == 0
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")  # a caller's backend other than Agg: the report draws on Figure objects and leaves it alone
+    try:
+        assert cli([str(run_dir)]) == 0
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
     page = run_dir / "report.html"
     assert page.is_file() and (run_dir / "report.md").is_file()
     return run_dir, page

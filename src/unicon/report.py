@@ -521,9 +521,6 @@ def render_html(run_dir: Path, series: dict | None = None) -> str:
     """The page of :func:`write_html` as a string."""
     run_dir = Path(run_dir)
     series = collect(run_dir) if series is None else series
-    import matplotlib
-
-    matplotlib.use("Agg")
     bodies = {
         "summary": _section_summary(run_dir, series),
         "training": _section_training(series),

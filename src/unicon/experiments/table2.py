@@ -175,14 +175,13 @@ def markdown(summary: dict[str, Any], seeds: Sequence[int], overrides: Sequence[
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Two panels: C_1 and acc@1 per task, one bar per method, ±std error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Two panels: C_1 and acc@1 per task, one bar per method, ±std error bars (a matplotlib
+    ``Figure`` saved directly: no pyplot state, the caller's backend left alone)."""
+    from matplotlib.figure import Figure
 
     methods = list(summary["methods"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
     width = 0.8 / max(len(methods), 1)
     x = np.arange(len(TASKS))
     for ax, (metric, title) in zip(axes, (("C_1", "C₁ (%)"), ("acc@1", "task acc@1 (%)"))):
@@ -197,7 +196,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[0].legend(loc="upper center", ncol=len(methods), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], overrides: Sequence[str],
