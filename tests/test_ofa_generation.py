@@ -253,3 +253,37 @@ def test_decoder_position_keys_kept_with_the_cache_match_the_full_pass(model):
                 assert kept[0] is True and kept[1].shape == (1, ofa.config.decoder_attention_heads, 9, 16)
             else:  # rows in different modes: every step embeds and projects all positions itself
                 assert kept is None
+
+
+def test_best_of_candidates_keeps_the_draw_the_captioner_scores_highest(model, monkeypatch):
+    """``num_candidates=N``: N draws per prompt (rows of one sampled batch), reranked by the
+    model's caption NLL of the prompt. The judge here is a stand-in that prefers bright images,
+    so the kept image of each prompt must be its brightest draw, and every draw must be scored
+    against its own prompt."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from unicon.models.base import Scores
+
+    n = 3
+    cfg = ImageGenerationConfig(do_sample=True, seed=11, num_candidates=n)
+    draws = model.generate_image([p for p in PROMPTS for _ in range(n)], config=replace(cfg, num_candidates=1))
+    brightness = [float(np.asarray(im, dtype=np.float64).mean()) for im in draws]
+    assert len(set(brightness)) > len(PROMPTS), "the draws of a prompt should differ"
+    judged = []
+
+    def judge(images, prompts, candidates):
+        judged.append((prompts, [c[0] for c in candidates]))
+        nll = -torch.tensor([[float(np.asarray(im, dtype=np.float64).mean())] for im in images])
+        return Scores(nll=nll, sum_nll=nll, mask=torch.ones_like(nll, dtype=torch.bool),
+                      num_tokens=torch.ones_like(nll, dtype=torch.long))
+
+    monkeypatch.setattr(model, "score_text", judge)
+    kept = model.generate_image(PROMPTS, config=cfg)
+    assert judged == [([model.caption_prompt] * n * len(PROMPTS), [p for p in PROMPTS for _ in range(n)])]
+    for b, im in enumerate(kept):
+        best = max(range(n), key=lambda k: brightness[b * n + k])
+        assert list(im.getdata()) == list(draws[b * n + best].getdata())
+    with pytest.raises(ValueError, match="do_sample"):
+        model.generate_image(PROMPTS, config=ImageGenerationConfig(num_candidates=2))

@@ -624,6 +624,10 @@ def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, m
     assert result["image_generation"]["temperature"] == 0.7 and result["image_generation"]["seed"] == 3
     assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
                  "--limit", "2", "--logger", "none", "--temperature", "0"]) == 2
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+                 "--limit", "2", "--logger", "none", "--candidates", "0"]) == 2
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+                 "--limit", "2", "--logger", "none", "--greedy", "--candidates", "4"]) == 2  # identical draws
     for key in ("vqa_accuracy", "caption_match", "loc_iou50", "t2i_match"):
         assert result["metrics"][key] == 1.0, key
     assert result["model_fingerprint"] == "oracle" and result["split"] == "test"

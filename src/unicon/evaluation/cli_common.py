@@ -136,7 +136,7 @@ def add_common_args(p: argparse.ArgumentParser, out_help: str = "output director
 
 def add_image_generation_args(p: argparse.ArgumentParser) -> None:
     """``--sample/--greedy``, ``--temperature``, ``--top-k``, ``--top-p``, ``--guidance-scale``,
-    ``--image-seed``; unset flags keep the model's saved setting (:func:`image_generation_config`)."""
+    ``--image-seed``, ``--candidates``; unset flags keep the model's saved setting (:func:`image_generation_config`)."""
     g = p.add_argument_group("image generation (default: the model's saved settings)")
     g.add_argument("--sample", dest="do_sample", action="store_true", default=None, help="sample image tokens")
     g.add_argument("--greedy", dest="do_sample", action="store_false", help="argmax image tokens")
@@ -146,6 +146,9 @@ def add_image_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--guidance-scale", type=float, default=None,
                    help="classifier-free guidance scale s: l_u + s (l_c - l_u) (1: off)")
     g.add_argument("--image-seed", type=int, default=None, help="seed of the image sampling")
+    g.add_argument("--candidates", dest="num_candidates", type=int, default=None,
+                   help="draw N images per prompt, keep the one the model's captioner scores highest "
+                        "(OFA's sampling_times + rerank, with the model as judge; needs sampling)")
 
 
 def image_generation_config(model, args: argparse.Namespace):
@@ -154,16 +157,21 @@ def image_generation_config(model, args: argparse.Namespace):
     import dataclasses
 
     checks = {"temperature": (lambda v: v > 0, "> 0"), "top_k": (lambda v: v >= 0, ">= 0"),
-              "top_p": (lambda v: 0 < v <= 1, "in (0, 1]")}
+              "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "num_candidates": (lambda v: v >= 1, ">= 1")}
     for name, (ok, what) in checks.items():
         value = getattr(args, name)
         if value is not None and not ok(value):
-            raise UserError(f"--{name.replace('_', '-')} must be {what}, got {value}")
-    given = {k: getattr(args, k) for k in ("do_sample", "temperature", "top_k", "top_p", "guidance_scale")
-             if getattr(args, k) is not None}
+            flag = "--candidates" if name == "num_candidates" else f"--{name.replace('_', '-')}"
+            raise UserError(f"{flag} must be {what}, got {value}")
+    given = {k: getattr(args, k) for k in ("do_sample", "temperature", "top_k", "top_p", "guidance_scale",
+                                           "num_candidates") if getattr(args, k) is not None}
     if args.image_seed is not None:
         given["seed"] = args.image_seed
-    return dataclasses.replace(model.image_generation_config, **given)
+    config = dataclasses.replace(model.image_generation_config, **given)
+    if config.num_candidates > 1 and not config.do_sample:
+        raise UserError(f"--candidates {config.num_candidates} needs sampling (--sample): greedy decoding "
+                        "draws the same image every time")
+    return config
 
 
 def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), minimum: dict | None = None) -> Path:

@@ -86,6 +86,9 @@ class ImageGenerationConfig:
 
     ``guidance_scale`` > 1 enables classifier-free guidance: logits are
     ``l_uncond + s * (l_cond - l_uncond)``. ``do_sample=False`` is greedy.
+
+    ``num_candidates`` = N > 1 draws N images per prompt and returns the one the model's own
+    captioner finds most likely to say the prompt (:meth:`UnifiedModel.best_of_candidates`).
     """
 
     do_sample: bool = False
@@ -94,6 +97,7 @@ class ImageGenerationConfig:
     top_p: float = 1.0
     guidance_scale: float = 1.0
     seed: int | None = None
+    num_candidates: int = 1
     extra: dict = field(default_factory=dict)
 
 
@@ -201,6 +205,38 @@ class UnifiedModel(nn.Module, abc.ABC):
         exceed the model's input first cut it with :meth:`fit_context`. ``config`` None means
         :attr:`image_generation_config`.
         """
+
+    def best_of_candidates(self, prompts: Sequence[str], context: Sequence[str] | None,
+                           config: ImageGenerationConfig) -> list[Image.Image]:
+        """``config.num_candidates`` = N images per prompt, reranked: for prompt ``p`` the kept image is
+
+            x* = argmin_{x_1..x_N ~ M(· | p)}  NLL_caption(p | x_n)
+
+        the candidate whose caption likelihood of ``p`` (summed over ``p``'s tokens, under the
+        model's own :attr:`caption_prompt`) is highest. This is OFA's text-to-image protocol (its
+        ``image_gen`` task draws ``sampling_times`` images and keeps the one CLIP finds closest to the
+        text) with the model's I2T side as the judge instead of CLIP, so that nothing outside the
+        model is needed; it couples the T2I output to the model's captioner, so report it beside
+        single-sample numbers, not instead of them. Backends call it from ``generate_image`` when
+        ``num_candidates > 1``; the N draws of a prompt are rows of one batch (one generator), so
+        they differ through sampling: token backends need ``do_sample=True``."""
+        from dataclasses import replace
+
+        n = int(config.num_candidates)
+        if n < 1:
+            raise ValueError(f"ImageGenerationConfig.num_candidates must be >= 1, got {n}")
+        one = replace(config, num_candidates=1)
+        if n == 1:
+            return self.generate_image(prompts, context, one)
+        if not config.do_sample:
+            raise ValueError(f"num_candidates={n} needs do_sample=True: greedy decoding draws {n} identical images")
+        expanded = [p for p in prompts for _ in range(n)]
+        contexts = None if context is None else [c for c in context for _ in range(n)]
+        images = self.generate_image(expanded, contexts, one)
+        with torch.no_grad():
+            scores = self.score_text(images, [self.caption_prompt] * len(images), [[p] for p in expanded])
+        best = scores.sum_nll[:, 0].view(len(prompts), n).argmin(dim=1).tolist()
+        return [images[b * n + k] for b, k in enumerate(best)]
 
     def fit_context(self, prompts: Sequence[str], contexts: Sequence[str]) -> tuple[list[str], list[int]]:
         """Cut each ``contexts[b]`` from the left, a word at a time, until ``[prompts[b], contexts[b]]``

@@ -652,6 +652,8 @@ class DecoupledUnifiedModel(UnifiedModel):
         config = config or self.image_generation_config
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
+        if config.num_candidates != 1:
+            return self.best_of_candidates(prompts, context, config)
         token_sampling = {"temperature": (config.temperature, 1.0), "top_k": (config.top_k, 0),
                           "top_p": (config.top_p, 1.0)}
         set_options = sorted(k for k, (value, default) in token_sampling.items() if value != default)

@@ -960,6 +960,9 @@ class JanusUnifiedModel(UnifiedModel):
         context: Sequence[str] | None = None,
         config: ImageGenerationConfig | None = None,
     ) -> list:
+        config = config or self.image_generation_config
+        if config.num_candidates != 1:
+            return self.best_of_candidates(prompts, context, config)
         return self.decode_codes(self.generate_image_codes(prompts, context, config))
 
     def _reason_prompt_ids(self, prompt: str) -> list[int]:

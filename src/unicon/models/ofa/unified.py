@@ -545,6 +545,8 @@ class OFAUnifiedModel(UnifiedModel):
         cfg = config or self.image_generation_config
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(context)} contexts")
+        if cfg.num_candidates != 1:
+            return self.best_of_candidates(prompts, context, cfg)
         texts = [self._t2i_text(p, None if context is None else context[i]) for i, p in enumerate(prompts)]
         h, w = self.image_tokenizer.grid_size
         codes, _ = self._generate_image_codes(texts, cfg, h * w, self.image_tokenizer.codebook_size)
