@@ -153,18 +153,6 @@ class MixtureSampler(EpochShuffleSampler):
         g, skip = self._start_pass()
         orders = {t: self._task_order(t, g) for t in self.rows if self.counts[t]}
         if not self.by_task:
-            import os
-            lead = os.environ.get("UNICON_LEADIN")
-            if lead:
-                ltasks, frac = lead.split(":")
-                ltasks = ltasks.split(",")
-                n_lead = int(float(frac) * sum(len(o) for o in orders.values()))
-                pool = [i for t in ltasks for i in orders.get(t, [])]
-                pool = [pool[i] for i in torch.randperm(len(pool), generator=g).tolist()]
-                first, chosen = pool[:n_lead], set(pool[:n_lead])
-                rest = [i for order in orders.values() for i in order if i not in chosen]
-                rest = [rest[i] for i in torch.randperm(len(rest), generator=g).tolist()]
-                return iter((first + rest)[skip:])
             flat = [i for order in orders.values() for i in order]
             return iter([flat[i] for i in torch.randperm(len(flat), generator=g).tolist()][skip:])
         chunks = []
