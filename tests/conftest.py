@@ -89,7 +89,7 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
         if not (export / "unicon_model.json").is_file() or not (world / "cococon_test.json").is_file():
             pytest.skip(f"$UNICON_PRETRAINED={export} / world {world} is not a pretrained model and its world")
         return export, world
-    from test_competence import STEPS
+    from test_competence import SHORT_SCHEDULE, STEPS
 
     root = tmp_path_factory.mktemp("competence")
     world, runs = root / "world", root / "runs"
@@ -102,7 +102,7 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
 
     run("build-data", "shapes", "--out", str(world), "--quiet")
     run("train", "experiment=shapes_pretrain", f"data.root={world}", f"output_dir={runs}", "name=recipe",
-        f"trainer.max_steps={STEPS}", "logger=csv", "trainer.enable_progress_bar=false")
+        f"trainer.max_steps={STEPS}", *SHORT_SCHEDULE, "logger=csv", "trainer.enable_progress_bar=false")
     export = runs / "recipe" / "export"
     run("evaluate", "shapes", "--ckpt", str(export), "--world", str(world), "--out", str(root / "eval"),
         "--limit", "200", "--logger", "none")

@@ -187,8 +187,6 @@ class LossConfig:
     direction: str = choice("mutual", ("mutual", "toward_gold"))
     tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # evaluation tasks t_i
     on_nonfinite: str = choice("stop", ("stop", "skip"))
-    # multiplier of each target token's NLL by mixture task in the standard update's CE (default 1)
-    ce_task_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

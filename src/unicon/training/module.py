@@ -228,12 +228,7 @@ class ConsistencyModule(L.LightningModule):
                 prompts = [[self._t2i_prompt(t, batch["ids"][b])] for t, b in zip(texts, rows)]
                 sc = self.model.score_image(prompts, imgs)
             sc = self._count(sc)
-            weights = self.cfg.loss.ce_task_weights
-            if weights:
-                w = sc.sum_nll.new_tensor([float(weights.get(batch["tasks"][b], 1.0)) for b in rows])
-                sums.append(sc.sum_nll[:, 0] * w)
-            else:
-                sums.append(sc.sum_nll[:, 0])
+            sums.append(sc.sum_nll[:, 0])
             tokens.append(sc.num_tokens[:, 0])
             for task in group:
                 idx = [i for i, b in enumerate(rows) if batch["tasks"][b] == task]
