@@ -288,7 +288,7 @@ def _bad_files(world: Path, trained: Path, tmp: Path) -> list[tuple[str, list[st
     truncated = tmp / "truncated.ckpt"
     truncated.write_bytes(data[: len(data) // 2])
     garbage = tmp / "random.ckpt"
-    garbage.write_bytes(os.urandom(4096))
+    garbage.write_bytes(random.Random(0).randbytes(4096))
     export = tmp / "export-trunc-safetensors"
     import shutil
 
@@ -552,3 +552,18 @@ def test_readme_drift_example_runs_without_a_trained_clip(world, trained, tmp_pa
     assert "no CLIP model at the default" in caplog.text
     report = json.loads((tmp_path / "d" / "drift.json").read_text())
     assert "scene" in report["mcd"]["by_embedder"] and "clip" not in report["mcd"]["by_embedder"]
+
+
+def test_any_garbage_checkpoint_is_a_one_line_error_naming_it(tmp_path):
+    """Arbitrary bytes make torch's weights-only unpickler fail with whatever exception the opcodes
+    it misreads raise (an IndexError from one CI run's os.urandom garbage, KeyError, struct.error,
+    ...): every one must become the one-line UserError naming the file."""
+    from unicon.errors import UserError
+    from unicon.models import read_training_checkpoint
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        f = tmp_path / f"garbage-{seed}.ckpt"
+        f.write_bytes(rng.randbytes(rng.randrange(1, 4096)))
+        with pytest.raises(UserError, match=str(f)):
+            read_training_checkpoint(f)
