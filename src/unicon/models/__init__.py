@@ -196,6 +196,17 @@ def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str,
 PICKLE_OPT_IN = "model.allow_pickle=true (unicon train) or --allow-pickle (unicon evaluate)"
 
 
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (torch's load errors run to many lines), or its type."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _unreadable(path: Path, e: BaseException) -> UserError:
+    """The one-line error for a file ``torch.load`` cannot read at all (truncated, corrupt, not a checkpoint)."""
+    return UserError(f"{path}: not a readable PyTorch checkpoint ({_first_line(e)}); truncated or corrupt?")
+
+
 def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pickle: bool = False,
                              mmap: bool = False) -> dict:
     """The dict of a Lightning ``.ckpt`` written by ``unicon train``, loaded with ``weights_only=True``.
@@ -216,9 +227,8 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "Weights only load failed" not in first:
-            raise UserError(f"{p}: not a readable PyTorch checkpoint ({first}); truncated or corrupt?") from None
+        if "Weights only load failed" not in _first_line(e):
+            raise _unreadable(p, e) from None
         if not allow_pickle:
             raise UserError(f"{p}: refusing to unpickle Python objects stored in this checkpoint (loading it could "
                             f"run code); if you trust the file, opt in with {PICKLE_OPT_IN}") from None
@@ -226,8 +236,7 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
         ckpt = torch.load(p, map_location=map_location, weights_only=False)
     except Exception as e:  # noqa: BLE001 -- the weights-only unpickler runs no code, but on arbitrary
         # bytes it fails with whatever the opcodes it misreads raise (IndexError, KeyError, struct.error, ...)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{p}: not a readable PyTorch checkpoint ({first}); truncated or corrupt?") from None
+        raise _unreadable(p, e) from None
     if not isinstance(ckpt, dict) or "unicon_config" not in ckpt or "state_dict" not in ckpt:
         raise UserError(f"{p}: not a unicon training checkpoint (missing 'unicon_config' or 'state_dict')")
     return ckpt
@@ -287,11 +296,10 @@ def _load_deepspeed_file(f: Path, allow_pickle: bool):
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        lines = str(e).strip().splitlines()
-        if not any("Weights only load failed" in ln for ln in lines[:1]):
-            raise UserError(f"{f}: not a readable PyTorch checkpoint ({lines[0] if lines else type(e).__name__}); "
-                            "truncated or corrupt?") from None
+        if "Weights only load failed" not in _first_line(e):
+            raise _unreadable(f, e) from None
         if not allow_pickle:
+            lines = str(e).strip().splitlines()
             why = next((ln.strip() for ln in lines if "Unsupported global" in ln), lines[0])
             raise UserError(f"{f}: refusing to unpickle Python objects stored in this DeepSpeed checkpoint file "
                             f"({why[:200]}; loading it could run code); if you trust the folder, opt in with "
@@ -299,8 +307,7 @@ def _load_deepspeed_file(f: Path, allow_pickle: bool):
         logger.warning("%s: unpickling with weights_only=False (allow_pickle)", f)
         return None
     except Exception as e:  # noqa: BLE001 -- as in read_training_checkpoint: garbage fails in any way
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{f}: not a readable PyTorch checkpoint ({first}); truncated or corrupt?") from None
+        raise _unreadable(f, e) from None
 
 
 def deepspeed_client_state(path: str | Path, allow_pickle: bool = False) -> dict:
