@@ -14,11 +14,13 @@ The model it leaves is also the ``pretrained_shapes`` fixture (conftest) of the 
 Floors. Chance levels on the test split: VQA answers by question-type prior ~0.3 (yes/no, 8 colours,
 6 shapes, counts); a box with IoU >= 0.5 by guessing ~0.02; an exact caption or a generated image whose
 parsed scene matches its prompt ~0 (a scene is 1-4 objects of 48 kinds in 16 cells). Measured after
-STEPS steps of the recipe (two DDP ranks x 32 examples, 3 min 46 s; one run, 200 per task): VQA 0.525,
-localization 0.175, exact caption 0.04, generated-image match 0.045 (with grounding weight 2: 0.52, 0.18,
-0.05, 0.04; session 5's one-rank recipe after 900 steps: 0.55, 0.14, 0.06, 0.03). Each floor sits above chance and well below the measurement (a run on
-another CPU rounds differently, and the step at which a task takes off moves with it); the generation
-floors only say that some outputs are exactly right. Likelihood competence is asserted too: the gold
+STEPS steps of the recipe (two DDP ranks x 32 examples, 3 min 46 s; 200 per task): VQA 0.525,
+localization 0.175, exact caption 0.04, generated-image match 0.045 with the recipe's seed 0; with
+seed 1 0.48, 0.075, 0.01, 0.035 and with seed 2 0.505, 0.14, 0.02, 0.035 (session 10). A run on
+another CPU rounds differently, and its trajectory is as much a fresh draw as another seed's, so each
+floor sits above chance and below the *lowest* of the three seeds; the generation floors only say
+that some outputs are exactly right (one exact caption in 200 clears the caption floor, where the
+first pretraining recipe had none). Likelihood competence is asserted too: the gold
 caption (test_ofa_unified.test_pretrained_model_prefers_gold_over_contrast_captions) and the gold prompt
 of an image (..._prefers_the_gold_caption_for_generating_the_image) beat the CocoCon contrasts well above
 chance. Issue 16's targets are not met (results/shapes_consistency.md).
@@ -34,7 +36,7 @@ import pytest
 STEPS = 650
 #: the batch and peak rate of the shortened schedule (the recipe's before session 9; see the docstring)
 SHORT_SCHEDULE = ("data.batch_size=32", "optim.lr=1e-3")
-FLOORS = {"vqa_accuracy": 0.45, "loc_iou50": 0.06, "caption_match": 0.02, "t2i_match": 0.01}
+FLOORS = {"vqa_accuracy": 0.40, "loc_iou50": 0.04, "caption_match": 0.005, "t2i_match": 0.01}
 
 
 @pytest.mark.slow
