@@ -86,8 +86,10 @@ def _run_main(argv: list[str]) -> None:
     out, overrides = Path(argv[0]), argv[1:]
     cls, real = _cpu_deepspeed_strategy_class(), run.make_strategy
 
-    def make_strategy(name: str, micro_batch_size: int = 1):
-        return cls(config=run.deepspeed_config(name, micro_batch_size)) if name.startswith("deepspeed") else real(name)
+    def make_strategy(name: str, micro_batch_size: int = 1, **kwargs):
+        if name.startswith("deepspeed"):
+            return cls(config=run.deepspeed_config(name, micro_batch_size))
+        return real(name, micro_batch_size, **kwargs)
 
     run.make_strategy = make_strategy
 

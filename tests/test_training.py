@@ -834,3 +834,22 @@ def test_task_weights_and_batching_are_validated_with_their_key():
         compose(["data.task_weights.vqa=-1"])
     with pytest.raises(ConfigError, match=r"data.batching='per_task' is not one of: mixed, by_task"):
         compose(["data.batching=per_task"])
+
+
+def test_ddp_broadcasts_buffers_only_for_models_with_running_statistics():
+    """DDP copies rank 0's buffers to every rank before each forward. The patch-stem OFA's buffers are
+    constants of its config (relative-position buckets), so the strategy skips the broadcast; a ResNet
+    stem's BatchNorm running statistics keep it."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from unicon.models.ofa.configuration_ofa import preset_config
+    from unicon.models.ofa.modeling_ofa import OFAForConditionalGeneration
+    from unicon.training.run import keeps_running_statistics, make_strategy
+
+    patch = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300, d_model=32))
+    resnet = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300, d_model=32, image_stem="resnet"))
+    assert any(True for _ in patch.buffers()) and not keeps_running_statistics(patch)
+    assert keeps_running_statistics(resnet)
+    for broadcast in (True, False):
+        strategy = make_strategy("ddp", broadcast_buffers=broadcast)
+        assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["broadcast_buffers"] is broadcast
