@@ -78,7 +78,7 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
 
     ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name an existing one.
     Otherwise a world is built and the recipe is trained from scratch with test_competence.STEPS steps
-    (under 4 minutes, on the recipe's two DDP ranks) through the real CLI; its ``unicon evaluate shapes`` accuracies
+    (about 4 minutes, on the recipe's two DDP ranks) through the real CLI; its ``unicon evaluate shapes`` accuracies
     are written beside the export as ``competence.json`` (asserted by test_competence)."""
     import subprocess
     import sys
