@@ -238,9 +238,10 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=192,  # think-then-draw prompts reach ~140 tokens
         d_model=128,
         # 2+2 layers (3+3 before session 11): the pretraining budget (8 minutes) is bound by steps, not
-        # by depth. A step of the two-rank recipe costs 0.34 s against 0.59 s (with DDP's buffer
-        # broadcast off), so 1,250 steps fit where 920 did, and the attribute binding behind VQA and
-        # localization emerges within them on every seed tried (results/shapes_consistency.md, "Session 11")
+        # by depth. A step of the two-rank recipe costs 0.395 s against 3+3's 0.59 s (0.34 s once DDP
+        # stopped broadcasting buffers), so 1,250 steps fit where 920 did, and the attribute binding
+        # behind localization emerges within them on every seed tried (results/shapes_consistency.md,
+        # "Session 11"; VQA's colour/shape binding on one seed of three)
         encoder_layers=2,
         decoder_layers=2,
         encoder_attention_heads=4,
