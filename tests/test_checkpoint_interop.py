@@ -17,7 +17,7 @@ is the CPU) and DDP's environment setup without the CUDA check -- and everything
 Lightning's and DeepSpeed's own code: the engine, ZeRO partitioning, Lightning's checkpoint folder
 (DeepSpeed's ``save_checkpoint`` with Lightning's client state), and the conversion. ``unicon
 train`` itself keeps refusing DeepSpeed without CUDA (test_training); the runs below replace
-``make_strategy`` in their own processes (this file run as a script, Lightning's launcher starting
+``check_strategy`` (its CUDA check) and ``make_strategy`` in their own processes (this file run as a script, Lightning's launcher starting
 the second rank the same way).
 
 **Ranks must run the same parameters.** ZeRO-2/3 reduce gradients from backward hooks into
@@ -91,7 +91,10 @@ def _run_main(argv: list[str]) -> None:
             return cls(config=run.deepspeed_config(name, micro_batch_size))
         return real(name, micro_batch_size, **kwargs)
 
-    run.make_strategy = make_strategy
+    def check_strategy(name: str, micro_batch_size: int = 1):  # the CUDA check only; the config is read
+        return run.deepspeed_config(name, micro_batch_size) if name.startswith("deepspeed") else None
+
+    run.check_strategy, run.make_strategy = check_strategy, make_strategy
 
     class Live(Callback):
         def __init__(self):

@@ -333,19 +333,27 @@ def keeps_running_statistics(model: torch.nn.Module) -> bool:
                for m in model.modules())
 
 
+def check_strategy(name: str, micro_batch_size: int = 1) -> dict | None:
+    """Refuse, before any work, a ``trainer.strategy`` this machine cannot run: DeepSpeed needs CUDA
+    and a valid ``configs/strategy/<name>.json``. Returns that DeepSpeed config (None otherwise)."""
+    if not name.startswith("deepspeed"):
+        return None
+    if not torch.cuda.is_available():
+        raise UserError(f"trainer.strategy={name} needs CUDA GPUs, but torch.cuda.is_available() is False "
+                        "on this machine; use trainer.strategy=ddp or auto")
+    return deepspeed_config(name, micro_batch_size)
+
+
 def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool = True):
     """Lightning strategy object/name for ``trainer.strategy`` (one of ``unicon.config.STRATEGIES``,
-    checked at compose time); checks CUDA for DeepSpeed up front. ``micro_batch_size``:
+    checked at compose time), after :func:`check_strategy`. ``micro_batch_size``:
     ``data.batch_size`` (DeepSpeed's ``train_micro_batch_size_per_gpu``, :func:`deepspeed_config`).
     ``broadcast_buffers`` (DDP): False for a model whose buffers are constants of its config
     (:func:`keeps_running_statistics` is False): OFA's relative-position bucket tables are 33 MB in
     ``shapes-tiny``, and broadcasting them before every forward cost 13% of a step of the two-rank
     CPU recipe (0.39 s against 0.33-0.34 s, issue 16)."""
-    if name.startswith("deepspeed"):
-        if not torch.cuda.is_available():
-            raise UserError(f"trainer.strategy={name} needs CUDA GPUs, but torch.cuda.is_available() is False "
-                            "on this machine; use trainer.strategy=ddp or auto")
-        config = deepspeed_config(name, micro_batch_size)
+    config = check_strategy(name, micro_batch_size)
+    if config is not None:
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         return DeepSpeedStrategy(config=config)
@@ -499,7 +507,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
     if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise UserError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA, but torch.cuda.is_available() is "
                         "False on this machine; use trainer=cpu")
-    strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size)  # fail early (DeepSpeed without CUDA)
+    check_strategy(cfg.trainer.strategy, cfg.data.batch_size)  # fail early (DeepSpeed without CUDA)
     if cfg.resume:
         from unicon.models import read_training_checkpoint
 
@@ -515,7 +523,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
     try:
         lock = claim_run_dir(cfg)
         try:
-            return _train(cfg, strategy, extra_callbacks, requeue)
+            return _train(cfg, extra_callbacks, requeue)
         finally:
             release_run_dir(lock)
     except Preempted:
@@ -527,7 +535,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
             requeue.uninstall()
 
 
-def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: SlurmRequeue | None = None) -> dict[str, Any]:
+def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue | None = None) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
@@ -544,9 +552,9 @@ def _train(cfg: DictConfig, strategy, extra_callbacks: list | None, requeue: Slu
         torch.set_num_threads(int(tcfg.cpu_threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build_training_model(cfg)
-    if cfg.trainer.strategy in ("ddp", "ddp_spawn"):  # the model decides whether DDP broadcasts buffers
-        strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size,
-                                 broadcast_buffers=keeps_running_statistics(model))
+    # built with the model: it decides whether DDP broadcasts buffers before every forward
+    strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size,
+                             broadcast_buffers=keeps_running_statistics(model))
     (run_dir / "config.yaml").write_text(to_yaml(cfg))  # after the checks: a refused run leaves no files
     module = ConsistencyModule(model, cfg)
     datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
