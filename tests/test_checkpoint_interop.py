@@ -17,8 +17,8 @@ is the CPU) and DDP's environment setup without the CUDA check -- and everything
 Lightning's and DeepSpeed's own code: the engine, ZeRO partitioning, Lightning's checkpoint folder
 (DeepSpeed's ``save_checkpoint`` with Lightning's client state), and the conversion. ``unicon
 train`` itself keeps refusing DeepSpeed without CUDA (test_training); the runs below replace
-``check_strategy`` (its CUDA check) and ``make_strategy`` in their own processes (this file run as a script, Lightning's launcher starting
-the second rank the same way).
+``check_strategy`` (its CUDA check) and ``make_strategy`` in their own processes (this file run
+as a script, Lightning's launcher starting the second rank the same way).
 
 **Ranks must run the same parameters.** ZeRO-2/3 reduce gradients from backward hooks into
 buckets in the order gradients arrive; when the ranks' steps use different parameter subsets (a
