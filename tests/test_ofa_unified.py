@@ -731,6 +731,18 @@ def test_patch_stem_gives_one_token_per_cell_that_sees_only_its_cell():
     assert fx.shape == (2, config.image_feature_dim, 4, 4)
     changed = (fx - fy).abs().amax(dim=(0, 1)) > 0
     assert changed.nonzero().tolist() == [[1, 2]]
+    # the matrix-product form computes the two convolutions it holds (an image whose sides are not
+    # multiples of 16 loses its last partial cells, as under the convolutions)
+    for size in ((64, 64), (70, 50)):
+        z = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            conv = stem.conv2(torch.nn.functional.gelu(stem.conv1(z)))
+            out = stem(z)
+            # Higham's sum |x_i y_i| of each layer's dot products (GELU is 1-Lipschitz)
+            first = torch.nn.functional.conv2d(z.abs(), stem.conv1.weight.abs(), stem.conv1.bias.abs(), stride=4)
+            scale = torch.nn.functional.conv2d(first, stem.conv2.weight.abs(), stride=4).max().item()
+        assert out.shape == conv.shape
+        torch.testing.assert_close(out, conv, rtol=0, atol=float32_tol(16 * 8, scale=scale, depth=2))
     assert isinstance(build_image_stem(preset_config("reference-tiny")), torch.nn.Module)
     assert preset_config("ofa-large").image_stem == "resnet"  # published presets keep OFA's ResNet
     with pytest.raises(OFAConfigError, match="image_stem 'vit' is not one of"):

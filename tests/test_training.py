@@ -492,9 +492,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def test_train_writes_checkpoint_config_export_and_resumes_exactly(world, tmp_path, double):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_train_writes_checkpoint_config_export_and_resumes_exactly(world, tmp_path, double, optimizer):
     # 8 mixture rows / batch 4 -> 2 steps per epoch; checkpoint at every epoch end
-    full = train(run_cfg(world, tmp_path / "a", "name=full", "trainer.max_epochs=2"))
+    full = train(run_cfg(world, tmp_path / "a", "name=full", "trainer.max_epochs=2", f"optim.name={optimizer}"))
     assert full["global_step"] == 4
     run_dir = Path(full["run_dir"])
     assert (run_dir / "config.yaml").is_file() and (run_dir / "export" / "unicon_model.json").is_file()
@@ -507,7 +508,7 @@ def test_train_writes_checkpoint_config_export_and_resumes_exactly(world, tmp_pa
         def on_train_epoch_end(self, trainer, pl_module):
             trainer.should_stop = True
 
-    cfg = run_cfg(world, tmp_path / "b", "name=half", "trainer.max_epochs=2")
+    cfg = run_cfg(world, tmp_path / "b", "name=half", "trainer.max_epochs=2", f"optim.name={optimizer}")
     half = train(cfg, extra_callbacks=[Interrupt()])
     assert half["global_step"] == 2
     cfg.resume = half["ckpt_path"]

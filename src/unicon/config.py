@@ -167,6 +167,7 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = choice("adamw", ("adamw", "muon"))  # unicon.training.optim
     lr: float = bounded(1e-6, 0.0, lo_open=True)
     weight_decay: float = bounded(0.01, 0.0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -572,6 +573,9 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         fail("optim.betas", betas, "must be two numbers in [0, 1)")
+    if cfg.optim.name != "adamw" and str(cfg.trainer.strategy).startswith("deepspeed"):
+        fail("optim.name", cfg.optim.name, f"DeepSpeed ({cfg.trainer.strategy}) partitions an AdamW optimizer "
+             "only; use optim.name=adamw, or trainer.strategy=ddp")
     lim = cfg.trainer.limit_train_batches
     if lim is not None and lim > 1 and float(lim) != int(lim):
         fail("trainer.limit_train_batches", lim, "must be a fraction in (0, 1] or a whole number of batches")

@@ -157,6 +157,7 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     from unicon.data.mixture import collate_mixture
     from unicon.training.datamodule import ConsistencyDataModule, MixtureSampler
     from unicon.training.module import ConsistencyModule
+    from unicon.training.optim import build_optimizer
     from unicon.training.run import build_training_model
 
     if cfg.trainer.cpu_threads:
@@ -175,7 +176,8 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     batches = [collate_mixture([dm.mixture[order[((i * world + rank) * bs + j) % len(order)]] for j in range(bs)])
                for i in range(warmup + steps)]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
+    # the recipe's optimizer (optim.name: fused AdamW, or Muon + AdamW), as configure_optimizers builds it
+    opt = build_optimizer(cfg.optim.name, model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
 
     def step(batch):
         module.standard_loss(batch)["loss"].backward()

@@ -50,6 +50,7 @@ from unicon.data.mixture import TASKS as MIXTURE_TASKS
 from unicon.losses.consistency import consistency_loss, rank_diagnostics
 from unicon.models import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
+from unicon.training.optim import build_optimizer, decay_groups
 
 #: ``optim.scheduler`` -> the name ``transformers.get_scheduler`` knows it by
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
@@ -292,32 +293,23 @@ class ConsistencyModule(L.LightningModule):
             self.log(f"train/{key}", float(value), reduce_fx="max", batch_size=1)
 
     def configure_optimizers(self):
-        """AdamW with weight decay on the matrices only, and ``optim.scheduler`` stepped every
-        optimizer step. Lightning's ``LearningRateMonitor`` (:func:`unicon.training.run.train`) logs
-        the learning rate as ``train/lr/decay`` and ``train/lr/no_decay``, the param-group names."""
+        """``optim.name`` (:func:`unicon.training.optim.build_optimizer`: AdamW, or Muon + AdamW) with
+        weight decay on the matrices only, and ``optim.scheduler`` stepped every optimizer step.
+        Lightning's ``LearningRateMonitor`` (:func:`unicon.training.run.train`) logs the learning rate
+        as ``train/lr/<param group>``: ``decay``, ``no_decay`` (and ``muon``)."""
         from transformers import get_scheduler
 
         ocfg = self.cfg.optim
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
-        if not decay and not no_decay:
-            raise ValueError("no trainable parameters (check model.freeze / model.lora)")
-        groups = [{"params": decay, "weight_decay": ocfg.weight_decay, "name": "decay"},
-                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
         if offloads_optimizer(self.trainer.strategy):
             # ZeRO-Offload steps the fp32 master weights and Adam moments in CPU memory: DeepSpeed's
             # vectorised C++ Adam, the same update as AdamW (adamw_mode: decoupled weight decay);
             # DeepSpeed refuses other optimizers with offload (zero_force_ds_cpu_optimizer)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(decay_groups(self.model, ocfg.weight_decay), lr=ocfg.lr,
+                                         betas=tuple(ocfg.betas), adamw_mode=True)
         else:
-            # torch's fused AdamW kernel (CPU and CUDA): one pass over all tensors instead of one op per
-            # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update
-            fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in decay + no_decay)
-            optimizer = torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), fused=fused)
+            optimizer = build_optimizer(ocfg.name, self.model, ocfg.lr, ocfg.weight_decay, tuple(ocfg.betas))
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_scheduler(
             SCHEDULERS[ocfg.scheduler], optimizer,

@@ -235,8 +235,22 @@ class PatchStem(nn.Module):
         self.conv1 = nn.Conv2d(3, width, 4, stride=4)
         self.conv2 = nn.Conv2d(width, out_channels, 4, stride=4)
 
+    @staticmethod
+    def _patchify(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+        """``conv`` (kernel = stride = k, no padding) on channels-last ``x`` ``[B, H, W, C]`` as one
+        matrix product over the unfolded k x k patches: ``[B, H // k, W // k, out]``. The same sums
+        as ``conv(x)`` (rows/columns past the last whole patch are dropped, as the convolution does),
+        at a fraction of its CPU cost: oneDNN's convolution and its backward took 7% of a pretraining
+        step, the matrix product under 1% (``unicon bench pretrain``)."""
+        k = conv.kernel_size[0]
+        B, H, W, C = x.shape
+        h, w = H // k, W // k
+        patches = x[:, : h * k, : w * k].reshape(B, h, k, w, k, C).permute(0, 1, 3, 5, 2, 4)
+        return F.linear(patches.reshape(B, h, w, C * k * k), conv.weight.flatten(1), conv.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv2(F.gelu(self.conv1(x)))
+        h = F.gelu(self._patchify(x.permute(0, 2, 3, 1), self.conv1))
+        return self._patchify(h, self.conv2).permute(0, 3, 1, 2)
 
 
 def build_image_stem(config: OFAConfig) -> nn.Module:
