@@ -3,9 +3,9 @@ on a freshly built world with a shortened schedule, must learn every task well a
 
 The run is the real one (``unicon build-data shapes``, ``unicon train experiment=shapes_pretrain``,
 ``unicon evaluate shapes``, as subprocesses with the recipe's thread settings); only the schedule is
-shortened: :data:`STEPS` steps of the recipe's 2 x 64 examples at its lr 1.5e-3 (cosine over the
-shortened run), 4-5 minutes on the recipe's two DDP ranks. The recipe itself takes 1,250 steps
-(session 11). With the 2+2-layer preset the previous short schedule (650 steps of 2 x 32 at lr 1e-3,
+shortened: :data:`STEPS` steps of the recipe's 2 x 64 examples with its optimizer and peak lr (cosine
+over the shortened run), 4-5 minutes on the recipe's two DDP ranks. The recipe itself takes 1,250
+steps (session 11; Muon at lr 3e-3 since session 14). With the 2+2-layer preset the previous short schedule (650 steps of 2 x 32 at lr 1e-3,
 3 min 12 s) left seed 0 at VQA 0.485, localization 0.085, exact caption 0 and generated-image match
 0.02: no exact caption, under the caption floor.
 The model it leaves is also the ``pretrained_shapes`` fixture (conftest) of the tests that need a trained model.
@@ -16,7 +16,9 @@ matches its prompt ~0 (a scene is 1-4 objects of 48 kinds in 16 cells). Measured
 (200 per task; VQA, localization, exact caption, generated-image match; session 11): seed 0 0.47,
 0.18, 0.01, 0.09; seed 1 0.48, 0.12, 0, 0.065; seed 2 0.575, 0.28, 0.13, 0.04. A run on another CPU
 rounds differently, and its trajectory is as much a fresh draw as another seed's, so each floor sits
-above chance and below the *lowest* of the seeds. The exact caption has no floor here: with the 2+2 preset it emerges
+above chance and below the *lowest* of the seeds (these were measured with AdamW; session 14's Muon
+learns more per step, every task gaining on every seed at 1,250 steps, so they stay as the
+conservative floors). The exact caption has no floor here: with the 2+2 preset it emerges
 around this schedule (0, 0.01 and 0.13 at 600 steps; 42-52% at the recipe's 1,250), so one seed in
 three would fail any floor above zero. Caption competence is asserted by likelihood instead, as T2I's
 is too: the gold caption of an image beats its CocoCon contrast captions
