@@ -17,8 +17,9 @@ matches its prompt ~0 (a scene is 1-4 objects of 48 kinds in 16 cells). Measured
 0.18, 0.01, 0.09; seed 1 0.48, 0.12, 0, 0.065; seed 2 0.575, 0.28, 0.13, 0.04. A run on another CPU
 rounds differently, and its trajectory is as much a fresh draw as another seed's, so each floor sits
 above chance and below the *lowest* of the seeds (these were measured with AdamW; session 14's Muon
-learns more per step, every task gaining on every seed at 1,250 steps, so they stay as the
-conservative floors). The exact caption has no floor here: with the 2+2 preset it emerges
+learns more per step, every task gaining on every seed at 1,250 steps, and CI's seed-0 run gave
+0.60, 0.29, 0.13, 0.25 after STEPS steps; the floors stay as the conservative ones until Muon's
+seeds 1 and 2 are measured here). The exact caption has no floor here: with the 2+2 preset it emerges
 around this schedule (0, 0.01 and 0.13 at 600 steps; 42-52% at the recipe's 1,250), so one seed in
 three would fail any floor above zero. Caption competence is asserted by likelihood instead, as T2I's
 is too: the gold caption of an image beats its CocoCon contrast captions
