@@ -50,6 +50,14 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
     return x.mT if tall else x
 
 
+def _closure_loss(closure) -> Any:
+    """The loss ``closure`` recomputes (with gradients enabled), as a torch optimizer's ``step`` does."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class ShapeBatchedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` (same state, hyperparameters and update) with the Newton-Schulz iterations
     of all same-shaped matrices run as one batched product. torch's loop runs 15 small matrix
@@ -61,10 +69,7 @@ class ShapeBatchedMuon(torch.optim.Muon):
     def step(self, closure=None):
         from torch.optim._muon import _adjust_lr
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
@@ -133,10 +138,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self.muon.step()
         self.adamw.step()
         return loss
