@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from unicon.config import ConfigError, compose
-from unicon.training.optim import MuonWithAdamW, ShapeBatchedMuon, build_optimizer, muon_parameters
+from unicon.training.optim import MuonWithAdamW, ShapeBatchedMuon, build_optimizer, decay_groups, muon_parameters
 
 
 class Net(nn.Module):
@@ -113,6 +113,12 @@ def test_muon_moves_the_loss_like_adamw_and_bad_input_is_named():
             build_optimizer("adamw", Net(), 1e-2, 0.0, (0.9, 0.999)).state_dict())
     with pytest.raises(ValueError, match="no trainable nn.Linear matrix"):
         build_optimizer("muon", nn.Sequential(nn.LayerNorm(4)), 1e-2, 0.0, (0.9, 0.999))
+    frozen = Net().requires_grad_(False)
+    for build in (lambda: build_optimizer("adamw", frozen, 1e-2, 0.0, (0.9, 0.999)),
+                  lambda: build_optimizer("muon", frozen, 1e-2, 0.0, (0.9, 0.999)),
+                  lambda: decay_groups(frozen, 0.0)):  # the ZeRO-Offload path builds these groups itself
+        with pytest.raises(ValueError, match="no trainable parameters"):
+            build()
     with pytest.raises(ConfigError, match="optim.name"):
         compose(["optim.name=sgd"])
     with pytest.raises(ConfigError, match="optim.name.*DeepSpeed"):

@@ -80,6 +80,7 @@ STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_
               "deepspeed_zero3", "deepspeed_zero3_offload")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
 MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
+OPTIMIZERS = ("adamw", "muon")  # optim.name (unicon.training.optim.build_optimizer)
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
 
 
@@ -167,7 +168,7 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = choice("adamw", ("adamw", "muon"))  # unicon.training.optim
+    name: str = choice("adamw", OPTIMIZERS)  # unicon.training.optim
     lr: float = bounded(1e-6, 0.0, lo_open=True)
     weight_decay: float = bounded(0.01, 0.0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon")
+from unicon.config import OPTIMIZERS
 
 
 def muon_parameters(model: nn.Module) -> set[int]:
@@ -161,8 +161,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def decay_groups(model: nn.Module, weight_decay: float, exclude: set[int] = frozenset()) -> list[dict]:
     """Param groups ``decay`` (trainable matrices, ``weight_decay``) and ``no_decay`` (vectors: norms,
-    biases, head scales) of ``model``, without the parameters whose ``id`` is in ``exclude``."""
-    params = [p for p in model.parameters() if p.requires_grad and id(p) not in exclude]
+    biases, head scales) of ``model``, without the parameters whose ``id`` is in ``exclude``. Raises
+    when ``model`` has no trainable parameter at all (every optimizer path builds its groups here)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("no trainable parameters (check model.freeze / model.lora)")
+    params = [p for p in trainable if id(p) not in exclude]
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "name": "decay"},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"}]
 
@@ -171,8 +175,6 @@ def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
                     betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The ``optim.name`` optimizer over ``model``'s trainable parameters: param groups
     :func:`decay_groups` (and ``muon``, Muon's matrices, with ``weight_decay``)."""
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("no trainable parameters (check model.freeze / model.lora)")
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
                 for p in model.parameters() if p.requires_grad)
     if name == "adamw":
@@ -181,9 +183,10 @@ def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
         return torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
     if name == "muon":
         on_muon = muon_parameters(model)
+        rest = decay_groups(model, weight_decay, on_muon)
         if not on_muon:
             raise ValueError("optim.name=muon: the model has no trainable nn.Linear matrix for Muon")
         muon = [p for p in model.parameters() if id(p) in on_muon]
         return MuonWithAdamW([{"params": muon, "weight_decay": weight_decay, "name": "muon"}],
-                             decay_groups(model, weight_decay, on_muon), lr=lr, betas=betas, fused=fused)
+                             rest, lr=lr, betas=betas, fused=fused)
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
