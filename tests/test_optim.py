@@ -126,11 +126,11 @@ def test_muon_moves_the_loss_like_adamw_and_bad_input_is_named():
 
 
 def test_shape_batched_muon_is_torch_muon():
-    """The batched Newton-Schulz runs the same bfloat16 products as torch's per-matrix loop. On one CPU
-    they agree bit for bit; the bound allows another CPU's accumulation order: a rounding difference
-    of one bfloat16 ulp (2^-8) in an iterate can grow through the five quintic iterations, whose slope
-    near 0 is a = 3.4, to a few percent of the update, while a wrong orientation, norm or
-    coefficient changes it by O(1)."""
+    """The batched Newton-Schulz runs torch's per-matrix products, in float32 on the CPU where torch's
+    loop rounds every product to bfloat16. The bound allows that rounding: a difference of one
+    bfloat16 ulp (2^-8) in an iterate can grow through the five quintic iterations, whose slope near
+    0 is a = 3.4, to a few percent of the update, while a wrong orientation, norm or coefficient
+    changes it by O(1)."""
     torch.manual_seed(0)
     shapes = [(128, 128), (128, 128), (512, 128), (128, 512), (512, 128), (7, 3)]
     ours = [nn.Parameter(torch.randn(*shape)) for shape in shapes]

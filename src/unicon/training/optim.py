@@ -37,9 +37,15 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
                   eps: float) -> torch.Tensor:
     """Muon's orthogonalisation of a batch of same-shaped matrices ``[N, A, B]``, as
     ``torch.optim.Muon`` computes it for one: in bfloat16, each matrix scaled to unit Frobenius norm,
-    then ``steps`` quintic iterations ``X <- a·X + (b·XXᵀ + c·(XXᵀ)²)·X`` on the wide orientation."""
+    then ``steps`` quintic iterations ``X <- a·X + (b·XXᵀ + c·(XXᵀ)²)·X`` on the wide orientation.
+
+    Difference from torch: on the CPU the products run in float32 (on accelerators in bfloat16, as
+    torch's Muon does everywhere). A CPU without bfloat16 matrix units (AVX-512 without AMX, e.g.
+    Cascade Lake) emulates bfloat16 products: the ``shapes-tiny`` step's iterations took 160 ms there in
+    bfloat16 against 43 ms in float32 (issue 16, session 15). float32 is also the more exact of the
+    two; the quintic's coefficients do not rely on bfloat16's rounding."""
     a, b, c = coefficients
-    x = updates.bfloat16()
+    x = updates.float() if updates.device.type == "cpu" else updates.bfloat16()
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
@@ -60,10 +66,10 @@ def _closure_loss(closure) -> Any:
 
 class ShapeBatchedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` (same state, hyperparameters and update) with the Newton-Schulz iterations
-    of all same-shaped matrices run as one batched product. torch's loop runs 15 small matrix
-    products per matrix: for the 39 matrices of ``shapes-tiny`` that was 40 ms of a ~340 ms CPU step
-    (fused AdamW: 2 ms); batched by shape, the whole Muon + AdamW step takes about 25 ms
-    (results/shapes_consistency.md, "Session 14")."""
+    of all same-shaped matrices run as one batched product (in float32 on the CPU: :func:`newton_schulz`).
+    torch's loop runs 15 small matrix products per matrix: for the 39 matrices of ``shapes-tiny`` that
+    was 40 ms of a ~340 ms CPU step (fused AdamW: 2 ms); batched by shape, the whole Muon + AdamW step
+    takes about 25 ms (results/shapes_consistency.md, "Session 14")."""
 
     @torch.no_grad()
     def step(self, closure=None):
