@@ -66,7 +66,8 @@ def _model(decoder_layers: int = 2) -> OFAUnifiedModel:
     tok = OFATokenizer.byte_level(300, num_codes=NUM_CODES)
     config = preset_config("shapes-tiny", vocab_size=len(tok), d_model=32, encoder_layers=1,
                            decoder_layers=decoder_layers, encoder_attention_heads=2, decoder_attention_heads=2,
-                           encoder_ffn_dim=64, decoder_ffn_dim=64, resnet_width=8, code_image_size=8 * GRID)
+                           encoder_ffn_dim=64, decoder_ffn_dim=64, resnet_width=8, code_image_size=8 * GRID,
+                           image_bucket_size=GRID + 1)
     ofa = OFAModel(config)
     _strong_random_(ofa, seed=0)
     settings = OFAWrapperConfig(image_size=64, max_source_length=96, max_target_length=12)

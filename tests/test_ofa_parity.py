@@ -344,7 +344,9 @@ def test_shapes_tiny_grid_and_gradients():
     out = model(input_ids=ids, patch_images=torch.randn(2, 3, 64, 64), decoder_input_ids=dec,
                 code_masks=torch.tensor([True, True]), labels=dec)
     assert out.encoder_last_hidden_state.shape == (2, 16 + 7, 128)  # 4x4 image tokens + text
-    assert model.model.decoder.image_position_idx[1:17].tolist() == image_position_ids(4, 4, 42).tolist()
+    idx = model.model.decoder.image_position_idx
+    assert idx[1:17].tolist() == image_position_ids(4, 4, 5).tolist()
+    assert idx[17] == 25 and 25 not in idx[:17].tolist()  # the step after the last code sits off the cells
     out.loss.backward()
     assert model.model.encoder.embed_images.conv1.weight.grad.abs().sum() > 0
     assert model.model.decoder.image_rel_pos_table_list[0].weight.grad.abs().sum() > 0

@@ -495,7 +495,10 @@ def test_build_model_refuses_bad_configs(tiny_world):
         build_model({"backend": "cnn"})
     with pytest.raises(UserError, match="needs a world"):
         build_model({"backend": "ofa", "preset": "shapes-tiny"})
-    with pytest.raises(UserError, match="code grid"):
+    with pytest.raises(UserError, match="code grid"):  # 5x5 codes for the world's 4x4 cells
+        build_model({"backend": "ofa", "preset": "shapes-tiny", "arch": {**TINY_ARCH, "code_image_size": 40}},
+                     world_root=tiny_world)
+    with pytest.raises(UserError, match="model.arch: .*8-code side, wider than the 5x5 position window"):
         build_model({"backend": "ofa", "preset": "shapes-tiny", "arch": {**TINY_ARCH, "code_image_size": 64}},
                      world_root=tiny_world)
 

@@ -134,11 +134,15 @@ def image_position_ids(height: int, width: int, bucket_size: int) -> torch.Tenso
 def make_decoder_image_position_idx(code_image_size: int, bucket_size: int) -> torch.Tensor:
     """Decoder position ids in code mode.
 
-    ``[0, grid ids of the (code_image_size // 8)² codes, 768 × 1024]`` (the tail is filler).
+    ``[0, grid ids of the (code_image_size // 8)² codes, 768 × filler]`` (the tail, e.g. the step that
+    predicts eos after the last code): OFA-Sys's filler id is 1024; a position window smaller than
+    32x32 has no row 1024 and takes its last row, ``bucket_size²``, instead (a cell only where the
+    code grid fills the window's last row and column).
     """
     window = code_image_size // 8
     grid = image_position_ids(window, window, bucket_size)
-    return torch.cat([torch.zeros(1, dtype=torch.long), grid, torch.full((768,), 1024, dtype=torch.long)])
+    filler = min(1024, bucket_size**2)
+    return torch.cat([torch.zeros(1, dtype=torch.long), grid, torch.full((768,), filler, dtype=torch.long)])
 
 
 def linear_rates(stop: float, n: int) -> list[float]:
