@@ -815,6 +815,29 @@ def test_mixture_sampler_chunks_span_every_rank_under_ddp():
         assert all(len({tasks[i] for i in mine[k: k + B]}) == 1 for k in range(0, len(mine), B))
 
 
+def test_mixture_sampler_deals_every_rank_the_same_tasks_under_ddp():
+    """Mixed batches under DDP: in every step, each rank holds each task's rows give or take one; the
+    epoch still holds every row once, and the steps' compositions are the one-rank shuffle's."""
+    from collections import Counter
+
+    from unicon.training.datamodule import MixtureSampler
+
+    tasks = ["vqa"] * 40 + ["caption"] * 20 + ["reason"] * 7 + ["t2i"] * 13
+    W, B = 2, 8
+    order = list(MixtureSampler(tasks, seed=1, chunk=B * W, ranks=W))
+    assert sorted(order) == list(range(len(tasks)))
+    plain = list(MixtureSampler(tasks, seed=1, chunk=B * W))
+    steps = range(0, len(order), B * W)
+    assert all(sorted(order[c: c + B * W]) == sorted(plain[c: c + B * W]) for c in steps)
+    unbalanced = 0
+    for c in steps:
+        counts = [Counter(tasks[i] for i in order[c: c + B * W][r::W]) for r in range(W)]
+        assert all(abs(counts[0][t] - counts[1][t]) <= 1 for t in set(tasks)), (c, counts)
+        plain_counts = [Counter(tasks[i] for i in plain[c: c + B * W][r::W]) for r in range(W)]
+        unbalanced += any(abs(plain_counts[0][t] - plain_counts[1][t]) > 1 for t in set(tasks))
+    assert unbalanced  # the plain deal of this seed does leave a rank with more of a task
+
+
 def test_mixture_sampler_mixed_order_and_bad_weights():
     from unicon.errors import UserError
     from unicon.training.datamodule import MixtureSampler

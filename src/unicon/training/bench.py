@@ -171,7 +171,7 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     # the recipe's epoch order (task weights, data.batching), as the training loader draws it: a
     # batch of the first rows of the file would hold no think-then-draw rows, the costliest ones
     sampler = MixtureSampler([r["task"] for r in dm.mixture.rows], cfg.seed, dict(cfg.data.task_weights),
-                             by_task=cfg.data.batching == "by_task", chunk=bs * world)
+                             by_task=cfg.data.batching == "by_task", chunk=bs * world, ranks=world)
     order = list(sampler)
     batches = [collate_mixture([dm.mixture[order[((i * world + rank) * bs + j) % len(order)]] for j in range(bs)])
                for i in range(warmup + steps)]

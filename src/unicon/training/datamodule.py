@@ -129,16 +129,19 @@ class MixtureSampler(EpochShuffleSampler):
     wraps around to the task's first rows), and the chunks are shuffled: consecutive batches --
     and, as DDP's sampler deals positions to ranks in turn, every rank's batch -- hold one task,
     so a step runs one encoder and one decoder call instead of one per task. Otherwise all rows
-    are shuffled together (batches mix tasks)."""
+    are shuffled together (batches mix tasks); with ``ranks > 1`` each chunk of ``chunk`` rows (one
+    step of every rank) is then ordered by task, so that the deal in turn gives every rank the same
+    number of each task's rows, give or take one: the ranks' steps cost the same, and neither waits
+    for the other at the all-reduce (a rank that drew more of the long think-then-draw rows did)."""
 
     def __init__(self, tasks: list[str], seed: int = 0, weights: dict[str, float] | None = None,
-                 by_task: bool = False, chunk: int = 1):
+                 by_task: bool = False, chunk: int = 1, ranks: int = 1):
         self.weights = {t: float((weights or {}).get(t, 1.0)) for t in dict.fromkeys(tasks)}
         self.rows = {t: [i for i, task in enumerate(tasks) if task == t] for t in self.weights}
         self.counts = {t: round(self.weights[t] * len(idx)) for t, idx in self.rows.items()}
         if not any(self.counts.values()):
             raise UserError(f"data.task_weights {dict(weights or {})} leave no mixture row to train on")
-        self.by_task, self.chunk = by_task, max(1, int(chunk))
+        self.by_task, self.chunk, self.ranks = by_task, max(1, int(chunk)), max(1, int(ranks))
         n = sum(-(-m // self.chunk) * self.chunk for m in self.counts.values()) if by_task else sum(self.counts.values())
         super().__init__(n, seed)
 
@@ -154,7 +157,13 @@ class MixtureSampler(EpochShuffleSampler):
         orders = {t: self._task_order(t, g) for t in self.rows if self.counts[t]}
         if not self.by_task:
             flat = [i for order in orders.values() for i in order]
-            return iter([flat[i] for i in torch.randperm(len(flat), generator=g).tolist()][skip:])
+            flat = [flat[i] for i in torch.randperm(len(flat), generator=g).tolist()]
+            if self.ranks > 1:
+                rank_of_task = {t: k for k, t in enumerate(self.rows)}
+                task = {i: t for t, rows in self.rows.items() for i in rows}
+                flat = [i for c in range(0, len(flat), self.chunk)
+                        for i in sorted(flat[c: c + self.chunk], key=lambda i: rank_of_task[task[i]])]
+            return iter(flat[skip:])
         chunks = []
         for order in orders.values():
             size = -(-len(order) // self.chunk) * self.chunk
@@ -278,7 +287,7 @@ class ConsistencyDataModule(L.LightningDataModule):
         batch = int(self.cfg.batch_size)
         ranks = self.trainer.world_size if self.trainer is not None else 1
         sampler = MixtureSampler([r["task"] for r in self.mixture.rows], self.seed, dict(self.cfg.task_weights),
-                                 by_task=self.cfg.batching == "by_task", chunk=batch * ranks)
+                                 by_task=self.cfg.batching == "by_task", chunk=batch * ranks, ranks=ranks)
         loaders = {"mixture": self._loader(self.mixture, batch, collate_mixture, sampler)}
         if self.with_contrast:
             loaders["contrast"] = self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast)
