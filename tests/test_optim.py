@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import float32_tol
 from unicon.config import ConfigError, compose
 from unicon.training.optim import MuonWithAdamW, ShapeBatchedMuon, build_optimizer, decay_groups, muon_parameters
 
@@ -150,3 +151,55 @@ def test_shape_batched_muon_is_torch_muon():
             assert (update - expected).abs().max() <= 0.05 * expected.abs().max(), (step, tuple(p.shape))
             q.data.copy_(p.data)  # the next step starts from the same weights
     assert batched.state_dict()["state"].keys() == loop.state_dict()["state"].keys()
+
+
+def _shared_muon_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        params = _muon_params()
+        opt = ShapeBatchedMuon(params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
+                               share_across_ranks=True)
+        for step in range(2):  # the same gradients on every rank, as after DDP's all-reduce
+            _set_grads(params, step)
+            opt.step()
+        torch.save([p.detach() for p in params], f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _muon_params() -> list[nn.Parameter]:
+    torch.manual_seed(0)  # three 128x128 matrices: rank 0 takes two, rank 1 one; a lone 7x3 on rank 0
+    return [nn.Parameter(torch.randn(*shape)) for shape in [(128, 128), (512, 128), (128, 128), (7, 3), (128, 128)]]
+
+
+def _set_grads(params: list[nn.Parameter], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.timeout(180)
+def test_muon_shared_across_ranks_is_the_single_process_update(tmp_path, fork_safe_threads):
+    """Two gloo ranks each orthogonalise part of the matrices and all-reduce the rest: every rank ends
+    with the single-process weights. Each matrix's iterations are the same products on either path
+    (a batch of 1 or 2 instead of 3): the bound is float32 rounding (conftest.float32_tol) over the
+    30 products of two steps' iterations, whose iterates have unit norm and whose longest reduction is
+    512, relative to how far the weights moved; a missing or doubled matrix changes the update by
+    all of it."""
+    import torch.multiprocessing as mp
+
+    params = _muon_params()
+    opt = ShapeBatchedMuon(params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    start = [p.detach().clone() for p in params]
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    mp.start_processes(_shared_muon_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       join=True, start_method="fork")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for p, q, p0 in zip(params, got, start):
+            moved = (p.detach() - p0).abs().max()
+            assert (q - p.detach()).abs().max() <= float32_tol(512, 1.0, depth=30) * moved, (rank, tuple(p.shape))

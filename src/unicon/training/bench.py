@@ -177,7 +177,8 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
                for i in range(warmup + steps)]
     params = [p for p in model.parameters() if p.requires_grad]
     # the recipe's optimizer (optim.name: fused AdamW, or Muon + AdamW), as configure_optimizers builds it
-    opt = build_optimizer(cfg.optim.name, model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
+    opt = build_optimizer(cfg.optim.name, model, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas),
+                          data_parallel=world > 1)
 
     def step(batch):
         module.standard_loss(batch)["loss"].backward()

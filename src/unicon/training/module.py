@@ -309,7 +309,11 @@ class ConsistencyModule(L.LightningModule):
             optimizer = DeepSpeedCPUAdam(decay_groups(self.model, ocfg.weight_decay), lr=ocfg.lr,
                                          betas=tuple(ocfg.betas), adamw_mode=True)
         else:
-            optimizer = build_optimizer(ocfg.name, self.model, ocfg.lr, ocfg.weight_decay, tuple(ocfg.betas))
+            from lightning.pytorch.strategies import DDPStrategy
+
+            data_parallel = isinstance(self.trainer.strategy, DDPStrategy) and self.trainer.world_size > 1
+            optimizer = build_optimizer(ocfg.name, self.model, ocfg.lr, ocfg.weight_decay, tuple(ocfg.betas),
+                                        data_parallel=data_parallel)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_scheduler(
             SCHEDULERS[ocfg.scheduler], optimizer,

@@ -69,13 +69,26 @@ class ShapeBatchedMuon(torch.optim.Muon):
     of all same-shaped matrices run as one batched product (in float32 on the CPU: :func:`newton_schulz`).
     torch's loop runs 15 small matrix products per matrix: for the 39 matrices of ``shapes-tiny`` that
     was 40 ms of a ~340 ms CPU step (fused AdamW: 2 ms); batched by shape, the whole Muon + AdamW step
-    takes about 25 ms (results/shapes_consistency.md, "Session 14")."""
+    takes about 25 ms (results/shapes_consistency.md, "Session 14").
+
+    ``share_across_ranks`` (data parallelism, where every rank holds the same weights, gradients and
+    momenta after DDP's all-reduce): rank ``r`` of ``W`` orthogonalises matrices ``r, r + W, ...`` of
+    each shape and one all-reduce hands every rank all of them, instead of each rank repeating the
+    whole Newton-Schulz (the update is the same; a CPU rank spends half the time on it)."""
+
+    def __init__(self, params, share_across_ranks: bool = False, **kwargs):
+        super().__init__(params, **kwargs)
+        self.share_across_ranks = share_across_ranks
 
     @torch.no_grad()
     def step(self, closure=None):
+        import torch.distributed as dist
         from torch.optim._muon import _adjust_lr
 
         loss = _closure_loss(closure)
+        shared = self.share_across_ranks and dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if shared else (1, 0)
+        steps = []
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
@@ -86,12 +99,22 @@ class ShapeBatchedMuon(torch.optim.Muon):
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 by_shape.setdefault(param.shape, []).append((param, update))
             for shape, items in by_shape.items():
-                ortho = newton_schulz(torch.stack([u for _, u in items]), group["ns_coefficients"],
-                                      group["ns_steps"], group["eps"])
-                step_size = _adjust_lr(lr, group["adjust_lr_fn"], shape)
-                for (param, _), o in zip(items, ortho):
-                    param.mul_(1 - lr * decay)
-                    param.add_(o, alpha=-step_size)
+                updates = torch.stack([u for _, u in items])
+                mine = newton_schulz(updates[rank::world], group["ns_coefficients"], group["ns_steps"],
+                                     group["eps"])
+                ortho = mine if world == 1 else mine.new_zeros(updates.shape).index_copy_(
+                    0, torch.arange(rank, len(items), world, device=updates.device), mine)
+                steps.append((items, ortho, lr * decay, _adjust_lr(lr, group["adjust_lr_fn"], shape)))
+        if world > 1 and steps:  # every matrix is non-zero on exactly one rank: the sum is the whole set
+            flat = torch.cat([ortho.reshape(-1) for _, ortho, _, _ in steps])
+            dist.all_reduce(flat)
+            sizes = [ortho.numel() for _, ortho, _, _ in steps]
+            steps = [(items, part.view_as(ortho), d, s)
+                     for (items, ortho, d, s), part in zip(steps, flat.split(sizes))]
+        for items, ortho, decay_step, step_size in steps:
+            for (param, _), o in zip(items, ortho):
+                param.mul_(1 - decay_step)
+                param.add_(o, alpha=-step_size)
         return loss
 
 
@@ -131,8 +154,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     setting ``group["lr"]`` reaches both; ``state_dict`` holds both optimizers' states."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float,
-                 betas: tuple[float, float], fused: bool = False):
-        self.muon = ShapeBatchedMuon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw")
+                 betas: tuple[float, float], fused: bool = False, share_across_ranks: bool = False):
+        self.muon = ShapeBatchedMuon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw",
+                                     share_across_ranks=share_across_ranks)
         self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, fused=fused)
         # no super().__init__: the groups and states are the two optimizers' own objects
         self.defaults = {"lr": lr}
@@ -178,9 +202,11 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: set[int] = froz
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
-                    betas: tuple[float, float]) -> torch.optim.Optimizer:
+                    betas: tuple[float, float], data_parallel: bool = False) -> torch.optim.Optimizer:
     """The ``optim.name`` optimizer over ``model``'s trainable parameters: param groups
-    :func:`decay_groups` (and ``muon``, Muon's matrices, with ``weight_decay``)."""
+    :func:`decay_groups` (and ``muon``, Muon's matrices, with ``weight_decay``). ``data_parallel``: the
+    ranks of the default process group hold the same weights and all-reduced gradients (DDP), so
+    Muon shares its Newton-Schulz iterations among them (:class:`ShapeBatchedMuon`)."""
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
                 for p in model.parameters() if p.requires_grad)
     if name == "adamw":
@@ -194,5 +220,5 @@ def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
             raise ValueError("optim.name=muon: the model has no trainable nn.Linear matrix for Muon")
         muon = [p for p in model.parameters() if id(p) in on_muon]
         return MuonWithAdamW([{"params": muon, "weight_decay": weight_decay, "name": "muon"}],
-                             rest, lr=lr, betas=betas, fused=fused)
+                             rest, lr=lr, betas=betas, fused=fused, share_across_ranks=data_parallel)
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
