@@ -124,6 +124,8 @@ def test_muon_moves_the_loss_like_adamw_and_bad_input_is_named():
         compose(["optim.name=sgd"])
     with pytest.raises(ConfigError, match="optim.name.*DeepSpeed"):
         compose(["optim.name=muon", "trainer.strategy=deepspeed_zero2"])
+    with pytest.raises(ConfigError, match="optim.name.*FSDP shards"):
+        compose(["optim.name=muon", "trainer.strategy=fsdp"])
 
 
 def test_shape_batched_muon_is_torch_muon():

@@ -577,6 +577,9 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
     if cfg.optim.name != "adamw" and str(cfg.trainer.strategy).startswith("deepspeed"):
         fail("optim.name", cfg.optim.name, f"DeepSpeed ({cfg.trainer.strategy}) partitions an AdamW optimizer "
              "only; use optim.name=adamw, or trainer.strategy=ddp")
+    if cfg.optim.name == "muon" and str(cfg.trainer.strategy) == "fsdp":
+        fail("optim.name", cfg.optim.name, "FSDP shards every matrix across ranks, and Muon orthogonalises whole "
+             "matrices; use optim.name=adamw, or trainer.strategy=ddp")
     lim = cfg.trainer.limit_train_batches
     if lim is not None and lim > 1 and float(lim) != int(lim):
         fail("trainer.limit_train_batches", lim, "must be a fraction in (0, 1] or a whole number of batches")
