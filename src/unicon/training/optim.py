@@ -37,7 +37,8 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
                   eps: float) -> torch.Tensor:
     """Muon's orthogonalisation of a batch of same-shaped matrices ``[N, A, B]``, as
     ``torch.optim.Muon`` computes it for one (in bfloat16; on the CPU in float32, below): each matrix
-    scaled to unit Frobenius norm, then ``steps`` quintic iterations ``X <- a·X + (b·XXᵀ + c·(XXᵀ)²)·X`` on the wide orientation.
+    scaled to unit Frobenius norm, then ``steps`` quintic iterations
+    ``X <- a·X + (b·XXᵀ + c·(XXᵀ)²)·X`` on the wide orientation.
 
     Difference from torch: on the CPU the products run in float32 (on accelerators in bfloat16, as
     torch's Muon does everywhere). A CPU without bfloat16 matrix units (AVX-512 without AMX, e.g.
