@@ -142,6 +142,8 @@ class MixtureSampler(EpochShuffleSampler):
         if not any(self.counts.values()):
             raise UserError(f"data.task_weights {dict(weights or {})} leave no mixture row to train on")
         self.by_task, self.chunk, self.ranks = by_task, max(1, int(chunk)), max(1, int(ranks))
+        # row -> its task's place in self.rows: the key that orders a chunk by task for the ranks' deal
+        self.task_place = {i: k for k, rows in enumerate(self.rows.values()) for i in rows}
         n = sum(-(-m // self.chunk) * self.chunk for m in self.counts.values()) if by_task else sum(self.counts.values())
         super().__init__(n, seed)
 
@@ -159,10 +161,8 @@ class MixtureSampler(EpochShuffleSampler):
             flat = [i for order in orders.values() for i in order]
             flat = [flat[i] for i in torch.randperm(len(flat), generator=g).tolist()]
             if self.ranks > 1:
-                rank_of_task = {t: k for k, t in enumerate(self.rows)}
-                task = {i: t for t, rows in self.rows.items() for i in rows}
                 flat = [i for c in range(0, len(flat), self.chunk)
-                        for i in sorted(flat[c: c + self.chunk], key=lambda i: rank_of_task[task[i]])]
+                        for i in sorted(flat[c: c + self.chunk], key=self.task_place.__getitem__)]
             return iter(flat[skip:])
         chunks = []
         for order in orders.values():
