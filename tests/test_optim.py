@@ -155,7 +155,7 @@ def test_shape_batched_muon_is_torch_muon():
     assert batched.state_dict()["state"].keys() == loop.state_dict()["state"].keys()
 
 
-def _shared_muon_worker(rank, world, init_file, out_dir):
+def _shared_muon_worker(rank, world, init_file, out_dir, ungraded_on_rank1=None):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -164,7 +164,7 @@ def _shared_muon_worker(rank, world, init_file, out_dir):
         opt = ShapeBatchedMuon(params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
                                share_across_ranks=True)
         for step in range(2):  # the same gradients on every rank, as after DDP's all-reduce
-            _set_grads(params, step)
+            _set_grads(params, step, None if rank == 0 else ungraded_on_rank1)
             opt.step()
         torch.save([p.detach() for p in params], f"{out_dir}/rank{rank}.pt")
     finally:
@@ -176,10 +176,22 @@ def _muon_params() -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(*shape)) for shape in [(128, 128), (512, 128), (128, 128), (7, 3), (128, 128)]]
 
 
-def _set_grads(params: list[nn.Parameter], step: int) -> None:
+def _set_grads(params: list[nn.Parameter], step: int, ungraded: int | None = None) -> None:
     g = torch.Generator().manual_seed(100 + step)
-    for p in params:
+    for i, p in enumerate(params):
         p.grad = torch.randn(p.shape, generator=g)
+        if i == ungraded:
+            p.grad = None
+
+
+def _single_process_muon(ungraded: int | None = None) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    params = _muon_params()
+    opt = ShapeBatchedMuon(params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    start = [p.detach().clone() for p in params]
+    for step in range(2):
+        _set_grads(params, step, ungraded)
+        opt.step()
+    return params, start
 
 
 @pytest.mark.timeout(180)
@@ -192,16 +204,29 @@ def test_muon_shared_across_ranks_is_the_single_process_update(tmp_path, fork_sa
     all of it."""
     import torch.multiprocessing as mp
 
-    params = _muon_params()
-    opt = ShapeBatchedMuon(params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    start = [p.detach().clone() for p in params]
-    for step in range(2):
-        _set_grads(params, step)
-        opt.step()
+    params, start = _single_process_muon()
     mp.start_processes(_shared_muon_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for p, q, p0 in zip(params, got, start):
             moved = (p.detach() - p0).abs().max()
+            assert (q - p.detach()).abs().max() <= float32_tol(512, 1.0, depth=30) * moved, (rank, tuple(p.shape))
+
+
+@pytest.mark.timeout(180)
+def test_muon_shared_across_ranks_survives_ranks_with_different_gradients(tmp_path, fork_safe_threads):
+    """A rank that holds no gradient for one matrix (a strategy that does not fill in unused
+    parameters' gradients) must neither hang nor misalign the shared all-reduce: both ranks see the
+    mismatch and each steps as one process would with its own gradients (same bound as above)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_shared_muon_worker, args=(2, str(tmp_path / "init"), str(tmp_path), 2), nprocs=2,
+                       join=True, start_method="fork")
+    for rank, ungraded in ((0, None), (1, 2)):
+        params, start = _single_process_muon(ungraded)
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got[2], start[2]) == (ungraded == 2)  # an ungraded matrix is not stepped
+        for p, q, p0 in zip(params, got, start):
+            moved = (p.detach() - p0).abs().max().clamp_min(1e-12)
             assert (q - p.detach()).abs().max() <= float32_tol(512, 1.0, depth=30) * moved, (rank, tuple(p.shape))

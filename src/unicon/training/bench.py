@@ -155,7 +155,7 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     import torch.distributed as dist
 
     from unicon.data.mixture import collate_mixture
-    from unicon.training.datamodule import ConsistencyDataModule, MixtureSampler
+    from unicon.training.datamodule import ConsistencyDataModule
     from unicon.training.module import ConsistencyModule
     from unicon.training.optim import build_optimizer
     from unicon.training.run import build_training_model
@@ -170,9 +170,7 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     bs = int(cfg.data.batch_size)
     # the recipe's epoch order (task weights, data.batching), as the training loader draws it: a
     # batch of the first rows of the file would hold no think-then-draw rows, the costliest ones
-    sampler = MixtureSampler([r["task"] for r in dm.mixture.rows], cfg.seed, dict(cfg.data.task_weights),
-                             by_task=cfg.data.batching == "by_task", chunk=bs * world, ranks=world)
-    order = list(sampler)
+    order = list(dm.mixture_sampler(world))
     batches = [collate_mixture([dm.mixture[order[((i * world + rank) * bs + j) % len(order)]] for j in range(bs)])
                for i in range(warmup + steps)]
     params = [p for p in model.parameters() if p.requires_grad]

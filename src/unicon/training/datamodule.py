@@ -282,13 +282,20 @@ class ConsistencyDataModule(L.LightningDataModule):
             drop_last=False,
         )
 
+    def mixture_sampler(self, ranks: int = 1) -> MixtureSampler:
+        """The training mixture's epoch order for ``ranks`` data-parallel ranks (``data.task_weights``,
+        ``data.batching``; one chunk is a step's ``batch_size * ranks`` rows). The train loader and
+        ``unicon bench`` both draw their batches from it."""
+        self.setup("fit")
+        return MixtureSampler([r["task"] for r in self.mixture.rows], self.seed, dict(self.cfg.task_weights),
+                              by_task=self.cfg.batching == "by_task", chunk=int(self.cfg.batch_size) * ranks,
+                              ranks=ranks)
+
     def train_dataloader(self) -> CombinedLoader:
         self.setup("fit")
-        batch = int(self.cfg.batch_size)
         ranks = self.trainer.world_size if self.trainer is not None else 1
-        sampler = MixtureSampler([r["task"] for r in self.mixture.rows], self.seed, dict(self.cfg.task_weights),
-                                 by_task=self.cfg.batching == "by_task", chunk=batch * ranks, ranks=ranks)
-        loaders = {"mixture": self._loader(self.mixture, batch, collate_mixture, sampler)}
+        loaders = {"mixture": self._loader(self.mixture, int(self.cfg.batch_size), collate_mixture,
+                                           self.mixture_sampler(ranks))}
         if self.with_contrast:
             loaders["contrast"] = self._loader(self.contrast, int(self.cfg.contrast_batch_size), collate_contrast)
         for loader in loaders.values():  # a run resumed mid-epoch continues the epoch's order

@@ -15,6 +15,7 @@ Muon authors prescribe. Both optimizers sit behind one :class:`torch.optim.Optim
 
 from __future__ import annotations
 
+import logging
 from collections.abc import MutableMapping
 from typing import Any, Iterator
 
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from unicon.config import OPTIMIZERS
+
+logger = logging.getLogger(__name__)
 
 
 def muon_parameters(model: nn.Module) -> set[int]:
@@ -81,6 +84,26 @@ class ShapeBatchedMuon(torch.optim.Muon):
         super().__init__(params, **kwargs)
         self.share_across_ranks = share_across_ranks
 
+    def _same_matrices_on_every_rank(self) -> bool:
+        """Whether every rank holds a gradient for the same matrices this step (one all-reduce of a
+        0/1 mask, a few hundred bytes). DDP's all-reduce gives every rank the same gradients, so it is
+        True there; a rank whose batch left a matrix without a gradient, under a strategy that does
+        not fill it in, would otherwise misalign the shared all-reduce. Then this step runs the whole
+        Newton-Schulz on every rank (the same update, unshared), with a warning."""
+        import torch.distributed as dist
+
+        params = [p for group in self.param_groups for p in group["params"]]
+        mask = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        total = mask.clone()
+        dist.all_reduce(total)
+        if torch.equal(total, mask * dist.get_world_size()):
+            return True
+        if not getattr(self, "_warned_unshared", False):
+            logger.warning("Muon: the ranks hold gradients for different matrices this step; each rank "
+                           "orthogonalises all of them itself (share_across_ranks needs the same set)")
+            self._warned_unshared = True
+        return False
+
     @torch.no_grad()
     def step(self, closure=None):
         import torch.distributed as dist
@@ -88,6 +111,8 @@ class ShapeBatchedMuon(torch.optim.Muon):
 
         loss = _closure_loss(closure)
         shared = self.share_across_ranks and dist.is_available() and dist.is_initialized()
+        if shared and not self._same_matrices_on_every_rank():
+            shared = False
         world, rank = (dist.get_world_size(), dist.get_rank()) if shared else (1, 0)
         steps = []
         for group in self.param_groups:
