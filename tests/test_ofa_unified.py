@@ -604,6 +604,17 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
         assert good[key] == 1.0 and bad[key] == 0.0, key
         assert 1 <= good[f"{key}_n"] <= 8
     assert good["loc_miou"] > 0.99
+    # the slices (question type, object count, relation clause) partition each task's examples
+    for key in ("vqa_accuracy", "caption_match", "t2i_match"):
+        sliced = {k.split("/")[1]: v for k, v in good.items() if k.startswith(key + "/") and not k.endswith("_n")}
+        assert sliced and all(v == 1.0 for v in sliced.values()), (key, sliced)
+        assert all(bad[f"{key}/{name}"] == 0.0 for name in sliced), key
+        if key != "vqa_accuracy":
+            counts = sum(good[f"{key}/{n}_n"] for n in sliced if n.startswith("objects_"))
+            assert counts == good[f"{key}_n"], key
+    with_relation = good.get("t2i_match/relation_n", 0) + good.get("t2i_match/no_relation_n", 0)
+    assert with_relation == good["t2i_match_n"]
+    assert sum(good[k] for k in good if k.startswith("vqa_accuracy/") and k.endswith("_n")) == good["vqa_accuracy_n"]
 
 
 def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, monkeypatch):

@@ -17,6 +17,12 @@ with the model's *generation* methods and the world's exact verifiers:
 * ``t2i_match``      = mean[ caption_matches(caption, parse(generate_image(caption))) ] -- the
   scene parsed from the generated image satisfies the prompt; an image the parser refuses
   (``NotAShapesWorldImage``) counts as a miss.
+
+Each accuracy is also reported by slice, as ``<metric>/<slice>`` with its count in
+``<metric>/<slice>_n``: VQA by question type (``vqa_accuracy/relation``: the row's ``qtype``);
+caption and T2I by the number of objects in the scene (``caption_match/objects_3``); T2I by whether
+the prompt has a relation clause (``t2i_match/relation``, ``t2i_match/no_relation``). They say which
+skill a missed target lacks (counting, relations) without another script.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     are appended to it as dicts (task, input image or prompt, prediction, target, correct).
     ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
     from unicon.worlds.shapes import NotAShapesWorldImage, Scene, load_world, parse
-    from unicon.worlds.shapes_text import caption_matches
+    from unicon.worlds.shapes_text import CaptionParseError, caption_matches, parse_caption
 
     root = Path(world_root)
     world = load_world(root)
@@ -75,7 +81,19 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         for i in range(0, len(items), batch_size):
             yield items[i: i + batch_size]
 
+    def object_count(row) -> str:
+        s = row.get("scene")
+        return f"objects_{len(s['objects'])}" if isinstance(s, dict) and "objects" in s else None
+
+    def relation_slice(prompt: str) -> str:
+        try:
+            spec = parse_caption(prompt, world.config)
+        except CaptionParseError:
+            return None
+        return "relation" if any(c.relation for c in spec.clauses) else "no_relation"
+
     hits: dict[str, list[float]] = {t: [] for t in tasks}
+    slices: dict[str, list[tuple[str, float]]] = {t: [] for t in tasks}  # (slice name, hit)
     ious: list[float] = []
     for task in tasks:
         for chunk in track(batches(task), f"shapes: {task}", -(-len(rows[task][:limit or None]) // batch_size), unit="batches"):
@@ -103,6 +121,10 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                     hits[task].append(float(ok))
             else:
                 raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+            for r, ok in zip(chunk, hits[task][start:]):
+                names_of_row = {"vqa": [r.get("qtype")], "caption": [object_count(r)],
+                                "t2i": [object_count(r), relation_slice(r["text"])]}.get(task, [])
+                slices[task] += [(n, ok) for n in names_of_row if n]
             if examples is not None:
                 for r, p, ok in zip(chunk, preds, hits[task][start:]):
                     if sum(e["task"] == task for e in examples) < num_examples:
@@ -114,6 +136,10 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         if hits[task]:
             out[names[task]] = sum(hits[task]) / len(hits[task])
             out[f"{names[task]}_n"] = float(len(hits[task]))
+        for name in sorted({n for n, _ in slices[task]}):
+            part = [ok for n, ok in slices[task] if n == name]
+            out[f"{names[task]}/{name}"] = sum(part) / len(part)
+            out[f"{names[task]}/{name}_n"] = float(len(part))
     if ious:
         out["loc_miou"] = sum(ious) / len(ious)
     model.train(was_training)
