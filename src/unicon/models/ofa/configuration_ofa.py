@@ -2,7 +2,7 @@
 
 The key names are those of the OFA-Sys Hugging Face port (``config.json`` of its
 checkpoints and of ``../shared/fixtures/ofa-reference-tiny``), so a real checkpoint's
-``config.json`` loads unchanged. Five keys are unicon extensions with defaults that
+``config.json`` loads unchanged. Six keys are unicon extensions with defaults that
 reproduce the reference exactly:
 
 * ``resnet_width`` (64): planes of the first ResNet stage (stages use w, 2w, 4w planes,
