@@ -788,28 +788,6 @@ def test_token_embedding_init_std_sets_the_shared_embedding_and_output_projectio
     assert OFAConfig.from_dict(model.config.to_dict()).token_embedding_init_std == 1.0
 
 
-def test_directional_image_rel_pos_init_points_each_head_at_one_side():
-    """image_rel_pos_direction_init = β: in every layer of both stacks, head h's image bias between
-    a query cell and a key cell is +β when the key lies on the head's side of the query (h mod 4:
-    left, right, above, below; by column or row only, as ShapesWorld's grid relations) and -β
-    elsewhere; without the key the tables are the reference's zeros."""
-    from unicon.models.ofa.configuration_ofa import preset_config
-    from unicon.models.ofa.modeling_ofa import OFAModel, image_position_ids
-
-    model = OFAModel(preset_config("shapes-tiny", vocab_size=300, image_rel_pos_direction_init=1.5))
-    ids = image_position_ids(4, 4, model.config.image_bucket_size)
-    rows, cols = torch.arange(4).repeat_interleave(4), torch.arange(4).repeat(4)
-    sides = [cols[None, :] < cols[:, None], cols[None, :] > cols[:, None],  # [query, key]
-             rows[None, :] < rows[:, None], rows[None, :] > rows[:, None]]
-    for stack in (model.encoder, model.decoder):
-        for layer in range(len(stack.image_rel_pos_table_list)):
-            bias = stack.image_rel_bias(layer, ids, ids)  # [H, query, key]
-            for h in range(bias.shape[0]):
-                assert torch.equal(bias[h], torch.where(sides[h % 4], 1.5, -1.5)), (layer, h)
-    reference = OFAModel(preset_config("shapes-tiny", vocab_size=300))
-    assert all(not t.weight.any() for t in reference.encoder.image_rel_pos_table_list)
-
-
 def test_saved_image_generation_settings_are_the_default_and_bad_keys_are_named(tmp_path):
     import numpy as np
 

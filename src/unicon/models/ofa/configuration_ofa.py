@@ -2,7 +2,7 @@
 
 The key names are those of the OFA-Sys Hugging Face port (``config.json`` of its
 checkpoints and of ``../shared/fixtures/ofa-reference-tiny``), so a real checkpoint's
-``config.json`` loads unchanged. Six keys are unicon extensions with defaults that
+``config.json`` loads unchanged. Five keys are unicon extensions with defaults that
 reproduce the reference exactly:
 
 * ``resnet_width`` (64): planes of the first ResNet stage (stages use w, 2w, 4w planes,
@@ -15,12 +15,7 @@ reproduce the reference exactly:
   (``modeling_ofa.PatchStem``, one token per 16-pixel cell; ShapesWorld's preset);
 * ``token_embedding_init_std`` (None = ``init_std``): the std of the shared token embedding at
   initialisation (it is also the output projection, so it sets the initial logit scale);
-  only read when a model is built from scratch;
-* ``image_rel_pos_direction_init`` (0.0): ``β`` of a directional initialisation of the image
-  relative-position tables (``modeling_ofa.directional_image_bias``): head ``h`` of every layer
-  starts favouring the keys on one side of its query (``h mod 4``: left, right, above, below) by
-  ``+β`` and the rest of the grid by ``-β``; 0 keeps the reference's zero tables. Only read
-  when a model is built from scratch.
+  only read when a model is built from scratch.
 
 A ``config.json`` of another architecture is refused by :func:`check_config_dict`, which
 names the field that gave it away (``model_type`` or a missing OFA key).
@@ -137,7 +132,6 @@ class OFAConfig(PretrainedConfig):
     patch_image_size: int | None = None
     image_stem: str = "resnet"
     token_embedding_init_std: float | None = None
-    image_rel_pos_direction_init: float = 0.0
     # special tokens (BART convention)
     pad_token_id: int | None = 1
     bos_token_id: int | None = 0

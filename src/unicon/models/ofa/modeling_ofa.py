@@ -126,26 +126,6 @@ def make_image_bucket_position(bucket_size: int, num_relative_distance: int) -> 
     return index
 
 
-def directional_image_bias(bucket_size: int, num_heads: int, beta: float) -> torch.Tensor:
-    """``[(2·bucket_size−1)² + 3, num_heads]`` initial image rel-pos table whose head ``h`` attends
-    to one side of its query: with ``d_row = r_q − r_k`` and ``d_col = c_q − c_k`` (the table's
-    index, :func:`make_image_bucket_position`), head ``h mod 4`` has ``+β`` where the key is left of
-    (``d_col > 0``), right of (``d_col < 0``), above (``d_row > 0``) or below (``d_row < 0``) the
-    query and ``−β`` elsewhere on the grid (the query itself included); the three rows of the
-    reserved position id 0 stay 0.
-
-    These are ShapesWorld's grid relations ("a left of b" iff ``col(a) < col(b)``, any row): one
-    head per direction can pool, into every cell, what lies on each side of it from the first
-    step, which the zero-initialised tables otherwise have to discover (issue 16: the relation
-    questions and relation prompts stayed at chance with them)."""
-    span = torch.arange(2 * bucket_size - 1) - (bucket_size - 1)
-    d_row, d_col = span.repeat_interleave(len(span)), span.repeat(len(span))
-    sides = torch.stack([d_col > 0, d_col < 0, d_row > 0, d_row < 0], dim=1).float()  # left, right, above, below
-    table = torch.zeros(len(span) ** 2 + 3, num_heads)
-    table[: len(span) ** 2] = beta * (2 * sides[:, torch.arange(num_heads) % 4] - 1)
-    return table
-
-
 def image_position_ids(height: int, width: int, bucket_size: int) -> torch.Tensor:
     """Row-major ids ``r·bucket_size + c + 1`` of an ``height x width`` grid (0 is reserved)."""
     return (torch.arange(height)[:, None] * bucket_size + torch.arange(width)[None, :] + 1).flatten()
@@ -761,7 +741,7 @@ class OFAPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         """Reference init: N(0, init_std) Linear/Embedding, identity LayerNorm, ``c_attn`` = 1,
-        zero rel-pos tables (the image ones directional with ``image_rel_pos_direction_init``); Kaiming convs and identity BatchNorm in the ResNet. The shared token
+        zero rel-pos tables; Kaiming convs and identity BatchNorm in the ResNet. The shared token
         embedding (also the output projection) is N(0, ``token_embedding_init_std``) when that is set."""
         std = self.config.token_embedding_init_std
         if getattr(module, "is_token_embedding", False) and std is not None:  # embedding or tied output
@@ -777,11 +757,6 @@ class OFAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, _RelPosTables):
             for table in (*module.token_rel_pos_table_list, *module.image_rel_pos_table_list):
                 init.zeros_(table.weight)
-            beta = self.config.image_rel_pos_direction_init
-            if beta:
-                for table in module.image_rel_pos_table_list:
-                    with torch.no_grad():
-                        table.weight.copy_(directional_image_bias(module.image_bucket_size, module.num_heads, beta))
 
     @classmethod
     def from_pretrained(cls, path, allow_pickle: bool = False, config: OFAConfig | None = None, **kwargs):
