@@ -83,13 +83,14 @@ class ShapeBatchedMuon(torch.optim.Muon):
     def __init__(self, params, share_across_ranks: bool = False, **kwargs):
         super().__init__(params, **kwargs)
         self.share_across_ranks = share_across_ranks
+        self._warned_unshared = False
 
     def _same_matrices_on_every_rank(self) -> bool:
         """Whether every rank holds a gradient for the same matrices this step (one all-reduce of a
         0/1 mask, a few hundred bytes). DDP's all-reduce gives every rank the same gradients, so it is
         True there; a rank whose batch left a matrix without a gradient, under a strategy that does
-        not fill it in, would otherwise misalign the shared all-reduce. Then this step runs the whole
-        Newton-Schulz on every rank (the same update, unshared), with a warning."""
+        not fill it in, would otherwise misalign the shared all-reduce. Then each rank runs the whole
+        Newton-Schulz on its own gradients this step, unshared, with a warning (once)."""
         import torch.distributed as dist
 
         params = [p for group in self.param_groups for p in group["params"]]
@@ -98,7 +99,7 @@ class ShapeBatchedMuon(torch.optim.Muon):
         dist.all_reduce(total)
         if torch.equal(total, mask * dist.get_world_size()):
             return True
-        if not getattr(self, "_warned_unshared", False):
+        if not self._warned_unshared:
             logger.warning("Muon: the ranks hold gradients for different matrices this step; each rank "
                            "orthogonalises all of them itself (share_across_ranks needs the same set)")
             self._warned_unshared = True

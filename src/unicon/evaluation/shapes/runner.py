@@ -81,11 +81,11 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         for i in range(0, len(items), batch_size):
             yield items[i: i + batch_size]
 
-    def object_count(row) -> str:
+    def object_count(row) -> str | None:
         s = row.get("scene")
         return f"objects_{len(s['objects'])}" if isinstance(s, dict) and "objects" in s else None
 
-    def relation_slice(prompt: str) -> str:
+    def relation_slice(prompt: str) -> str | None:
         try:
             spec = parse_caption(prompt, world.config)
         except CaptionParseError:
