@@ -615,6 +615,16 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
     with_relation = good.get("t2i_match/relation_n", 0) + good.get("t2i_match/no_relation_n", 0)
     assert with_relation == good["t2i_match_n"]
     assert sum(good[k] for k in good if k.startswith("vqa_accuracy/") and k.endswith("_n")) == good["vqa_accuracy_n"]
+    # each slice's count, recomputed from the split's rows (question type, objects, relation words)
+    rows = [json.loads(line) for line in (tiny_world / "mixture_test.jsonl").read_text().splitlines()]
+    first = {t: [r for r in rows if r["task"] == t][:8] for t in ("vqa", "caption", "t2i")}
+    expected = {f"vqa_accuracy/{q}_n": sum(r["qtype"] == q for r in first["vqa"]) for q in {r["qtype"] for r in first["vqa"]}}
+    for task, key in (("caption", "caption_match"), ("t2i", "t2i_match")):
+        for k in {len(r["scene"]["objects"]) for r in first[task]}:
+            expected[f"{key}/objects_{k}_n"] = sum(len(r["scene"]["objects"]) == k for r in first[task])
+    related = sum(any(w in r["text"] for w in (" left of ", " right of ", " above ", " below ")) for r in first["t2i"])
+    expected["t2i_match/relation_n"], expected["t2i_match/no_relation_n"] = related, len(first["t2i"]) - related
+    assert {k: good.get(k, 0) for k in expected} == expected
 
 
 def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, monkeypatch):

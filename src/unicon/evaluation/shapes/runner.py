@@ -81,16 +81,21 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         for i in range(0, len(items), batch_size):
             yield items[i: i + batch_size]
 
-    def object_count(row) -> str | None:
+    def slice_names(task: str, row) -> list[str]:
+        """The slices a row of ``task`` counts in (see the module docstring)."""
+        if task == "vqa":
+            return [row["qtype"]] if row.get("qtype") else []
+        if task not in ("caption", "t2i"):
+            return []
         s = row.get("scene")
-        return f"objects_{len(s['objects'])}" if isinstance(s, dict) and "objects" in s else None
-
-    def relation_slice(prompt: str) -> str | None:
-        try:
-            spec = parse_caption(prompt, world.config)
-        except CaptionParseError:
-            return None
-        return "relation" if any(c.relation for c in spec.clauses) else "no_relation"
+        names = [f"objects_{len(s['objects'])}"] if isinstance(s, dict) and "objects" in s else []
+        if task == "t2i":
+            try:
+                spec = parse_caption(row["text"], world.config)
+                names.append("relation" if any(c.relation for c in spec.clauses) else "no_relation")
+            except CaptionParseError:
+                pass
+        return names
 
     hits: dict[str, list[float]] = {t: [] for t in tasks}
     slices: dict[str, list[tuple[str, float]]] = {t: [] for t in tasks}  # (slice name, hit)
@@ -122,9 +127,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             else:
                 raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
             for r, ok in zip(chunk, hits[task][start:]):
-                names_of_row = {"vqa": [r.get("qtype")], "caption": [object_count(r)],
-                                "t2i": [object_count(r), relation_slice(r["text"])]}.get(task, [])
-                slices[task] += [(n, ok) for n in names_of_row if n]
+                slices[task] += [(n, ok) for n in slice_names(task, r)]
             if examples is not None:
                 for r, p, ok in zip(chunk, preds, hits[task][start:]):
                     if sum(e["task"] == task for e in examples) < num_examples:
