@@ -832,3 +832,64 @@ def test_setting_two_input_is_prompt_then_trace_cut_from_the_left(monkeypatch):
     with torch.no_grad():
         model.generate_image(["a red star"], context=[kept[0]], config=ImageGenerationConfig())
     assert seen[0].index("a red star") < seen[0].index(kept[0])
+
+
+# ---- decoder_prompt (OFA's prompt_type="prev_output") ----------------------------------------------
+QUESTIONS = [" what color is the circle?", " how many objects are there?", " is there a red square?"]
+
+
+def test_decoder_prompt_scores_the_target_after_the_prompt_and_never_the_prompt():
+    """score_text with decoder_prompt = the full forward of decoder input [bos, prompt, target[:-1]],
+    NLL over the target tokens only; text-only prompts (no image) keep bos alone."""
+    model = _tiny_model(decoder_prompt=True)
+    images = _images()
+    cands = [["red", "blue"], ["two"], ["yes", "no"]]
+    with torch.no_grad():
+        s = model.score_text(images, QUESTIONS, cands)
+        pixels = model.prepare_images(images)
+        for b, q in enumerate(QUESTIONS):
+            src = model._source_ids([q])
+            prefix = model._decoder_prefixes(src)[0]
+            assert prefix and BOS_ID not in prefix and EOS_ID not in prefix
+            for k, c in enumerate(cands[b]):
+                target = model.tokenizer.text.encode(c).ids + [EOS_ID]
+                dec_in = torch.tensor([[BOS_ID] + prefix + target[:-1]])
+                logits = model.ofa(input_ids=src, patch_images=pixels[b: b + 1],
+                                   patch_masks=torch.ones(1, dtype=torch.bool), decoder_input_ids=dec_in).logits[0]
+                logp = logits[len(prefix):].log_softmax(-1)
+                want = -logp[torch.arange(len(target)), torch.tensor(target)].sum()
+                assert s.num_tokens[b, k] == len(target)
+                assert abs(float(s.sum_nll[b, k]) - float(want)) <= nll_tol(model, want)
+        plain = _tiny_model(decoder_prompt=False)
+        text_only = model.score_text(None, QUESTIONS, cands)
+        assert torch.allclose(text_only.sum_nll, plain.score_text(None, QUESTIONS, cands).sum_nll, atol=1e-5)
+        assert not torch.allclose(s.sum_nll, plain.score_text(images, QUESTIONS, cands).sum_nll, atol=1e-3)
+
+
+def test_decoder_prompt_generation_continues_the_prompt_and_mixed_lengths_batch_like_single_rows():
+    """answer() with decoder_prompt: greedy generate = the step-by-step argmax after [bos, prompt];
+    questions of different token lengths in one batch answer as they do one at a time."""
+    model = _tiny_model(decoder_prompt=True, num_beams=1)
+    images = _images()
+    lengths = {len(model._decoder_prefixes(model._source_ids([q]))[0]) for q in QUESTIONS}
+    assert len(lengths) > 1, "the questions must differ in token length to test the grouping"
+    with torch.no_grad():
+        batched = model.answer(images, QUESTIONS, no_repeat_ngram_size=0, max_new_tokens=4)
+        single = [model.answer([im], [q], no_repeat_ngram_size=0, max_new_tokens=4)[0]
+                  for im, q in zip(images, QUESTIONS)]
+        assert batched == single
+        src = model._source_ids([QUESTIONS[0]])
+        enc = model.encode(src, model.prepare_images(images[:1]))
+        seq = [BOS_ID] + model._decoder_prefixes(src)[0]
+        start = len(seq)
+        mask = model._token_mask("text")
+        mask[EOS_ID] = True
+        for step in range(4):
+            logits = model.decode(torch.tensor([seq]), enc)[0, -1].masked_fill(~mask, -math.inf)
+            if step == 0:
+                logits[EOS_ID] = -math.inf  # min_new_tokens=1
+            nxt = logits.argmax().item()
+            if nxt == EOS_ID:
+                break
+            seq.append(nxt)
+    assert batched[0] == model.tokenizer.decode(seq[start:])
