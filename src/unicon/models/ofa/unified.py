@@ -94,12 +94,6 @@ class OFAWrapperConfig:
     caption_prompt: str = " what does the image describe?"
     grounding_prompt: str = ' which region does the text " {} " describe?'
     t2i_prompt: str = " what is the complete image? caption: {}"
-    # OFA's prompt_type="prev_output" (its VQA recipe): the prompt of an image-conditioned text task
-    # (a question, the caption prompt) is also the decoder's prefix, decoder = [bos, prompt, target],
-    # and only the target is scored, so the decoder reads the question before it answers. False
-    # (OFA's prompt_type="none"): the decoder starts from bos alone. Grounding, text-to-image and
-    # text-only prompts (think-then-draw) never get a prefix.
-    decoder_prompt: bool = False
     # {"type": "shapes", "world": <WorldConfig dict>} | {"type": "vqgan", "path": dir} | None
     image_tokenizer: dict[str, Any] | None = None
     # default ImageGenerationConfig fields of generate_image (None: greedy)
@@ -324,15 +318,10 @@ class OFAUnifiedModel(UnifiedModel):
         """Rows ``index`` of an ``OFAEncoderOutput``: K candidates share one encoding without recomputing it."""
         return encoder_out.index_select(index.to(encoder_out.last_hidden_state.device))
 
-    def _decoder_prefixes(self, source: torch.Tensor) -> list[list[int]]:
-        """Each encoder text row's prompt tokens without bos, eos and padding (``decoder_prompt``)."""
-        return [[t for t in row if t not in (BOS_ID, EOS_ID, PAD_ID)] for row in source.tolist()]
-
     def _target_nll(self, encoder_out, targets: list[list[int]], code_mode: bool = False,
-                    index: torch.Tensor | None = None, prefixes: list[list[int]] | None = None):
-        """Summed NLL ``-sum_t log p(target_t | bos, prefix, target_<t, source)`` and length of each
-        target row (decoder input = bos + prefix + target[:-1]). The prefix is empty unless
-        ``prefixes`` gives one per encoder row (``decoder_prompt``); it is never scored.
+                    index: torch.Tensor | None = None):
+        """Summed NLL ``-sum_t log p(target_t | bos, target_<t, source)`` and length of each target row
+        (decoder input = bos + target[:-1]).
 
         ``index`` (optional, ``[len(targets)]``): target row ``r`` is decoded against encoder row
         ``index[r]``. The part shared by the rows of one encoder row then runs once per encoder row:
@@ -341,13 +330,6 @@ class OFAUnifiedModel(UnifiedModel):
         to the rows; one cached pass over all rows runs ``target[:-1]``. Same sums as the uncached
         pass within float rounding (other matrix shapes). Without ``index``, or with gradient
         checkpointing in training (no cache), ``encoder_out`` is expanded to the rows and run in full."""
-        if prefixes is not None:  # prefixes differ in length, so each row runs its own (no shared cache)
-            rows = index.tolist() if index is not None else range(len(targets))
-            row_prefixes = [prefixes[i] for i in rows]
-            encoder_out = self.select(encoder_out, index) if index is not None else encoder_out
-            dec_in = self._pad([[BOS_ID] + p + t[:-1] for p, t in zip(row_prefixes, targets)])
-            labels = self._pad([[-100] * len(p) + t for p, t in zip(row_prefixes, targets)], value=-100)
-            return self._nll(self.decode(dec_in, encoder_out).float(), labels, code_mode=False)
         cached = index is not None and len(targets) > int(index.numel() and index.max()) + 1
         if index is not None and not cached or (self.ofa.decoder.gradient_checkpointing and self.training):
             encoder_out = self.select(encoder_out, index) if index is not None else encoder_out
@@ -369,10 +351,6 @@ class OFAUnifiedModel(UnifiedModel):
             dec_in = self._pad([[BOS_ID] + t[:-1] for t in targets])
             labels = self._pad(targets, value=-100)
             logits = self.decode(dec_in, encoder_out, code_mode=code_mode).float()
-        return self._nll(logits, labels, code_mode)
-
-    def _nll(self, logits: torch.Tensor, labels: torch.Tensor, code_mode: bool):
-        """Summed NLL of ``labels`` (-100: not scored) under ``logits``, and the scored tokens per row."""
         if code_mode:  # softmax over the code block only (OFA's constraint range)
             lo = self.tokenizer.code_offset
             logits = logits[..., lo: lo + self.tokenizer.num_codes]
@@ -419,12 +397,10 @@ class OFAUnifiedModel(UnifiedModel):
         check_candidates(candidates)
         counts = [len(c) for c in candidates]
         pixels = None if images is None else self.prepare_images(images)  # None: reason()'s text-only source
-        source = self._source_ids(prompts)
-        enc = self.encode(source, pixels)
+        enc = self.encode(self._source_ids(prompts), pixels)
         index = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
         targets, truncated = self._text_targets(candidates)
-        prefixes = self._decoder_prefixes(source) if pixels is not None and self.settings.decoder_prompt else None
-        sum_nll, lengths = self._target_nll(enc, targets, index=index, prefixes=prefixes)
+        sum_nll, lengths = self._target_nll(enc, targets, index=index)
         return self._to_scores(sum_nll, lengths, counts, truncated)
 
     def score_boxes(self, images: ImageBatch, expressions: Sequence[Sequence[str]],
@@ -520,28 +496,17 @@ class OFAUnifiedModel(UnifiedModel):
         if unknown:
             raise ValueError(f"unknown generation option(s) {sorted(unknown)}; known: {sorted(opts)}")
         opts.update(kw)
-        prefixes = [[] for _ in prompts]
-        if pixels is not None and allowed == "text" and self.settings.decoder_prompt:
-            prefixes = self._decoder_prefixes(input_ids)
-        by_length: dict[int, list[int]] = {}  # generate forces one prefix length per call
-        for i, p in enumerate(prefixes):
-            by_length.setdefault(len(p), []).append(i)
-        ids: list[list[int]] = [[] for _ in prompts]
-        truncated = [False] * len(prompts)
-        for length, rows in by_length.items():
-            sel = torch.tensor(rows, device=input_ids.device)
-            start = torch.tensor([[BOS_ID] + prefixes[i] for i in rows], dtype=torch.long, device=input_ids.device)
-            out = self.ofa.generate(
-                input_ids=input_ids[sel], patch_images=None if pixels is None else pixels[sel],
-                patch_masks=None if patch_masks is None else patch_masks[sel], decoder_input_ids=start,
-                suppress_tokens=self._suppressed(allowed), do_sample=False,
-                pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID, **opts,
-            )
-            for i, row in zip(rows, out[:, 1 + length:].tolist()):
-                ended = EOS_ID in row
-                row = row[: row.index(EOS_ID)] if ended else row
-                ids[i] = [t for t in row if t != PAD_ID]
-                truncated[i] = not ended and allowed == "text"
+        out = self.ofa.generate(
+            input_ids=input_ids, patch_images=pixels, patch_masks=patch_masks,
+            suppress_tokens=self._suppressed(allowed), do_sample=False,
+            pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID, **opts,
+        )
+        ids, truncated = [], []
+        for row in out[:, 1:].tolist():
+            ended = EOS_ID in row
+            row = row[: row.index(EOS_ID)] if ended else row
+            ids.append([t for t in row if t != PAD_ID])
+            truncated.append(not ended and allowed == "text")
         return ids, truncated
 
     def _generate_text(self, images: ImageBatch | None, prompts: Sequence[str], **kw) -> tuple[list[str], list]:
