@@ -604,21 +604,32 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
         assert good[key] == 1.0 and bad[key] == 0.0, key
         assert 1 <= good[f"{key}_n"] <= 8
     assert good["loc_miou"] > 0.99
-    # the slices (question type, object count, relation clause) partition each task's examples
-    for key in ("vqa_accuracy", "caption_match", "t2i_match"):
+    # the slices (question type, object count, relation clause, held-out composition) partition each
+    # task's examples
+    qtypes = ("color", "shape", "count", "exist", "relation")
+    for key in ("vqa_accuracy", "caption_match", "loc_iou50", "t2i_match"):
         sliced = {k.split("/")[1]: v for k, v in good.items() if k.startswith(key + "/") and not k.endswith("_n")}
         assert sliced and all(v == 1.0 for v in sliced.values()), (key, sliced)
         assert all(bad[f"{key}/{name}"] == 0.0 for name in sliced), key
-        if key != "vqa_accuracy":
+        held = good.get(f"{key}/held_out_n", 0) + good.get(f"{key}/no_held_out_n", 0)
+        assert held == good[f"{key}_n"], key
+        if key in ("caption_match", "t2i_match"):
             counts = sum(good[f"{key}/{n}_n"] for n in sliced if n.startswith("objects_"))
             assert counts == good[f"{key}_n"], key
     with_relation = good.get("t2i_match/relation_n", 0) + good.get("t2i_match/no_relation_n", 0)
     assert with_relation == good["t2i_match_n"]
-    assert sum(good[k] for k in good if k.startswith("vqa_accuracy/") and k.endswith("_n")) == good["vqa_accuracy_n"]
-    # each slice's count, recomputed from the split's rows (question type, objects, relation words)
+    assert sum(good.get(f"vqa_accuracy/{q}_n", 0) for q in qtypes) == good["vqa_accuracy_n"]
+    # each slice's count, recomputed from the split's rows (question type, objects, relation words,
+    # the world's held-out compositions)
     rows = [json.loads(line) for line in (tiny_world / "mixture_test.jsonl").read_text().splitlines()]
-    first = {t: [r for r in rows if r["task"] == t][:8] for t in ("vqa", "caption", "t2i")}
+    first = {t: [r for r in rows if r["task"] == t][:8] for t in ("vqa", "caption", "grounding", "t2i")}
     expected = {f"vqa_accuracy/{q}_n": sum(r["qtype"] == q for r in first["vqa"]) for q in {r["qtype"] for r in first["vqa"]}}
+    held_out = {tuple(k) for k in json.loads((tiny_world / "world.json").read_text())["held_out"]}
+    assert held_out, "the tiny world holds compositions out (data_builders.shapes --held-out)"
+    for task, key in (("vqa", "vqa_accuracy"), ("caption", "caption_match"), ("grounding", "loc_iou50"),
+                      ("t2i", "t2i_match")):
+        n_held = sum(any((o["color"], o["shape"]) in held_out for o in r["scene"]["objects"]) for r in first[task])
+        expected[f"{key}/held_out_n"], expected[f"{key}/no_held_out_n"] = n_held, len(first[task]) - n_held
     for task, key in (("caption", "caption_match"), ("t2i", "t2i_match")):
         for k in {len(r["scene"]["objects"]) for r in first[task]}:
             expected[f"{key}/objects_{k}_n"] = sum(len(r["scene"]["objects"]) == k for r in first[task])

@@ -21,8 +21,11 @@ with the model's *generation* methods and the world's exact verifiers:
 Each accuracy is also reported by slice, as ``<metric>/<slice>`` with its count in
 ``<metric>/<slice>_n``: VQA by question type (``vqa_accuracy/relation``: the row's ``qtype``);
 caption and T2I by the number of objects in the scene (``caption_match/objects_3``); T2I by whether
-the prompt has a relation clause (``t2i_match/relation``, ``t2i_match/no_relation``). They say which
-skill a missed target lacks (counting, relations) without another script.
+the prompt has a relation clause (``t2i_match/relation``, ``t2i_match/no_relation``); every task by
+whether its scene holds one of the world's held-out colour-shape compositions (``world.json``
+``held_out``: never in a training scene, caption, question or prompt), as ``<metric>/held_out`` and
+``<metric>/no_held_out``. They say which skill a missed target lacks (counting, relations,
+compositional generalisation) without another script.
 """
 
 from __future__ import annotations
@@ -81,14 +84,21 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         for i in range(0, len(items), batch_size):
             yield items[i: i + batch_size]
 
+    held_out = set(world.held_out)
+
     def slice_names(task: str, row) -> list[str]:
         """The slices a row of ``task`` counts in (see the module docstring)."""
-        if task == "vqa":
-            return [row["qtype"]] if row.get("qtype") else []
-        if task not in ("caption", "t2i"):
-            return []
         s = row.get("scene")
-        names = [f"objects_{len(s['objects'])}"] if isinstance(s, dict) and "objects" in s else []
+        objects = s["objects"] if isinstance(s, dict) and "objects" in s else None
+        names = []
+        if objects is not None:
+            held = any((o["color"], o["shape"]) in held_out for o in objects)
+            names.append("held_out" if held else "no_held_out")
+        if task == "vqa":
+            return names + ([row["qtype"]] if row.get("qtype") else [])
+        if task not in ("caption", "t2i"):
+            return names
+        names += [f"objects_{len(objects)}"] if objects is not None else []
         if task == "t2i":
             try:
                 spec = parse_caption(row["text"], world.config)
