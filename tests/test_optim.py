@@ -163,8 +163,9 @@ def _shared_muon_worker(rank, world, init_file, out_dir, ungraded_on_rank1=None)
         params = _muon_params()
         opt = ShapeBatchedMuon(params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
                                share_across_ranks=True)
-        for step in range(2):  # the same gradients on every rank, as after DDP's all-reduce, except
-            _set_grads(params, step, None if rank == 0 else ungraded_on_rank1)  # the matrix rank 1 leaves out
+        # the same gradients on every rank, as after DDP's all-reduce, except the matrix rank 1 leaves out
+        for step in range(2):
+            _set_grads(params, step, None if rank == 0 else ungraded_on_rank1)
             opt.step()
         torch.save([p.detach() for p in params], f"{out_dir}/rank{rank}.pt")
     finally:

@@ -88,17 +88,14 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
 
     def slice_names(task: str, row) -> list[str]:
         """The slices a row of ``task`` counts in (see the module docstring)."""
-        s = row.get("scene")
-        objects = s["objects"] if isinstance(s, dict) and "objects" in s else None
+        sc = scene(row) if isinstance(row.get("scene"), dict) else None
         names = []
-        if objects is not None:
-            held = any((o["color"], o["shape"]) in held_out for o in objects)
-            names.append("held_out" if held else "no_held_out")
-        if task == "vqa":
-            return names + ([row["qtype"]] if row.get("qtype") else [])
-        if task not in ("caption", "t2i"):
-            return names
-        names += [f"objects_{len(objects)}"] if objects is not None else []
+        if sc is not None:
+            names.append("no_held_out" if held_out.isdisjoint(sc.kinds()) else "held_out")
+        if task == "vqa" and row.get("qtype"):
+            names.append(row["qtype"])
+        if task in ("caption", "t2i") and sc is not None:
+            names.append(f"objects_{len(sc.objects)}")
         if task == "t2i":
             try:
                 spec = parse_caption(row["text"], world.config)
