@@ -636,6 +636,43 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
     related = sum(any(w in r["text"] for w in (" left of ", " right of ", " above ", " below ")) for r in first["t2i"])
     expected["t2i_match/relation_n"], expected["t2i_match/no_relation_n"] = related, len(first["t2i"]) - related
     assert {k: good.get(k, 0) for k in expected} == expected
+    # the misses' causes: none for the oracle; the wrong model's captions are not English and its
+    # magenta images not the world's
+    for out in (good, bad):
+        for task, key in (("caption", "caption_match"), ("t2i", "t2i_match")):
+            causes = {k: v for k, v in out.items() if k.startswith(f"{task}_error/")}
+            assert len(causes) == 5 and out[key] + sum(causes.values()) == pytest.approx(1.0), (task, causes)
+    assert not any(v for k, v in good.items() if "_error/" in k)
+    assert bad["caption_error/unparsable"] == 1.0 and bad["t2i_error/not_an_image"] == 1.0
+
+
+class _Miscounting(_Oracle):
+    """Captions one object too many; draws the empty canvas."""
+
+    def caption(self, images):
+        from unicon.worlds.shapes import Scene, ShapeObject
+        from unicon.worlds.shapes_text import describe_scene
+
+        out = []
+        for im in images:
+            scene = self._scene(im)
+            taken = {(o.row, o.col) for o in scene.objects}
+            free = next((r, c) for r in range(self.cfg.grid) for c in range(self.cfg.grid) if (r, c) not in taken)
+            out.append(describe_scene(Scene(scene.objects + (ShapeObject("circle", "red", *free),))))
+        return out
+
+    def generate_image(self, prompts, context=None, config=None):
+        from unicon.worlds.shapes import Scene, render
+
+        return [render(Scene(()), self.cfg) for _ in prompts]
+
+
+def test_shapes_task_accuracies_names_the_cause_of_each_miss_from_the_outputs_side(tiny_world):
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
+
+    out = shapes_task_accuracies(_Miscounting(tiny_world), tiny_world, "test", limit=8, tasks=("caption", "t2i"))
+    assert out["caption_match"] == 0.0 and out["caption_error/more_objects"] == 1.0  # the caption names too many
+    assert out["t2i_match"] == 0.0 and out["t2i_error/fewer_objects"] == 1.0  # the image draws too few
 
 
 def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from unicon.worlds.shapes_reasoning import REFINED_MARKER, make_reasoning_item
 from unicon.worlds.shapes_text import (
     answer_question,
     caption_matches,
+    caption_mismatch,
     mentions_concept,
     mentions_kind,
     parse_caption,
@@ -183,6 +184,22 @@ SCENE = Scene((O("circle", "red", 0, 0), O("square", "blue", 0, 2), O("triangle"
 ])
 def test_caption_semantics(caption, ok):
     assert caption_matches(caption, SCENE) is ok
+
+
+@pytest.mark.parametrize("caption, cause", [
+    ("a red circle to the left of a blue square and two green triangles", None),
+    ("a red circle above two green triangles", "unparsable"),
+    ("a red zebra", "unparsable"),
+    ("a red circle and a blue square", "fewer_objects"),
+    ("a red circle, a blue square and three green triangles", "more_objects"),
+    ("a red circle, a blue square and two green circles", "attributes"),
+    ("a red square, a blue circle and two green triangles", "attributes"),
+    ("a red circle to the right of a blue square and two green triangles", "relation"),
+    ("a red circle below a blue square and two green triangles", "relation"),
+])
+def test_caption_mismatch_names_the_first_cause(caption, cause):
+    assert caption_mismatch(caption, SCENE) == cause
+    assert caption_matches(caption, SCENE) is (cause is None)
 
 
 def test_answer_question_hand_cases():

@@ -219,6 +219,33 @@ def parse_caption(text: str, cfg: WorldConfig | None = None) -> CaptionSpec:
     return CaptionSpec(tuple(clauses), prefix, short)
 
 
+#: why a description misses a scene (:func:`caption_mismatch`), in the order they are tested
+MISMATCHES = ("unparsable", "fewer_objects", "more_objects", "attributes", "relation")
+
+
+def caption_mismatch(caption: str, scene: Scene, cfg: WorldConfig | None = None) -> str | None:
+    """Why ``caption`` does not describe ``scene`` exactly (None when it does), the first that holds of:
+
+    * ``unparsable``    -- the text is not in the grammar (:class:`CaptionParseError`);
+    * ``fewer_objects`` -- its noun phrases count fewer objects than the scene has;
+    * ``more_objects``  -- they count more;
+    * ``attributes``    -- as many, but some colour or shape is wrong;
+    * ``relation``      -- the objects are right (the caption with its relation clauses dropped
+      matches) and a relation clause does not hold.
+    """
+    try:
+        spec = parse_caption(caption, cfg)
+    except CaptionParseError:
+        return "unparsable"
+    if spec_matches(spec, scene):
+        return None
+    named = sum(n.count for n in spec.noun_phrases())
+    if named != len(scene):
+        return "fewer_objects" if named < len(scene) else "more_objects"
+    objects_only = CaptionSpec(tuple(Clause(n) for n in spec.noun_phrases()))
+    return "relation" if spec_matches(objects_only, scene) else "attributes"
+
+
 def caption_matches(caption: str, scene: Scene, cfg: WorldConfig | None = None) -> bool:
     """True iff ``caption`` parses and describes ``scene`` exactly; unparseable text is False."""
     try:

@@ -26,6 +26,17 @@ whether its scene holds one of the world's held-out colour-shape compositions (`
 ``held_out``: never in a training scene, caption, question or prompt), as ``<metric>/held_out`` and
 ``<metric>/no_held_out``. They say which skill a missed target lacks (counting, relations,
 compositional generalisation) without another script.
+
+The misses of the two generation tasks are also split by cause, as fractions of all the task's
+examples (so ``<metric> + sum of <task>_error/* = 1``), from the point of view of the model's output
+(``unicon.worlds.shapes_text.caption_mismatch``):
+
+* ``caption_error/unparsable``: the caption is not in the world's grammar;
+* ``<task>_error/fewer_objects`` and ``<task>_error/more_objects``: the caption names, or the image
+  draws, fewer or more objects than it should;
+* ``<task>_error/attributes``: as many objects, some colour or shape wrong;
+* ``<task>_error/relation``: the objects are right and a relation clause does not hold;
+* ``t2i_error/not_an_image``: the parser refuses the generated image.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     are appended to it as dicts (task, input image or prompt, prediction, target, correct).
     ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
     from unicon.worlds.shapes import NotAShapesWorldImage, Scene, load_world, parse
-    from unicon.worlds.shapes_text import CaptionParseError, caption_matches, parse_caption
+    from unicon.worlds.shapes_text import MISMATCHES, CaptionParseError, caption_mismatch, parse_caption
 
     root = Path(world_root)
     world = load_world(root)
@@ -105,6 +116,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         return names
 
     hits: dict[str, list[float]] = {t: [] for t in tasks}
+    errors: dict[str, list[str]] = {"caption": [], "t2i": []}  # the cause of each miss
     slices: dict[str, list[tuple[str, float]]] = {t: [] for t in tasks}  # (slice name, hit)
     ious: list[float] = []
     for task in tasks:
@@ -116,7 +128,9 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                                for p, r in zip(preds, chunk)]
             elif task == "caption":
                 preds = model.caption([image(r) for r in chunk])
-                hits[task] += [float(bool(caption_matches(p, scene(r)))) for p, r in zip(preds, chunk)]
+                causes = [caption_mismatch(p, scene(r), world.config) for p, r in zip(preds, chunk)]
+                hits[task] += [float(c is None) for c in causes]
+                errors[task] += [c for c in causes if c is not None]
             elif task == "grounding":
                 preds = model.locate([image(r) for r in chunk], [r["text"] for r in chunk]).tolist()
                 for box, r in zip(preds, chunk):
@@ -127,10 +141,17 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                 preds = model.generate_image([r["text"] for r in chunk], config=image_config)
                 for im, r in zip(preds, chunk):
                     try:
-                        ok = bool(caption_matches(r["text"], parse(im, world.config)))
+                        cause = caption_mismatch(r["text"], parse(im, world.config), world.config)
                     except NotAShapesWorldImage:
-                        ok = False
-                    hits[task].append(float(ok))
+                        cause = "not_an_image"
+                    if cause == "unparsable":
+                        raise ValueError(f"{root / f'mixture_{split}.jsonl'}: the prompt of t2i row {r.get('id')!r} "
+                                         f"is not in the world's caption grammar: {r['text']!r}")
+                    # the prompt names fewer objects than the image has = the image draws more
+                    cause = {"fewer_objects": "more_objects", "more_objects": "fewer_objects"}.get(cause, cause)
+                    hits[task].append(float(cause is None))
+                    if cause is not None:
+                        errors[task].append(cause)
             else:
                 raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
             for r, ok in zip(chunk, hits[task][start:]):
@@ -150,6 +171,11 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             part = [ok for n, ok in slices[task] if n == name]
             out[f"{names[task]}/{name}"] = sum(part) / len(part)
             out[f"{names[task]}/{name}_n"] = float(len(part))
+    causes = {"caption": MISMATCHES, "t2i": ("not_an_image",) + MISMATCHES[1:]}
+    for task in errors:
+        if hits.get(task):
+            for cause in causes[task]:
+                out[f"{task}_error/{cause}"] = errors[task].count(cause) / len(hits[task])
     if ious:
         out["loc_miou"] = sum(ious) / len(ious)
     model.train(was_training)
