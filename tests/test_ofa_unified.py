@@ -646,6 +646,26 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
     assert bad["caption_error/unparsable"] == 1.0 and bad["t2i_error/not_an_image"] == 1.0
 
 
+def test_relation_questions_are_asked_flipped_and_a_model_that_ignores_the_word_keeps_its_answers(tiny_world):
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
+    from unicon.worlds.shapes import Scene, load_world
+    from unicon.worlds.shapes_text import answer_question, flip_relation_question
+
+    cfg = load_world(tiny_world).config
+    rows = [json.loads(line) for line in (tiny_world / "mixture_test.jsonl").read_text().splitlines()]
+    flippable = 0
+    for r in rows:
+        q = flip_relation_question(r["text"]) if r["task"] == "vqa" else None
+        flippable += q is not None and answer_question(q, Scene.from_dict(r["scene"]), cfg) != r["target"]
+    assert flippable >= 2, "the tiny world's test split should hold flippable relation questions"
+    good = shapes_task_accuracies(_Oracle(tiny_world), tiny_world, "test", limit=None, tasks=("vqa",))
+    bad = shapes_task_accuracies(_Oracle(tiny_world, wrong=True), tiny_world, "test", limit=None, tasks=("vqa",))
+    for out in (good, bad):
+        assert out["vqa_relation_flip/answer_kept_n"] == flippable
+    assert good["vqa_relation_flip/answer_kept"] == 0.0 and good["vqa_relation_flip/both_right"] == 1.0
+    assert bad["vqa_relation_flip/answer_kept"] == 1.0 and bad["vqa_relation_flip/both_right"] == 0.0
+
+
 class _Miscounting(_Oracle):
     """Captions one object too many; draws the empty canvas."""
 

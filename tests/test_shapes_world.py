@@ -34,6 +34,7 @@ from unicon.worlds.shapes_text import (
     answer_question,
     caption_matches,
     caption_mismatch,
+    flip_relation_question,
     mentions_concept,
     mentions_kind,
     parse_caption,
@@ -200,6 +201,17 @@ def test_caption_semantics(caption, ok):
 def test_caption_mismatch_names_the_first_cause(caption, cause):
     assert caption_mismatch(caption, SCENE) == cause
     assert caption_matches(caption, SCENE) is (cause is None)
+
+
+def test_flip_relation_question_keeps_the_wording_and_reverses_the_answer():
+    assert flip_relation_question("is the red circle to the left of the blue square?") == \
+        "is the red circle to the right of the blue square?"
+    assert flip_relation_question("Is the circle  right of the square?") == "is the circle left of the square?"
+    assert flip_relation_question("is the circle below the blue square?") == "is the circle above the blue square?"
+    for other in ("where is the red circle relative to the blue square?", "what colour is the circle?"):
+        assert flip_relation_question(other) is None
+    q = "is the red circle to the left of the blue square?"  # SCENE: circle (0, 0), square (0, 2)
+    assert (answer_question(q, SCENE), answer_question(flip_relation_question(q), SCENE)) == ("yes", "no")
 
 
 def test_answer_question_hand_cases():

@@ -432,6 +432,24 @@ def answer_question(question: str, scene: Scene, cfg: WorldConfig | None = None)
     raise ValueError(f"not a ShapesWorld question: {question!r}")
 
 
+OPPOSITE_RELATION = {"left": "right", "right": "left", "above": "below", "below": "above"}
+
+
+def flip_relation_question(question: str) -> str | None:
+    """``"is the A <relation> the B?"`` with the opposite relation, in the same wording ("to the left
+    of" <-> "to the right of", "left of" <-> "right of", "above" <-> "below"); None for any other
+    question."""
+    q = " ".join(question.lower().split())
+    for qtype, pat in _Q_PATTERNS:
+        m = pat.fullmatch(q)
+        if m and qtype == "relation" and pat.pattern.startswith("is the"):
+            phrase = m.group(2)
+            rel = _PHRASE_TO_REL[phrase]
+            opposite = REL_PHRASES[OPPOSITE_RELATION[rel]][REL_PHRASES[rel].index(phrase)]
+            return f"is the {m.group(1)} {opposite} the {m.group(3)}?"
+    return None
+
+
 def candidate_questions(scene: Scene, cfg: WorldConfig, rng: np.random.Generator) -> dict[str, list[str]]:
     """Well-posed questions about ``scene`` grouped by question type."""
     out: dict[str, list[str]] = {k: [] for k in ("color", "shape", "count", "exist", "relation")}
@@ -493,7 +511,7 @@ def count_alternatives(n: int, max_count: int) -> list[int]:
 
 def relation_alternatives(rel: str) -> list[str]:
     """Perpendicular relations (near) before the opposite one (far)."""
-    opposite = {"left": "right", "right": "left", "above": "below", "below": "above"}[rel]
+    opposite = OPPOSITE_RELATION[rel]
     return [r for r in RELATIONS if r not in (rel, opposite)] + [opposite]
 
 

@@ -37,6 +37,16 @@ examples (so ``<metric> + sum of <task>_error/* = 1``), from the point of view o
 * ``<task>_error/attributes``: as many objects, some colour or shape wrong;
 * ``<task>_error/relation``: the objects are right and a relation clause does not hold;
 * ``t2i_error/not_an_image``: the parser refuses the generated image.
+
+Relation questions are also asked flipped: every yes/no relation question among the evaluated VQA
+rows whose answer the opposite relation reverses ("is the A left of the B?" -> "... right of ...",
+``unicon.worlds.shapes_text.flip_relation_question``; the pairs on one line, where both answers
+are "no", are left out) is asked again with the opposite relation:
+
+* ``vqa_relation_flip/answer_kept`` = mean[ answer(q) == answer(flip(q)) ]: 1 for a model that
+  ignores the relation word, 0 for one that reads it (``_n``: the number of such questions);
+* ``vqa_relation_flip/both_right``  = mean[ both answers right ]: 1/4 for coin flips, 0 for a model
+  that ignores the word, 1 for one that compares the two objects.
 """
 
 from __future__ import annotations
@@ -73,7 +83,14 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     are appended to it as dicts (task, input image or prompt, prediction, target, correct).
     ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
     from unicon.worlds.shapes import NotAShapesWorldImage, Scene, load_world, parse
-    from unicon.worlds.shapes_text import MISMATCHES, CaptionParseError, caption_mismatch, parse_caption
+    from unicon.worlds.shapes_text import (
+        MISMATCHES,
+        CaptionParseError,
+        answer_question,
+        caption_mismatch,
+        flip_relation_question,
+        parse_caption,
+    )
 
     root = Path(world_root)
     world = load_world(root)
@@ -117,6 +134,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
 
     hits: dict[str, list[float]] = {t: [] for t in tasks}
     errors: dict[str, list[str]] = {"caption": [], "t2i": []}  # the cause of each miss
+    flips: list[tuple[bool, bool]] = []  # per flippable relation question: (answer kept, both right)
     slices: dict[str, list[tuple[str, float]]] = {t: [] for t in tasks}  # (slice name, hit)
     ious: list[float] = []
     for task in tasks:
@@ -126,6 +144,16 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                 preds = model.answer([image(r) for r in chunk], [r["text"] for r in chunk])
                 hits[task] += [float(normalize_answer(p) == normalize_answer(str(r["target"])))
                                for p, r in zip(preds, chunk)]
+                flipped = []  # (index in chunk, flipped question, its answer)
+                for i, r in enumerate(chunk):
+                    q = flip_relation_question(r["text"])
+                    if q is not None and (a := answer_question(q, scene(r), world.config)) != r["target"]:
+                        flipped.append((i, q, a))
+                if flipped:
+                    again = model.answer([image(chunk[i]) for i, _, _ in flipped], [q for _, q, _ in flipped])
+                    for (i, _, a), p in zip(flipped, again):
+                        kept = normalize_answer(p) == normalize_answer(preds[i])
+                        flips.append((kept, bool(hits[task][start + i]) and normalize_answer(p) == normalize_answer(a)))
             elif task == "caption":
                 preds = model.caption([image(r) for r in chunk])
                 causes = [caption_mismatch(p, scene(r), world.config) for p, r in zip(preds, chunk)]
@@ -176,6 +204,10 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         if hits.get(task):
             for cause in causes[task]:
                 out[f"{task}_error/{cause}"] = errors[task].count(cause) / len(hits[task])
+    if flips:
+        out["vqa_relation_flip/answer_kept"] = sum(k for k, _ in flips) / len(flips)
+        out["vqa_relation_flip/both_right"] = sum(b for _, b in flips) / len(flips)
+        out["vqa_relation_flip/answer_kept_n"] = float(len(flips))
     if ious:
         out["loc_miou"] = sum(ious) / len(ious)
     model.train(was_training)
