@@ -666,6 +666,22 @@ def test_relation_questions_are_asked_flipped_and_a_model_that_ignores_the_word_
     assert bad["vqa_relation_flip/answer_kept"] == 1.0 and bad["vqa_relation_flip/both_right"] == 0.0
 
 
+def test_a_t2i_prompt_outside_the_grammar_is_an_error_naming_the_file_and_row(tiny_world, tmp_path):
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
+
+    world = tmp_path / "shapes"
+    world.mkdir()
+    for name in ("world.json", "tokenizer.json"):
+        (world / name).write_text((tiny_world / name).read_text())
+    (world / "images").symlink_to(tiny_world / "images")
+    rows = [json.loads(line) for line in (tiny_world / "mixture_test.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r["task"] == "t2i")
+    first["text"] = "a red zebra"
+    (world / "mixture_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"mixture_test.jsonl: the prompt of t2i row '{first['id']}' .*zebra"):
+        shapes_task_accuracies(_Oracle(world), world, "test", limit=8, tasks=("t2i",))
+
+
 class _Miscounting(_Oracle):
     """Captions one object too many; draws the empty canvas."""
 

@@ -73,6 +73,42 @@ def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
     return rows
 
 
+def _drawing_miss(prompt: str, image, cfg) -> str | None:
+    """Why a generated image misses its prompt, from the image's side (module docstring): None when
+    it matches; ``CaptionParseError`` when the prompt is not in the world's grammar."""
+    from unicon.worlds.shapes import NotAShapesWorldImage, parse
+    from unicon.worlds.shapes_text import caption_mismatch, parse_caption
+
+    parse_caption(prompt, cfg)  # the prompt must be in the grammar
+    try:
+        cause = caption_mismatch(prompt, parse(image, cfg), cfg)
+    except NotAShapesWorldImage:
+        return "not_an_image"
+    # the prompt names fewer objects than the image has = the image draws more
+    return {"fewer_objects": "more_objects", "more_objects": "fewer_objects"}.get(cause, cause)
+
+
+def _ask_flipped(model, rows: Sequence[dict], answers: Sequence[str], images, scenes, cfg) -> list[tuple[bool, bool]]:
+    """Ask each yes/no relation question of ``rows`` whose answer the opposite relation reverses
+    again with the opposite relation; per such question (answer kept, both answers right)."""
+    from unicon.worlds.shapes_text import answer_question, flip_relation_question
+
+    asked = []  # (index in rows, flipped question, its answer)
+    for i, (r, sc) in enumerate(zip(rows, scenes)):
+        q = flip_relation_question(r["text"])
+        if q is not None and (a := answer_question(q, sc, cfg)) != r["target"]:
+            asked.append((i, q, a))
+    if not asked:
+        return []
+    again = model.answer([images[i] for i, _, _ in asked], [q for _, q, _ in asked])
+
+    def same(x, y) -> bool:
+        return normalize_answer(x) == normalize_answer(str(y))
+
+    return [(same(p, answers[i]), same(answers[i], rows[i]["target"]) and same(p, a))
+            for (i, _, a), p in zip(asked, again)]
+
+
 @torch.no_grad()
 def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", limit: int | None = 200,
                            batch_size: int = 32, tasks: Sequence[str] = TASKS,
@@ -82,15 +118,8 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     ``examples`` (a list) and ``num_examples``, the first ``num_examples`` predictions of each task
     are appended to it as dicts (task, input image or prompt, prediction, target, correct).
     ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
-    from unicon.worlds.shapes import NotAShapesWorldImage, Scene, load_world, parse
-    from unicon.worlds.shapes_text import (
-        MISMATCHES,
-        CaptionParseError,
-        answer_question,
-        caption_mismatch,
-        flip_relation_question,
-        parse_caption,
-    )
+    from unicon.worlds.shapes import Scene, load_world
+    from unicon.worlds.shapes_text import MISMATCHES, CaptionParseError, caption_mismatch, parse_caption
 
     root = Path(world_root)
     world = load_world(root)
@@ -141,19 +170,11 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         for chunk in track(batches(task), f"shapes: {task}", -(-len(rows[task][:limit or None]) // batch_size), unit="batches"):
             start = len(hits[task])
             if task == "vqa":
-                preds = model.answer([image(r) for r in chunk], [r["text"] for r in chunk])
+                images = [image(r) for r in chunk]
+                preds = model.answer(images, [r["text"] for r in chunk])
                 hits[task] += [float(normalize_answer(p) == normalize_answer(str(r["target"])))
                                for p, r in zip(preds, chunk)]
-                flipped = []  # (index in chunk, flipped question, its answer)
-                for i, r in enumerate(chunk):
-                    q = flip_relation_question(r["text"])
-                    if q is not None and (a := answer_question(q, scene(r), world.config)) != r["target"]:
-                        flipped.append((i, q, a))
-                if flipped:
-                    again = model.answer([image(chunk[i]) for i, _, _ in flipped], [q for _, q, _ in flipped])
-                    for (i, _, a), p in zip(flipped, again):
-                        kept = normalize_answer(p) == normalize_answer(preds[i])
-                        flips.append((kept, bool(hits[task][start + i]) and normalize_answer(p) == normalize_answer(a)))
+                flips += _ask_flipped(model, chunk, preds, images, [scene(r) for r in chunk], world.config)
             elif task == "caption":
                 preds = model.caption([image(r) for r in chunk])
                 causes = [caption_mismatch(p, scene(r), world.config) for p, r in zip(preds, chunk)]
@@ -169,14 +190,10 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                 preds = model.generate_image([r["text"] for r in chunk], config=image_config)
                 for im, r in zip(preds, chunk):
                     try:
-                        cause = caption_mismatch(r["text"], parse(im, world.config), world.config)
-                    except NotAShapesWorldImage:
-                        cause = "not_an_image"
-                    if cause == "unparsable":
+                        cause = _drawing_miss(r["text"], im, world.config)
+                    except CaptionParseError as e:
                         raise ValueError(f"{root / f'mixture_{split}.jsonl'}: the prompt of t2i row {r.get('id')!r} "
-                                         f"is not in the world's caption grammar: {r['text']!r}")
-                    # the prompt names fewer objects than the image has = the image draws more
-                    cause = {"fewer_objects": "more_objects", "more_objects": "fewer_objects"}.get(cause, cause)
+                                         f"is not in the world's caption grammar: {e}") from None
                     hits[task].append(float(cause is None))
                     if cause is not None:
                         errors[task].append(cause)
