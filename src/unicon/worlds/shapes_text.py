@@ -248,11 +248,7 @@ def caption_mismatch(caption: str, scene: Scene, cfg: WorldConfig | None = None)
 
 def caption_matches(caption: str, scene: Scene, cfg: WorldConfig | None = None) -> bool:
     """True iff ``caption`` parses and describes ``scene`` exactly; unparseable text is False."""
-    try:
-        spec = parse_caption(caption, cfg)
-    except CaptionParseError:
-        return False
-    return spec_matches(spec, scene)
+    return caption_mismatch(caption, scene, cfg) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,10 +216,10 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             part = [ok for n, ok in slices[task] if n == name]
             out[f"{names[task]}/{name}"] = sum(part) / len(part)
             out[f"{names[task]}/{name}_n"] = float(len(part))
-    causes = {"caption": MISMATCHES, "t2i": ("not_an_image",) + MISMATCHES[1:]}
+    cause_names = {"caption": MISMATCHES, "t2i": ("not_an_image",) + MISMATCHES[1:]}
     for task in errors:
         if hits.get(task):
-            for cause in causes[task]:
+            for cause in cause_names[task]:
                 out[f"{task}_error/{cause}"] = errors[task].count(cause) / len(hits[task])
     if flips:
         out["vqa_relation_flip/answer_kept"] = sum(k for k, _ in flips) / len(flips)
