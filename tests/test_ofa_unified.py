@@ -633,6 +633,13 @@ def test_shapes_task_accuracies_scores_an_oracle_1_and_a_wrong_model_0(tiny_worl
     for task, key in (("caption", "caption_match"), ("t2i", "t2i_match")):
         for k in {len(r["scene"]["objects"]) for r in first[task]}:
             expected[f"{key}/objects_{k}_n"] = sum(len(r["scene"]["objects"]) == k for r in first[task])
+    forms = {"objects": "all", "objects_coloured": "colour", "shapes": "shape", "shapes_coloured": "kind"}
+    for r in first["vqa"]:
+        if r["qtype"] == "count":  # "how many [colour] objects|<shapes> are there?"
+            words = r["text"].split()
+            form = forms[("objects" if words[-3] == "objects" else "shapes") + ("_coloured" if len(words) == 6 else "")]
+            expected[f"vqa_accuracy/count_{form}_n"] = expected.get(f"vqa_accuracy/count_{form}_n", 0) + 1
+    assert any(k.startswith("vqa_accuracy/count_") for k in expected), "the tiny world's first questions hold a count"
     related = sum(any(w in r["text"] for w in (" left of ", " right of ", " above ", " below ")) for r in first["t2i"])
     expected["t2i_match/relation_n"], expected["t2i_match/no_relation_n"] = related, len(first["t2i"]) - related
     assert {k: good.get(k, 0) for k in expected} == expected

@@ -34,6 +34,7 @@ from unicon.worlds.shapes_text import (
     answer_question,
     caption_matches,
     caption_mismatch,
+    count_question_form,
     flip_relation_question,
     mentions_concept,
     mentions_kind,
@@ -212,6 +213,15 @@ def test_flip_relation_question_keeps_the_wording_and_reverses_the_answer():
         assert flip_relation_question(other) is None
     q = "is the red circle to the left of the blue square?"  # SCENE: circle (0, 0), square (0, 2)
     assert (answer_question(q, SCENE), answer_question(flip_relation_question(q), SCENE)) == ("yes", "no")
+
+
+def test_count_question_form_names_what_is_counted():
+    assert [count_question_form(q) for q in (
+        "how many objects are there?", "How many red objects are there?", "how many circles are there?",
+        "how many red  circles are there?")] == ["all", "colour", "shape", "kind"]
+    for other in ("is there a red circle?", "what colour is the circle?", "how many are there?"):
+        with pytest.raises(ValueError, match="not a ShapesWorld count question"):
+            count_question_form(other)
 
 
 def test_answer_question_hand_cases():

@@ -389,6 +389,22 @@ def question_type(question: str) -> str:
     raise ValueError(f"not a ShapesWorld question: {question!r}")
 
 
+#: what a count question counts: every object, a colour, a shape, or one colour-shape kind
+COUNT_FORMS = ("all", "colour", "shape", "kind")
+
+
+def count_question_form(question: str) -> str:
+    """Which of :data:`COUNT_FORMS` a count question asks: "how many objects" (``all``), "how many red
+    objects" (``colour``), "how many circles" (``shape``), "how many red circles" (``kind``).
+    ``ValueError`` for a question that is not a count question of the grammar."""
+    q = " ".join(question.lower().split())
+    m = next((pat.fullmatch(q) for qtype, pat in _Q_PATTERNS if qtype == "count"), None)
+    if m is None:
+        raise ValueError(f"not a ShapesWorld count question: {question!r}")
+    by_colour, by_shape = m.group(1) is not None, m.group(2) != "objects"
+    return COUNT_FORMS[2 * by_shape + by_colour]
+
+
 def answer_question(question: str, scene: Scene, cfg: WorldConfig | None = None) -> str:
     """The exact answer to a question of the grammar; ``ValueError`` if ill-posed (e.g. ambiguous)."""
     shapes, colors = _vocab(cfg)

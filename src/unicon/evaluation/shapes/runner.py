@@ -19,7 +19,10 @@ with the model's *generation* methods and the world's exact verifiers:
   (``NotAShapesWorldImage``) counts as a miss.
 
 Each accuracy is also reported by slice, as ``<metric>/<slice>`` with its count in
-``<metric>/<slice>_n``: VQA by question type (``vqa_accuracy/relation``: the row's ``qtype``);
+``<metric>/<slice>_n``: VQA by question type (``vqa_accuracy/relation``: the row's ``qtype``), and
+count questions also by what they count (``vqa_accuracy/count_all``, ``count_colour``,
+``count_shape``, ``count_kind``: "how many objects / red objects / circles / red circles";
+``unicon.worlds.shapes_text.count_question_form``);
 caption and T2I by the number of objects in the scene (``caption_match/objects_3``); T2I by whether
 the prompt has a relation clause (``t2i_match/relation``, ``t2i_match/no_relation``); every task by
 whether its scene holds one of the world's held-out colour-shape compositions (``world.json``
@@ -119,7 +122,8 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     are appended to it as dicts (task, input image or prompt, prediction, target, correct).
     ``image_config`` (an ``ImageGenerationConfig``; default the model's own) draws the t2i images."""
     from unicon.worlds.shapes import Scene, load_world
-    from unicon.worlds.shapes_text import MISMATCHES, CaptionParseError, caption_mismatch, parse_caption
+    from unicon.worlds.shapes_text import (MISMATCHES, CaptionParseError, caption_mismatch, count_question_form,
+                                           parse_caption)
 
     root = Path(world_root)
     world = load_world(root)
@@ -151,6 +155,8 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             names.append("no_held_out" if held_out.isdisjoint(sc.kinds()) else "held_out")
         if task == "vqa" and row.get("qtype"):
             names.append(row["qtype"])
+            if row["qtype"] == "count":
+                names.append(f"count_{count_question_form(row['text'])}")
         if task in ("caption", "t2i") and sc is not None:
             names.append(f"objects_{len(sc.objects)}")
         if task == "t2i":
