@@ -401,8 +401,9 @@ def count_question_form(question: str) -> str:
     m = next((pat.fullmatch(q) for qtype, pat in _Q_PATTERNS if qtype == "count"), None)
     if m is None:
         raise ValueError(f"not a ShapesWorld count question: {question!r}")
-    by_colour, by_shape = m.group(1) is not None, m.group(2) != "objects"
-    return COUNT_FORMS[2 * by_shape + by_colour]
+    names_colour, names_shape = m.group(1) is not None, m.group(2) != "objects"
+    return {(False, False): "all", (True, False): "colour", (False, True): "shape", (True, True): "kind"}[
+        (names_colour, names_shape)]
 
 
 def answer_question(question: str, scene: Scene, cfg: WorldConfig | None = None) -> str:
