@@ -389,8 +389,9 @@ def question_type(question: str) -> str:
     raise ValueError(f"not a ShapesWorld question: {question!r}")
 
 
-#: what a count question counts: every object, a colour, a shape, or one colour-shape kind
-COUNT_FORMS = ("all", "colour", "shape", "kind")
+#: what a count question counts, by (does it name a colour, does it name a shape): every object, a
+#: colour, a shape, or one colour-shape kind
+COUNT_FORMS = {(False, False): "all", (True, False): "colour", (False, True): "shape", (True, True): "kind"}
 
 
 def count_question_form(question: str) -> str:
@@ -401,9 +402,7 @@ def count_question_form(question: str) -> str:
     m = next((pat.fullmatch(q) for qtype, pat in _Q_PATTERNS if qtype == "count"), None)
     if m is None:
         raise ValueError(f"not a ShapesWorld count question: {question!r}")
-    names_colour, names_shape = m.group(1) is not None, m.group(2) != "objects"
-    return {(False, False): "all", (True, False): "colour", (False, True): "shape", (True, True): "kind"}[
-        (names_colour, names_shape)]
+    return COUNT_FORMS[(m.group(1) is not None, m.group(2) != "objects")]
 
 
 def answer_question(question: str, scene: Scene, cfg: WorldConfig | None = None) -> str:
