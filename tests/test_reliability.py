@@ -170,6 +170,28 @@ def test_one_run_per_folder(world, trained, tmp_path):
     assert not (scratch / "r" / "stale.txt").exists() and (scratch / "r" / "last.ckpt").is_file()
 
 
+def test_only_rank_zero_touches_the_run_folder(world, tmp_path, monkeypatch):
+    """Under DDP only global rank 0 creates the folder; another rank that gets there first must not
+    write into it (a 2-rank SLURM job once failed with 'no such file: .../config.yaml' on rank 1)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from unicon.training.run import write_run_config
+
+    cfg = compose(run_args(world, tmp_path, "name=ranked"))
+    run_dir = tmp_path / "ranked"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert claim_run_dir(cfg) is None and not run_dir.exists()
+    write_run_config(run_dir, cfg)  # rank 1: nothing to write, and no error for the missing folder
+    assert not run_dir.exists()
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    lock = claim_run_dir(cfg)
+    try:
+        write_run_config(run_dir, cfg)
+        assert "\nname: ranked\n" in "\n" + (run_dir / "config.yaml").read_text()
+    finally:
+        release_run_dir(lock)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. kill -9 at a random step, resume == uninterrupted (metrics, CSV, data order, weights)
 # ---------------------------------------------------------------------------------------------

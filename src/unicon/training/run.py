@@ -496,6 +496,15 @@ def claim_run_dir(cfg: DictConfig):
     return lock
 
 
+def write_run_config(run_dir: Path, cfg: DictConfig) -> None:
+    """Write the resolved ``config.yaml`` into the run folder, on global rank 0 only: only rank 0
+    creates the folder (:func:`claim_run_dir`), so another rank could get there first and find none."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank == 0:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
 def release_run_dir(lock) -> None:
     if lock is not None:
         fcntl.flock(lock, fcntl.LOCK_UN)
@@ -555,7 +564,7 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
     # built with the model: it decides whether DDP broadcasts buffers before every forward
     strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size,
                              broadcast_buffers=keeps_running_statistics(model))
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # after the checks: a refused run leaves no files
+    write_run_config(run_dir, cfg)  # after the checks: a refused run leaves no files
     module = ConsistencyModule(model, cfg)
     datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
                                        image_resize=image_resize_for(model))
