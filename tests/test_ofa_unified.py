@@ -673,7 +673,7 @@ def test_relation_questions_are_asked_flipped_and_a_model_that_ignores_the_word_
     assert bad["vqa_relation_flip/answer_kept"] == 1.0 and bad["vqa_relation_flip/both_right"] == 0.0
 
 
-def test_a_t2i_prompt_outside_the_grammar_is_an_error_naming_the_file_and_row(tiny_world, tmp_path):
+def test_a_row_outside_the_grammar_is_an_error_naming_the_file_and_row(tiny_world, tmp_path):
     from unicon.evaluation.shapes.runner import shapes_task_accuracies
 
     world = tmp_path / "shapes"
@@ -687,6 +687,14 @@ def test_a_t2i_prompt_outside_the_grammar_is_an_error_naming_the_file_and_row(ti
     (world / "mixture_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=rf"mixture_test.jsonl: the prompt of t2i row '{first['id']}' .*zebra"):
         shapes_task_accuracies(_Oracle(world), world, "test", limit=8, tasks=("t2i",))
+    # a vqa row filed as a count question whose text is another kind of question
+    rows = [json.loads(line) for line in (tiny_world / "mixture_test.jsonl").read_text().splitlines()]
+    count = next(r for r in rows if r["task"] == "vqa" and r["qtype"] == "count")
+    count["text"], count["target"] = "is there a red circle?", "no"
+    (world / "mixture_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"mixture_test.jsonl: vqa row '{count['id']}' has qtype count: not a "
+                                         r"ShapesWorld count question: 'is there a red circle\?'"):
+        shapes_task_accuracies(_Oracle(world), world, "test", limit=None, tasks=("vqa",))
 
 
 class _Miscounting(_Oracle):

@@ -381,12 +381,19 @@ _Q_PATTERNS = [
 ]
 
 
-def question_type(question: str) -> str:
+def _parse_question(question: str) -> tuple[str, re.Match]:
+    """``(question type, match)`` of the first grammar pattern that the question (case and runs of
+    whitespace ignored) matches in full; ``ValueError`` naming the question otherwise."""
     q = " ".join(question.lower().split())
     for qtype, pat in _Q_PATTERNS:
-        if pat.fullmatch(q):
-            return qtype
+        m = pat.fullmatch(q)
+        if m:
+            return qtype, m
     raise ValueError(f"not a ShapesWorld question: {question!r}")
+
+
+def question_type(question: str) -> str:
+    return _parse_question(question)[0]
 
 
 #: what a count question counts, by (does it name a colour, does it name a shape): every object, a
@@ -398,9 +405,11 @@ def count_question_form(question: str) -> str:
     """Which of :data:`COUNT_FORMS` a count question asks: "how many objects" (``all``), "how many red
     objects" (``colour``), "how many circles" (``shape``), "how many red circles" (``kind``).
     ``ValueError`` for a question that is not a count question of the grammar."""
-    q = " ".join(question.lower().split())
-    m = next((pat.fullmatch(q) for qtype, pat in _Q_PATTERNS if qtype == "count"), None)
-    if m is None:
+    try:
+        qtype, m = _parse_question(question)
+    except ValueError:
+        qtype = None
+    if qtype != "count":
         raise ValueError(f"not a ShapesWorld count question: {question!r}")
     return COUNT_FORMS[(m.group(1) is not None, m.group(2) != "objects")]
 
@@ -409,39 +418,34 @@ def answer_question(question: str, scene: Scene, cfg: WorldConfig | None = None)
     """The exact answer to a question of the grammar; ``ValueError`` if ill-posed (e.g. ambiguous)."""
     shapes, colors = _vocab(cfg)
     singular = {plural(s): s for s in shapes}
-    q = " ".join(question.lower().split())
-    for qtype, pat in _Q_PATTERNS:
-        m = pat.fullmatch(q)
-        if not m:
-            continue
-        if qtype == "color":
-            return resolve_expression(m.group(1), scene, cfg).color
-        if qtype == "shape":
-            return resolve_expression(f"{m.group(1)} object", scene, cfg).shape
-        if qtype == "count":
-            color, noun = m.group(1), m.group(2)
-            if color is not None and color not in colors:
-                raise ValueError(f"unknown colour {color!r} in {question!r}")
-            if noun == "objects":
-                return number_word(scene.count(color=color))
-            if noun not in singular:
-                raise ValueError(f"unknown plural shape {noun!r} in {question!r}")
-            return number_word(scene.count(color, singular[noun]))
-        if qtype == "exist":
-            color, shape = m.group(1), m.group(2)
-            if shape not in shapes or (color is not None and color not in colors):
-                raise ValueError(f"unknown colour/shape in {question!r}")
-            return "yes" if scene.count(color, shape) else "no"
-        if m.re.pattern.startswith("is the"):
-            a = resolve_expression(m.group(1), scene, cfg)
-            b = resolve_expression(m.group(3), scene, cfg)
-            return "yes" if relation_holds(a, _PHRASE_TO_REL[m.group(2)], b) else "no"
-        a, b = resolve_expression(m.group(1), scene, cfg), resolve_expression(m.group(2), scene, cfg)
-        rels = relations_between(a, b)
-        if len(rels) != 1:
-            raise ValueError(f"{question!r} has no unique answer (relations {rels})")
-        return rels[0]
-    raise ValueError(f"not a ShapesWorld question: {question!r}")
+    qtype, m = _parse_question(question)
+    if qtype == "color":
+        return resolve_expression(m.group(1), scene, cfg).color
+    if qtype == "shape":
+        return resolve_expression(f"{m.group(1)} object", scene, cfg).shape
+    if qtype == "count":
+        color, noun = m.group(1), m.group(2)
+        if color is not None and color not in colors:
+            raise ValueError(f"unknown colour {color!r} in {question!r}")
+        if noun == "objects":
+            return number_word(scene.count(color=color))
+        if noun not in singular:
+            raise ValueError(f"unknown plural shape {noun!r} in {question!r}")
+        return number_word(scene.count(color, singular[noun]))
+    if qtype == "exist":
+        color, shape = m.group(1), m.group(2)
+        if shape not in shapes or (color is not None and color not in colors):
+            raise ValueError(f"unknown colour/shape in {question!r}")
+        return "yes" if scene.count(color, shape) else "no"
+    if m.re.pattern.startswith("is the"):
+        a = resolve_expression(m.group(1), scene, cfg)
+        b = resolve_expression(m.group(3), scene, cfg)
+        return "yes" if relation_holds(a, _PHRASE_TO_REL[m.group(2)], b) else "no"
+    a, b = resolve_expression(m.group(1), scene, cfg), resolve_expression(m.group(2), scene, cfg)
+    rels = relations_between(a, b)
+    if len(rels) != 1:
+        raise ValueError(f"{question!r} has no unique answer (relations {rels})")
+    return rels[0]
 
 
 OPPOSITE_RELATION = {"left": "right", "right": "left", "above": "below", "below": "above"}
@@ -451,15 +455,16 @@ def flip_relation_question(question: str) -> str | None:
     """``"is the A <relation> the B?"`` with the opposite relation, in the same wording ("to the left
     of" <-> "to the right of", "left of" <-> "right of", "above" <-> "below"); None for any other
     question."""
-    q = " ".join(question.lower().split())
-    for qtype, pat in _Q_PATTERNS:
-        m = pat.fullmatch(q)
-        if m and qtype == "relation" and pat.pattern.startswith("is the"):
-            phrase = m.group(2)
-            rel = _PHRASE_TO_REL[phrase]
-            opposite = REL_PHRASES[OPPOSITE_RELATION[rel]][REL_PHRASES[rel].index(phrase)]
-            return f"is the {m.group(1)} {opposite} the {m.group(3)}?"
-    return None
+    try:
+        qtype, m = _parse_question(question)
+    except ValueError:
+        return None
+    if qtype != "relation" or not m.re.pattern.startswith("is the"):
+        return None
+    phrase = m.group(2)
+    rel = _PHRASE_TO_REL[phrase]
+    opposite = REL_PHRASES[OPPOSITE_RELATION[rel]][REL_PHRASES[rel].index(phrase)]
+    return f"is the {m.group(1)} {opposite} the {m.group(3)}?"
 
 
 def candidate_questions(scene: Scene, cfg: WorldConfig, rng: np.random.Generator) -> dict[str, list[str]]:

@@ -156,7 +156,11 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
         if task == "vqa" and row.get("qtype"):
             names.append(row["qtype"])
             if row["qtype"] == "count":
-                names.append(f"count_{count_question_form(row['text'])}")
+                try:
+                    names.append(f"count_{count_question_form(row['text'])}")
+                except ValueError as e:
+                    raise ValueError(f"{root / f'mixture_{split}.jsonl'}: vqa row {row.get('id')!r} has qtype "
+                                     f"count: {e}") from None
         if task in ("caption", "t2i") and sc is not None:
             names.append(f"objects_{len(sc.objects)}")
         if task == "t2i":
