@@ -715,6 +715,19 @@ def test_drift_callback_on_data_that_is_not_a_shapes_world(world_cfg, tmp_path):
         DriftCallback.from_config(run_config(data, geneval=False))
 
 
+def test_a_detector_threshold_for_the_exact_shapes_detector_is_refused(world_cfg, tmp_path):
+    """The epoch-end MGG and ``--detector shapes`` score with the exact ShapesWorld detector, which has
+    no score threshold: a threshold set for it would be silently without effect, so it is refused."""
+    from unicon.evaluation.drift.geneval import load_detector
+
+    world = make_world(tmp_path / "world", world_cfg)
+    with pytest.raises(UserError, match=r"eval\.drift\.detector_threshold=0\.5: .*exact.*owlv2"):
+        DriftCallback.from_config(run_config(world, detector_threshold=0.5))
+    with pytest.raises(UserError, match=r"--detector-threshold 0\.5: the 'shapes' detector is exact"):
+        load_detector("shapes", world_cfg=world_cfg, threshold=0.5)
+    assert load_detector("shapes", world_cfg=world_cfg).describe()["name"] == "shapes"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # DDP: the epoch-end callback on 2 gloo ranks == 1 process
 # ---------------------------------------------------------------------------------------------------------

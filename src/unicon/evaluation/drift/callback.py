@@ -71,6 +71,10 @@ class DriftCallback(EvalCallback):
                             "give a seed file (eval.drift.seeds=FILE) or disable drift (eval.drift.enabled=false)")
         seeds = load_seeds(seeds_file)[: c.num_chains]
         gseeds, detector = None, None
+        if c.detector_threshold is not None:
+            raise UserError(f"eval.drift.detector_threshold={c.detector_threshold}: the epoch-end MGG uses the exact "
+                            "ShapesWorld detector, which has no score threshold; the threshold is for `unicon "
+                            "evaluate drift --detector owlv2:<dir>` or mask2former:<dir>. Remove the key")
         if c.geneval:
             prompts = c.geneval_prompts or (world.geneval_path if world else None)
             if prompts is None or world is None:

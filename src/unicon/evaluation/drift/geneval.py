@@ -443,8 +443,13 @@ def check_detector_spec(spec: str) -> None:
 def load_detector(spec: str, world_cfg=None, color_classifier: ColorFn | None = None,
                   threshold: float | None = None) -> Detector:
     """``"shapes"`` (needs ``world_cfg``), ``"owlv2:<local directory>"`` or ``"mask2former:<local directory>"``;
-    ``threshold`` None keeps the detector's reference value (OWLv2 0.1, Mask2Former 0.3)."""
+    ``threshold`` None keeps the detector's reference value (OWLv2 0.1, Mask2Former 0.3); the exact
+    ``shapes`` detector has no score to threshold, so a threshold for it is refused."""
     if spec == "shapes":
+        if threshold is not None:
+            raise UserError(f"--detector-threshold {threshold}: the 'shapes' detector is exact (every detection "
+                            "scores 1) and has no threshold; the threshold is for --detector owlv2:<dir> or "
+                            "mask2former:<dir>")
         if world_cfg is None:
             raise UserError("the 'shapes' detector needs the ShapesWorld config (give --world DIR)")
         return ShapesDetector(world_cfg)
