@@ -159,7 +159,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                 try:
                     names.append(f"count_{count_question_form(row['text'])}")
                 except ValueError as e:
-                    raise ValueError(f"{root / f'mixture_{split}.jsonl'}: vqa row {row.get('id')!r} has qtype "
+                    raise ValueError(f"{world.mixture_path(split)}: vqa row {row.get('id')!r} has qtype "
                                      f"count: {e}") from None
         if task in ("caption", "t2i") and sc is not None:
             names.append(f"objects_{len(sc.objects)}")
@@ -202,7 +202,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                     try:
                         cause = _drawing_miss(r["text"], im, world.config)
                     except CaptionParseError as e:
-                        raise ValueError(f"{root / f'mixture_{split}.jsonl'}: the prompt of t2i row {r.get('id')!r} "
+                        raise ValueError(f"{world.mixture_path(split)}: the prompt of t2i row {r.get('id')!r} "
                                          f"is not in the world's caption grammar: {e}") from None
                     hits[task].append(float(cause is None))
                     if cause is not None:
