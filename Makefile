@@ -13,15 +13,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 setup: $(STAMP)
 
-$(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh
+$(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh scripts/build_deepspeed_ops.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -c constraints.txt torch torchvision
 	PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION)
 	$(VPY) -m pip install -q -c constraints.txt -e '.[dev,deepspeed]'
+	$(VPY) scripts/build_deepspeed_ops.py   # DeepSpeed's CPU Adam and shared-memory ops, compiled once
 	@touch $@
 
+# One pytest-xdist worker per core; tests sharing an expensive fixture stay together (tests/conftest.py).
+# The suite fails if it wrote into the checkout, and prints its slowest tests and the disk it used.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	WANDB_MODE=offline $(VPY) -m pytest -q $(PYTEST_ARGS)
+	WANDB_MODE=offline $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 # The demo: build ShapesWorld (seconds), pretrain the tiny OFA once (minutes; reused afterwards),
 # then consistency training with epoch-end CocoCon / drift / UReason evaluation.

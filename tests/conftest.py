@@ -1,5 +1,6 @@
 """Shared pytest fixtures. Tests never touch the network."""
 
+import json
 import os
 from pathlib import Path
 
@@ -78,8 +79,9 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
 
     ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name an existing one.
     Otherwise a world is built and the recipe is trained from scratch with test_competence.STEPS steps
-    (about 4 minutes, on the recipe's two DDP ranks) through the real CLI; its ``unicon evaluate shapes`` accuracies
-    are written beside the export as ``competence.json`` (asserted by test_competence)."""
+    (about 4 minutes, on the recipe's two DDP ranks) through the real CLI; its ``unicon evaluate shapes``
+    accuracies are written beside the export as ``competence.json`` (asserted by test_competence). Under
+    pytest-xdist the tests that use it run in one worker (:func:`pytest_collection_modifyitems`)."""
     import subprocess
     import sys
 
@@ -122,3 +124,166 @@ def tiny_shapes_world(tmp_path_factory) -> Path:
                   "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
                   "--num-reason-train", "0"])
     return root
+
+
+# ---- running under pytest-xdist ---------------------------------------------------------------------
+#: conftest fixtures too expensive to build once per worker: the tests using them share a worker
+BUILT_ONCE = {"pretrained_shapes"}
+#: where the workers leave the units of work (test id -> unit) for the controller's scheduler
+UNITS_FILE = "xdist-units.json"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Units of work for ``make test`` (``-n auto --dist loadgroup``), and the long ones first.
+
+    Every test is its own unit, except that tests using the same module-, class- or session-scoped
+    fixture of a test module (a trained run, a SLURM cluster, the README sandbox) or one of
+    :data:`BUILT_ONCE` form one unit with them (transitively): the fixture is built once, and its
+    tests run in file order in one worker, as in a serial run. Units holding a ``slow`` test are
+    sent to the workers first, so that no worker is left alone with a long test at the end.
+
+    Each worker collects the tests and writes ``{test id: unit}`` to :data:`UNITS_FILE` in the
+    controller's tmp root, which :func:`pytest_xdist_make_scheduler` reads. (xdist's own
+    ``xdist_group`` marks renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    if not hasattr(config, "workerinput") or config.workerinput.get("unicon_units") is None:
+        return
+    parent: dict = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    keys = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        used = info.name2fixturedefs.items() if info else ()
+        # The fixture function, not its name: a fixture imported into another module is the same one.
+        # Autouse fixtures set up the environment: cheap, and they would join a whole module.
+        keys[item] = [defs[-1].func for name, defs in used if defs and defs[-1].scope != "function"
+                      and not getattr(defs[-1], "_autouse", False)
+                      and (defs[-1].baseid.endswith(".py") or name in BUILT_ONCE)]
+        for key in keys[item][1:]:
+            parent[find(key)] = find(keys[item][0])
+    groups: dict = {}
+    for item in items:
+        if keys[item]:
+            groups.setdefault(find(keys[item][0]), []).append(item)
+    unit = {item: item.nodeid for item in items}
+    for root, members in groups.items():
+        if len(members) > 1:
+            for item in members:
+                unit[item] = f"{members[0].path.name}::{root.__name__}"
+    slow = {unit[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: unit[item] not in slow)  # stable: file order otherwise
+    out = Path(config.workerinput["unicon_units"])
+    tmp = out.with_name(f"{out.name}.{config.workerinput['workerid']}")
+    tmp.write_text(json.dumps({item.nodeid: unit[item] for item in items}))
+    os.replace(tmp, out)  # the workers collect the same tests: whichever lands last, the file is whole
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(controller) Tell each worker where to write the units of work, under ``--dist loadgroup``."""
+    config = node.config
+    if config.getoption("dist") == "loadgroup":
+        node.workerinput["unicon_units"] = str(config._tmp_path_factory.getbasetemp() / UNITS_FILE)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """(controller) ``--dist loadgroup`` with the units of :func:`pytest_collection_modifyitems`, in
+    the order the workers collected them (slow units first)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    units_file = config._tmp_path_factory.getbasetemp() / UNITS_FILE
+
+    class FixtureUnitScheduling(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:
+                if not units_file.is_file():
+                    raise RuntimeError(f"{units_file}: the workers wrote no units of work (tests/conftest.py)")
+                self.units = json.loads(units_file.read_text())
+            return self.units.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection order: slow units first
+    return FixtureUnitScheduling(config, log)
+
+
+# ---- the suite leaves the working tree as it found it, and says how much disk it wrote -------------
+SKIPPED_IN_TREE = {".git", ".venv", "__pycache__", ".pytest_cache"}
+
+
+def tree_files_written_since(root: Path, start: float) -> list[str]:
+    """Files under ``root`` (git-ignored ones included) created or modified at or after ``start``,
+    bytecode caches, pytest's cache, ``.git``, the virtual environment and ``*.egg-info`` left out."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_IN_TREE and not d.endswith(".egg-info")]
+        for f in files:
+            path = os.path.join(folder, f)
+            try:
+                if os.lstat(path).st_mtime >= start:
+                    out.append(os.path.relpath(path, root))
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+    return sorted(out)
+
+
+def git_status(root: Path) -> set[str]:
+    """``git status --porcelain`` lines of ``root`` (modified, deleted and untracked files); empty
+    outside a git checkout."""
+    import subprocess
+
+    proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root,
+                          capture_output=True, text=True)
+    return set(proc.stdout.splitlines()) if proc.returncode == 0 else set()
+
+
+def _size_mb(folder: Path) -> float:
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total / 2**20
+
+
+def pytest_sessionstart(session):
+    if hasattr(session.config, "workerinput"):  # the check runs once, in the controller
+        return
+    import time
+
+    session.config._unicon_tree = (time.time() - 1.0, git_status(REPO))  # -1 s: coarse file-system clocks
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when a test wrote into the checkout: every output belongs under pytest's tmp paths."""
+    start = getattr(session.config, "_unicon_tree", None)
+    if start is None:
+        return
+    since, status = start
+    written, changed = tree_files_written_since(REPO, since), sorted(git_status(REPO) - status)
+    session.config._unicon_tree_report = (written, changed)
+    if written or changed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    written, changed = getattr(config, "_unicon_tree_report", ((), ()))
+    if written or changed:
+        terminalreporter.section("the tests changed the working tree", sep="=", red=True, bold=True)
+        for line in [*(f"written: {p}" for p in written[:50]), *(f"git status: {s}" for s in changed[:50])]:
+            terminalreporter.line(line)
+        terminalreporter.line("tests write under pytest's tmp paths (tmp_path, tmp_path_factory), never into "
+                              f"the checkout {REPO}")
+    root = getattr(getattr(config, "_tmp_path_factory", None), "_basetemp", None)  # None: no tmp path used
+    if root is not None and not hasattr(config, "workerinput"):
+        terminalreporter.line(f"disk used under pytest's tmp root {root}: {_size_mb(root):.0f} MB")

@@ -25,9 +25,10 @@ SUBSET = [
 ]
 
 
-def test_numeric_subset_under_generic_kernels_and_three_threads():
+def test_numeric_subset_under_generic_kernels_and_three_threads(tmp_path):
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", UNICON_TEST_THREADS="3", OMP_NUM_THREADS="3")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={tmp_path / 'pytest'}", *SUBSET], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -64,7 +64,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon evaluate cococon --ckpt checkpoints/pretrained/OFA-large --data ../shared/data/cococon/cococon.json --images /data/coco/val2014 --out outputs/cococon-coco": (
         ["--max-samples", "3", "--logger", "none", "--tasks", "vqa", "localization"], 0),
     "unicon evaluate drift   --ckpt checkpoints/shapes_demo/export --world data/shapes --generations 20 --out outputs/drift": (
-        [], 0),
+        ["--generations", "2"], 0),
     "unicon evaluate drift   --ckpt checkpoints/pretrained/Janus-Pro-1B --seeds ../shared/data/geneval/evaluation_metadata.jsonl --detector owlv2:/models/owlv2 --clip /models/clip --out outputs/mgg": (
         ["--num-chains", "2", "--generations", "2", "--geneval-limit", "1"], 0),
     "unicon evaluate ureason --ckpt checkpoints/shapes_demo/export --data data/shapes --judge exact --out outputs/ureason": (
@@ -170,6 +170,7 @@ def run(command: str, proj: Path, monkeypatch, capsys) -> str:
     return out.out
 
 
+@pytest.mark.slow
 def test_readme_commands_run(sandbox, monkeypatch, capsys):
     proj = sandbox
     order = list(RUNS)
@@ -193,6 +194,7 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
 
 
+@pytest.mark.slow
 def test_make_demo(sandbox, tmp_path):
     """``make demo`` with the sandbox's world and pretrained export in place (so it skips the build and
     the pretraining, as on a second run) and a shortened demo run; twice, as users do."""

@@ -40,7 +40,7 @@ TINY_OFA = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def world(tiny_shapes_world) -> Path:
     """conftest's 12-scene world, built by the real builder (read-only here)."""
     return tiny_shapes_world
@@ -115,10 +115,10 @@ def test_checkpoint_with_pickle_payload_is_refused_and_runs_nothing(world, tmp_p
 # 2. init_from and model= describe one model
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trained(world, tmp_path_factory) -> Path:
+def trained(tiny_shapes_world, tmp_path_factory) -> Path:
     """A 2-step run of the tiny OFA: its folder holds last.ckpt and export/."""
     out = tmp_path_factory.mktemp("trained")
-    train(compose(run_args(world, out, "name=base", "trainer.max_steps=2")))
+    train(compose(run_args(tiny_shapes_world, out, "name=base", "trainer.max_steps=2")))
     return out / "base"
 
 
@@ -195,6 +195,7 @@ def test_only_rank_zero_touches_the_run_folder(world, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # 5. kill -9 at a random step, resume == uninterrupted (metrics, CSV, data order, weights)
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_kill9_then_resume_equals_uninterrupted_run(world, tmp_path):
     # 12 mixture rows / batch 4: the mixture loader cycles every 3 steps inside the (longer) contrast
     # epoch, so a resume has to continue both orders; a checkpoint every 2 steps
@@ -467,6 +468,7 @@ def test_sigterm_during_epoch_end_evaluation_saves_and_ends_the_run(world, tmp_p
     assert result["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_standalone_evaluation_which_then_resumes(world, trained, tmp_path):
     args = [sys.executable, "-m", "unicon.cli", "evaluate", "drift", "--ckpt", str(trained / "export"),
             "--world", str(world), "--generations", "30", "--embedders", "scene", "--geneval", "none",

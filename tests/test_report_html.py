@@ -122,6 +122,7 @@ def report(runs, tmp_path_factory):  # noqa: F811
     return run_dir, page
 
 
+@pytest.mark.slow
 def test_report_html_is_self_contained(report):
     _, page = report
     text = page.read_text(encoding="utf-8")
@@ -134,6 +135,7 @@ def test_report_html_is_self_contained(report):
     assert (page.parent / "report.md").read_text().count("(report.html)") == 1
 
 
+@pytest.mark.slow
 def test_report_html_renders_every_section_in_chromium(report, chromium, tmp_path):
     run_dir, page = report
     # --- the DOM after load, with the probe's findings

@@ -38,6 +38,7 @@ def slurm_env(bin_dir: Path, job_id: str) -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_train_sbatch_body_runs(srun_shim, tmp_path):
     sys.path.insert(0, str(REPO))
     from data_builders.shapes import main as build_shapes
@@ -60,6 +61,7 @@ def test_train_sbatch_body_runs(srun_shim, tmp_path):
     assert list((run / "wandb").glob("offline-run-*")), "W&B should run offline on compute nodes"
 
 
+@pytest.mark.slow
 def test_evaluate_sbatch_body_runs(srun_shim, tmp_path):
     """The evaluation script on stand-ins: a tiny Janus export, placeholder COCO images, a tiny
     OWLv2, a ShapesWorld CLIP trained for a few steps and a tiny Qwen2-VL judge."""
@@ -137,6 +139,7 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
     assert bad.returncode == 2 and "suite 'shapes' cannot be sharded" in bad.stderr
 
 
+@pytest.mark.slow
 def test_evaluate_array_tasks_and_merge_equal_one_run(srun_shim, tmp_path):
     """The array body for 1 checkpoint x drift x 2 shards, then the merge body, as SLURM runs them;
     drift.json equals an unsharded ``unicon evaluate drift`` byte for byte. Each run is its own
