@@ -256,19 +256,51 @@ def _size_mb(folder: Path) -> float:
     return total / 2**20
 
 
+class TmpDiskMeter:
+    """The disk held under pytest's tmp root, sampled every ``every`` seconds in a daemon thread of the
+    controller: its peak is what a run needs free. (``tmp_path_retention_policy = "failed"`` removes
+    a passing test's ``tmp_path`` when it ends, and the whole root after a green run.)"""
+
+    def __init__(self, config, every: float = 5.0):
+        import threading
+
+        self.config, self.every, self.peak, self.root = config, every, 0.0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tmp-disk-meter", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        root = getattr(getattr(self.config, "_tmp_path_factory", None), "_basetemp", None)
+        if root is not None:
+            self.root = root
+            self.peak = max(self.peak, _size_mb(root))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
 def pytest_sessionstart(session):
-    if hasattr(session.config, "workerinput"):  # the check runs once, in the controller
+    if hasattr(session.config, "workerinput"):  # the checks run once, in the controller
         return
     import time
 
     session.config._unicon_tree = (time.time() - 1.0, git_status(REPO))  # -1 s: coarse file-system clocks
+    session.config._unicon_disk = TmpDiskMeter(session.config)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own sessionfinish removes the tmp root of a green run
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run when a test wrote into the checkout: every output belongs under pytest's tmp paths."""
     start = getattr(session.config, "_unicon_tree", None)
     if start is None:
         return
+    session.config._unicon_disk.stop()
     since, status = start
     written, changed = tree_files_written_since(REPO, since), sorted(git_status(REPO) - status)
     session.config._unicon_tree_report = (written, changed)
@@ -284,6 +316,7 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.line(line)
         terminalreporter.line("tests write under pytest's tmp paths (tmp_path, tmp_path_factory), never into "
                               f"the checkout {REPO}")
-    root = getattr(getattr(config, "_tmp_path_factory", None), "_basetemp", None)  # None: no tmp path used
-    if root is not None and not hasattr(config, "workerinput"):
-        terminalreporter.line(f"disk used under pytest's tmp root {root}: {_size_mb(root):.0f} MB")
+    meter = getattr(config, "_unicon_disk", None)
+    if meter is not None and meter.root is not None:
+        terminalreporter.line(f"disk held under pytest's tmp root {meter.root}: peak {meter.peak:.0f} MB "
+                              f"(sampled every {meter.every:.0f} s)")
