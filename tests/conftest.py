@@ -145,7 +145,7 @@ def pytest_collection_modifyitems(config, items):
 
     Each worker collects the tests and writes ``{test id: unit}`` to :data:`UNITS_FILE` in the
     controller's tmp root, which :func:`pytest_xdist_make_scheduler` reads. (xdist's own
-    ``xdist_group`` marks renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    ``xdist_group`` mark renames ``item._nodeid``, which pytest 9 no longer reads.)"""
     if not hasattr(config, "workerinput") or config.workerinput.get("unicon_units") is None:
         return
     parent: dict = {}
