@@ -313,7 +313,8 @@ class ConsistencyModule(L.LightningModule):
 
             data_parallel = isinstance(self.trainer.strategy, DDPStrategy) and self.trainer.world_size > 1
             optimizer = build_optimizer(ocfg.name, self.model, ocfg.lr, ocfg.weight_decay, tuple(ocfg.betas),
-                                        data_parallel=data_parallel)
+                                        data_parallel=data_parallel,
+                                        scaled_gradients=getattr(self.trainer.precision_plugin, "scaler", None) is not None)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_scheduler(
             SCHEDULERS[ocfg.scheduler], optimizer,
@@ -321,6 +322,24 @@ class ConsistencyModule(L.LightningModule):
         )
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping (``trainer.gradient_clip_val``), also for torch's fused AdamW under
+        ``bf16-mixed``. Lightning's ``MixedPrecision`` plugin refuses to clip for any optimizer that
+        unscales gradients inside its step (``_step_supports_amp_scaling``, the fused kernels): a rule
+        for fp16's loss scaler, which would have it clip scaled gradients. bf16 has no scaler (the
+        plugin's ``scaler`` is None), the gradients are the true ones, and the plugin's base class
+        clips them as under fp32. (Under ``16-mixed`` the optimizer is not fused:
+        :func:`~unicon.training.optim.build_optimizer`'s ``scaled_gradients``.)"""
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+        from lightning.pytorch.utilities import GradClipAlgorithmType
+
+        plugin = self.trainer.precision_plugin
+        if type(plugin) is MixedPrecision and plugin.scaler is None and gradient_clip_val:
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["unicon_config"] = OmegaConf.to_container(self.cfg, resolve=True)

@@ -229,13 +229,17 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: set[int] = froz
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
-                    betas: tuple[float, float], data_parallel: bool = False) -> torch.optim.Optimizer:
+                    betas: tuple[float, float], data_parallel: bool = False,
+                    scaled_gradients: bool = False) -> torch.optim.Optimizer:
     """The ``optim.name`` optimizer over ``model``'s trainable parameters: param groups
     :func:`decay_groups` (and ``muon``, Muon's matrices, with ``weight_decay``). ``data_parallel``: the
     ranks of the default process group hold the same weights and all-reduced gradients (DDP), so
-    Muon shares its Newton-Schulz iterations among them (:class:`ShapeBatchedMuon`)."""
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
-                for p in model.parameters() if p.requires_grad)
+    Muon shares its Newton-Schulz iterations among them (:class:`ShapeBatchedMuon`).
+    ``scaled_gradients``: a loss scaler multiplies the gradients (``16-mixed``'s GradScaler). Then
+    AdamW is torch's per-tensor one, which the scaler unscales before gradient clipping; the fused
+    kernel unscales inside its own step, after the clipping would have seen scaled gradients."""
+    fused = not scaled_gradients and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
+                                         for p in model.parameters() if p.requires_grad)
     if name == "adamw":
         # torch's fused AdamW kernel (CPU and CUDA): one pass over all tensors instead of one op per
         # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update

@@ -1,0 +1,123 @@
+"""Training the way users train: mixed precision, the trainer presets and the DeepSpeed strategies.
+
+Every preset and strategy runs here on CPU with only the accelerator swapped (precision, clipping,
+optimizer and strategy kept): DeepSpeed's CPU accelerator trains ZeRO-2/3 over gloo, and
+Lightning's ``bf16-mixed`` autocasts on CPU as on CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EPS32, float32_tol
+
+from unicon.config import compose
+from unicon.errors import UserError
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+#: bfloat16's unit roundoff: 8 significant bits
+U_BF16 = 2.0 ** -8
+
+
+def bfloat16_tol(scale: float, depth: int) -> float:
+    """A forward-error bound for a value that autocast computes with bfloat16 matmuls.
+
+    Autocast rounds a matmul's two inputs to bfloat16 (relative error ``u`` each) and accumulates in
+    float32, so each product term is off by at most ``2u`` relative and a layer's output by
+    ``2u * sum|x_i w_i|``; ``depth`` such layers in a row, on values of magnitude ``scale``, give at
+    most ``depth * 2u * scale``. Worst case and machine independent; the float32 accumulation's own
+    error (``n * eps32``, :func:`conftest.float32_tol`) is two orders of magnitude smaller."""
+    return depth * 2.0 * U_BF16 * max(scale, 1.0)
+
+
+# ---- mixed precision ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_ofa_batch(tiny_shapes_world):
+    """The world's tiny OFA (random init, seed 0) in a ConsistencyModule, and a contrast batch of 6."""
+    from unicon.models import build_model
+    from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
+    from unicon.training.module import ConsistencyModule
+
+    cfg = compose(["model=ofa_shapes_tiny", f"data.root={tiny_shapes_world}"])
+    torch.manual_seed(0)
+    module = ConsistencyModule(build_model(cfg.model, tiny_shapes_world), cfg)
+    data = ConsistencyDataModule(cfg.data)
+    data.setup()
+    return module, collate_contrast([data.contrast[i] for i in range(6)])
+
+
+def test_bf16_autocast_scores_and_rank_loss_stay_float32(tiny_ofa_batch):
+    """Under ``bf16-mixed`` the matmuls run in bfloat16, but the scores (log-softmax of float32
+    logits) and the soft-rank loss are float32: the loss of given scores is the same inside and
+    outside autocast up to float32 rounding, and the whole consistency loss is within the bfloat16
+    bound of its float32 value."""
+    from unicon.losses.consistency import consistency_loss
+
+    module, batch = tiny_ofa_batch
+    model, n = module.model, len(batch["samples"])
+    anchors = [[s.caption] + [c.caption for c in cs] for s, cs in zip(batch["samples"], batch["contrasts"])]
+    with torch.no_grad():
+        full = module.consistency_loss(batch)
+        s0 = model.score_text(batch["images"], [model.caption_prompt] * n, anchors)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = module.consistency_loss(batch)
+            s0_mixed = model.score_text(batch["images"], [model.caption_prompt] * n, anchors)
+            si = s0_mixed.nll.flip(1)  # any second score matrix with the same mask
+            const_mixed = consistency_loss("spearman", s0_mixed.nll, si, s0_mixed.mask)
+        const = consistency_loss("spearman", s0_mixed.nll, si, s0_mixed.mask)
+    assert s0_mixed.nll.dtype == s0_mixed.sum_nll.dtype == torch.float32
+    assert mixed["loss"].dtype == mixed["loss_const"].dtype == torch.float32
+    # the loss of the same scores: float32 in and out of autocast (reductions over K <= 6 candidates)
+    assert abs(float(const_mixed) - float(const)) <= float32_tol(6, float(const), depth=3)
+    # the scores themselves: bfloat16 matmuls through the encoder and decoder layers and the output
+    # projection (depth = layers + 1), on NLLs of the scores' magnitude
+    arch = model.ofa.config
+    depth = arch.encoder_layers + arch.decoder_layers + 1
+    scale = float(s0.nll.abs().max())
+    assert (s0_mixed.nll - s0.nll).abs().max() <= bfloat16_tol(scale, depth)
+    assert not torch.equal(s0_mixed.nll, s0.nll)  # autocast did run the matmuls in bfloat16
+    assert abs(float(mixed["loss_ce"]) - float(full["loss_ce"])) <= bfloat16_tol(float(full["loss_ce"]), depth)
+    assert EPS32 < U_BF16
+
+
+def test_bf16_mixed_trains_m_and_k_with_fused_adamw_and_clipping(tiny_shapes_world, tmp_path):
+    """``trainer.precision=bf16-mixed`` with the presets' fused AdamW and gradient clipping (Lightning's
+    mixed-precision plugin refuses to clip for fused optimizers): M (spearman) and K (none) train."""
+    from unicon.training.run import train
+
+    for loss in ("spearman", "none"):
+        out = train(compose([
+            "trainer=cpu", "model=ofa_shapes_tiny", "logger=csv", "eval=none", f"data.root={tiny_shapes_world}",
+            f"output_dir={tmp_path}", f"name={loss}", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=1.0",
+            "trainer.max_steps=3", "trainer.enable_progress_bar=false", "loss.gamma=0.7", f"loss.type={loss}",
+            "data.batch_size=4", "data.contrast_batch_size=3", "optim.lr=1e-3"]))
+        assert out["global_step"] == 3
+        assert out["counts"]["consistency_updates"] >= 1 and out["counts"]["standard_updates"] >= 1
+        assert torch.isfinite(torch.tensor(out["metrics"]["train/loss"]))
+
+
+def test_nonfinite_guard_under_bf16_mixed(tmp_path, monkeypatch):
+    import unicon.models
+    from test_training import TinyUnified, make_world, run_cfg
+
+    from unicon.training.module import NonFiniteLossError
+    from unicon.training.run import train
+
+    world = make_world(tmp_path / "world")
+    monkeypatch.setattr(unicon.models, "build_model", lambda c, world_root=None: TinyUnified(nan=True))
+    with pytest.raises(NonFiniteLossError, match=r"global step 0 \(batch 0"):
+        train(run_cfg(world, tmp_path, "trainer.max_steps=1", "trainer.precision=bf16-mixed"))
+
+
+def test_a_loss_scaler_gets_the_unfused_adamw():
+    """Under ``16-mixed`` (a GradScaler; CUDA only: Lightning runs ``16-mixed`` as bf16 on CPU) the
+    scaler must unscale before clipping, which the fused kernel does not allow."""
+    from unicon.training.optim import build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    assert build_optimizer("adamw", model, 1e-3, 0.01, (0.9, 0.999)).defaults["fused"]
+    assert not build_optimizer("adamw", model, 1e-3, 0.01, (0.9, 0.999), scaled_gradients=True).defaults["fused"]
