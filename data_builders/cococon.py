@@ -538,9 +538,23 @@ def build_index(args: argparse.Namespace, path: Path, settings: dict, progress) 
             lambda r: (r["id"], r["id"] % S, json.dumps({k: r[k] for k in ("id", "file_name", "width", "height")
                                                          if k in r})),
             cap, "image id", lambda r: r[0], progress, bar)
+        empty = Counter()
+
+        def non_empty(records):  # an empty caption has no words to pivot on: dropped, counted
+            for r in records:
+                if r["caption"].strip():
+                    yield r
+                else:
+                    empty["captions"] += 1
+
         counts["captions"] = _stream_into(
-            conn, "captions", read_captions(cap), lambda r: (r["id"], r["image_id"] % S, r["image_id"], r["caption"]),
+            conn, "captions", non_empty(read_captions(cap)),
+            lambda r: (r["id"], r["image_id"] % S, r["image_id"], r["caption"]),
             cap, "caption id", lambda r: r[0], progress, bar)
+        counts["empty_captions_dropped"] = empty["captions"]
+        if not counts["captions"]:
+            raise CocoFormatError(f"{cap}: no non-empty caption to find pivots in ({empty['captions']} caption rows "
+                                  "dropped as empty); the benchmark would have 0 samples")
         counts["questions"] = _stream_into(
             conn, "questions", read_questions(qs),
             lambda r: (r["question_id"], r["image_id"] % S, r["image_id"], r["question"]),
@@ -873,6 +887,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.lm = None if args.lm == "none" else args.lm
     if args.lm is not None and not Path(args.lm).is_dir():
         raise UserError(f"--lm {args.lm}: not a directory (a local transformers causal LM, or 'none')")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} exists and is not a folder")
     return args
 
 
@@ -906,6 +922,20 @@ def _diff(old: dict, new: dict) -> list[str]:
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the benchmark into ``--out``. A build that fails before its first shard (a malformed
+    input, an LM that does not load) removes the folders it created: nothing there to resume, and a
+    corrected retry is not refused as "a build with other settings"."""
+    out = Path(args.out)
+    created = next((p for p in reversed([out / ".work", out, *out.parents]) if not p.exists()), None)
+    try:
+        return _build(args)
+    except Exception:
+        if created is not None and not any((out / ".work" / "shards").glob("shard-*.json")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _build(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     work = out / ".work"
     settings = settings_of(args)
@@ -921,7 +951,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"{out} exists and is not a cococon build folder; choose another --out")
     elif (out / "cococon.json").exists() and not args.overwrite:
         raise UserError(f"{out} already holds a cococon.json without build state; pass --overwrite to rebuild")
-    (work / "shards").mkdir(parents=True, exist_ok=True)
+    try:
+        (work / "shards").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the folder ({e.strerror})") from None
     write_json(sfile, settings, indent=2)
 
     t0 = time.time()

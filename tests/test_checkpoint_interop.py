@@ -1,31 +1,9 @@
-"""Checkpoints that load anywhere (issue 21, item 4): DeepSpeed ZeRO-2/3 folders through
-``load_model`` and the export, LoRA adapters in PEFT's format, DeepSpeed configs.
+"""Checkpoints that load anywhere: DeepSpeed ZeRO-2/3 folders through ``load_model`` and the
+export, LoRA adapters in PEFT's format, DeepSpeed configs.
 
-**DeepSpeed on CPU here.** DeepSpeed (0.19.8) picks its CPU accelerator when there is no GPU and
-talks gloo (oneCCL only when ``oneccl_bindings_for_pytorch`` is installed); ZeRO-2 and ZeRO-3 train
-on it. Lightning's ``DeepSpeedStrategy`` refuses the CPU, in three places:
-
-* ``setup_environment``: ``RuntimeError: The DeepSpeed strategy is only supported on CUDA GPUs but
-  `CPUAccelerator` is used.``;
-* ``setup_distributed``: ``RuntimeError: The selected device indices [None, None] don't match the
-  local rank values of processes.`` (a CPU device has no index);
-* ``deepspeed.initialize(args=Namespace(device_rank=root_device.index))``: ``TypeError: '>=' not
-  supported between instances of 'NoneType' and 'int'`` (same cause).
-
-:class:`CPUDeepSpeedStrategy` lifts exactly these -- indexed CPU devices (``torch.device("cpu", r)``
-is the CPU) and DDP's environment setup without the CUDA check -- and everything else is
-Lightning's and DeepSpeed's own code: the engine, ZeRO partitioning, Lightning's checkpoint folder
-(DeepSpeed's ``save_checkpoint`` with Lightning's client state), and the conversion. ``unicon
-train`` itself keeps refusing DeepSpeed without CUDA (test_training); the runs below replace
-``check_strategy`` (its CUDA check) and ``make_strategy`` in their own processes (this file run
-as a script, Lightning's launcher starting the second rank the same way).
-
-**Ranks must run the same parameters.** ZeRO-2/3 reduce gradients from backward hooks into
-buckets in the order gradients arrive; when the ranks' steps use different parameter subsets (a
-consistency step's second task, or mixed-task batches), the buckets differ and gloo fails with
-``op.preamble.length <= op.nbytes. 520420 vs 436244. Received data size doesn't match expected
-size`` (seen with ``loss.gamma=1``). DDP copes (``find_unused_parameters``); DeepSpeed does not. So
-these runs use ``data.batching=by_task`` and ``loss.gamma=0``: every rank's step is the same task.
+The DeepSpeed runs are ``unicon train`` on DeepSpeed's CPU accelerator (gloo; see
+:mod:`unicon.training.zero`), each in its own processes (this file run as a script, Lightning's
+launcher starting the second rank the same way).
 
 Time: each 2-rank run is ~30-50 s on two busy cores (start-up, DeepSpeed's shared-memory op
 build, 2 steps, checkpoint, conversion); the rest is seconds.
@@ -43,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import EPS32, float32_tol
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.arch.d_model=32", "model.arch.encoder_layers=1", "model.arch.decoder_layers=1",
@@ -57,44 +36,16 @@ def _deepspeed_or_skip():
 
 
 # ---- a DeepSpeed run on CPU, in its own processes ---------------------------------------------------
-def _cpu_deepspeed_strategy_class():
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-
-    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        """Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator (see the module docstring)."""
-
-        def setup_environment(self) -> None:
-            if self.parallel_devices and all(d.type == "cpu" for d in self.parallel_devices):
-                self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
-                DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's, minus its CUDA check
-            else:
-                super().setup_environment()
-
-    return CPUDeepSpeedStrategy
-
-
 def _run_main(argv: list[str]) -> None:
     """``python tests/test_checkpoint_interop.py OUT overrides...``: ``unicon.training.run.train``
-    with the DeepSpeed strategy on CPU; rank 0 writes ``OUT/result.json`` and ``OUT/live.pt`` (the
-    engine's parameters at the start and at the end of training, gathered from the ZeRO-3
-    partitions)."""
+    (DeepSpeed on CPU, or DDP); rank 0 writes ``OUT/result.json`` and ``OUT/live.pt`` (the
+    parameters at the start and at the end of training, gathered from the ZeRO-3 partitions)."""
     import deepspeed
     from lightning.pytorch.callbacks import Callback
 
     import unicon.training.run as run
 
     out, overrides = Path(argv[0]), argv[1:]
-    cls, real = _cpu_deepspeed_strategy_class(), run.make_strategy
-
-    def make_strategy(name: str, micro_batch_size: int = 1, **kwargs):
-        if name.startswith("deepspeed"):
-            return cls(config=run.deepspeed_config(name, micro_batch_size))
-        return real(name, micro_batch_size, **kwargs)
-
-    def check_strategy(name: str, micro_batch_size: int = 1):  # the CUDA check only; the config is read
-        return run.deepspeed_config(name, micro_batch_size) if name.startswith("deepspeed") else None
-
-    run.check_strategy, run.make_strategy = check_strategy, make_strategy
 
     class Live(Callback):
         def __init__(self):
@@ -104,15 +55,16 @@ def _run_main(argv: list[str]) -> None:
             params = list(pl_module.model.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # collective; no-op below ZeRO-3
                 self.states[key] = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
-            self.states[f"{key}_optimizer"] = type(trainer.strategy.deepspeed_engine.optimizer.optimizer
-                                                   if hasattr(trainer.strategy.deepspeed_engine.optimizer, "optimizer")
-                                                   else trainer.strategy.deepspeed_engine.optimizer).__name__
+            engine = getattr(trainer.strategy, "deepspeed_engine", None)
+            optimizer = engine.optimizer if engine is not None else trainer.optimizers[0]
+            self.states[f"{key}_optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__name__
 
         def on_train_start(self, trainer, pl_module):
             self._grab(trainer, pl_module, "start")
 
         def on_train_end(self, trainer, pl_module):
             self._grab(trainer, pl_module, "end")
+            self.states["counts"] = dict(pl_module.counts)
             if trainer.is_global_zero:
                 torch.save(self.states, out / "live.pt")
 
@@ -122,27 +74,165 @@ def _run_main(argv: list[str]) -> None:
         (out / "result.json").write_text(json.dumps({k: result[k] for k in ("ckpt_path", "export_dir", "global_step")}))
 
 
-def _deepspeed_run(world: Path, out: Path, strategy: str, steps: int = 2) -> dict:
+#: consistency training (γ = 1: every step a consistency step, its task drawn per step), one mixture
+#: task per step on both ranks; a constant learning rate, so that a run resumed with a higher
+#: max_steps follows the uninterrupted schedule
+CONSISTENCY = ["loss.gamma=1", "loss.task_draw=per_step", "data.batching=by_task", "optim.scheduler=constant",
+               "optim.warmup_ratio=0", "optim.lr=1e-3", "data.batch_size=2", "data.contrast_batch_size=3",
+               "trainer.log_every_n_steps=1"]
+
+
+def _train_run(world: Path, out: Path, strategy: str, steps: int, *extra: str) -> dict:
+    """A 2-rank ``unicon train`` of the tiny OFA on CPU (gloo) in its own processes."""
     out.mkdir(parents=True, exist_ok=True)
     overrides = ["trainer=cpu", "trainer.devices=2", f"trainer.strategy={strategy}", f"data.root={world}",
                  f"output_dir={out / 'runs'}", "name=ds", f"trainer.max_steps={steps}", "trainer.max_epochs=-1",
-                 "eval=none", "logger=csv", "trainer.enable_progress_bar=false", "data.batching=by_task",
-                 "loss.gamma=0", "data.batch_size=2", "data.contrast_batch_size=2", "optim.lr=1e-3", *TINY]
+                 "eval=none", "logger=csv", "trainer.enable_progress_bar=false", *CONSISTENCY, *TINY, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, __file__, str(out), *overrides], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_dir = out / "runs" / "ds"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {**json.loads((out / "result.json").read_text()), "live": torch.load(out / "live.pt", weights_only=True),
-            "log": proc.stdout + proc.stderr}
+            "log": proc.stdout + proc.stderr, "run_dir": run_dir,
+            "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}}
+
+
+#: the compared runs' evaluation tasks: VQA and localization steps use the same parameters, so
+#: DDP and ZeRO update the same entries every step (a T2I step's image-code parameters are unused
+#: in the others: ZeRO gives them a zero gradient, which AdamW's momentum and weight decay still
+#: apply, where torch's AdamW under DDP skips a parameter without gradient; the LoRA run has T2I)
+SAME_PARAMETERS = ["loss.tasks=[vqa,localization]"]
+LR, STEPS = 1e-3, 4
 
 
 @pytest.fixture(scope="module")
 def deepspeed_runs(tiny_shapes_world, tmp_path_factory) -> dict[str, dict]:
+    """2-rank consistency runs: DDP for 4 steps (the reference); ZeRO-3 for 4 steps; ZeRO-2 for 2
+    steps ("zero2"), then resumed from its last checkpoint folder to step 4 ("zero2_resumed");
+    ZeRO-2 with LoRA for 2 steps, all three tasks."""
     _deepspeed_or_skip()
     root = tmp_path_factory.mktemp("deepspeed")
-    return {stage: _deepspeed_run(tiny_shapes_world, root / stage, f"deepspeed_zero{stage[-1]}")
-            for stage in ("zero2", "zero3")}
+    runs = {"ddp": _train_run(tiny_shapes_world, root / "ddp", "ddp", STEPS, *SAME_PARAMETERS),
+            "zero3": _train_run(tiny_shapes_world, root / "zero3", "deepspeed_zero3", STEPS, *SAME_PARAMETERS),
+            # its checkpoint at a step end, mid-epoch (3 steps per epoch), as a preemption or a periodic
+            # checkpoint writes it: a save at an epoch's end resumes at the next epoch (Lightning)
+            "zero2": _train_run(tiny_shapes_world, root / "zero2", "deepspeed_zero2", 2, *SAME_PARAMETERS,
+                                "trainer.checkpoint_every_n_steps=2")}
+    folder = Path(runs["zero2"]["ckpt_path"])
+    (root / "zero2_keep").mkdir()
+    # the step-2 folder and export, before the resumed run rewrites them
+    shutil.copytree(folder, root / "zero2_keep" / "last.ckpt")
+    shutil.copytree(runs["zero2"]["export_dir"], root / "zero2_keep" / "export")
+    runs["zero2"].update(ckpt_path=str(root / "zero2_keep" / "last.ckpt"), export_dir=str(root / "zero2_keep" / "export"))
+    # the run's own config comes from the folder; the command line raises max_steps only
+    (root / "zero2" / "result.json").unlink()
+    runs["zero2_resumed"] = _resume_run(root / "zero2", folder, f"trainer.max_steps={STEPS}")
+    runs["lora"] = _train_run(tiny_shapes_world, root / "lora", "deepspeed_zero2", 2, "model.lora.enabled=true",
+                              "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]")
+    return runs
+
+
+def _resume_run(out: Path, folder: Path, *extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__, str(out), f"resume={folder}", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"resume failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_dir = out / "runs" / "ds"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {**json.loads((out / "result.json").read_text()), "live": torch.load(out / "live.pt", weights_only=True),
+            "log": proc.stdout + proc.stderr, "run_dir": run_dir, "rows": rows,
+            "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}}
+
+
+def _weights_tol(live: dict) -> float:
+    """Two implementations of the same data-parallel AdamW steps (DDP's bucketed all-reduce and
+    torch's AdamW against ZeRO's flat partitions and its own clipping norm): the local gradients are
+    bitwise equal and a 2-rank sum is exact, so the gradients differ only by the rounding of the
+    clipping coefficient, a norm over all n entries (relative error <= float32_tol(n)); Adam is
+    invariant to a common gradient scale, so that reaches an update (<= lr) at most relatively, and
+    each step adds the rounding of the weight itself (an ulp of the largest weight)."""
+    n = sum(v.numel() for v in live["end"].values())
+    w = max(float(v.abs().max()) for v in live["end"].values() if v.is_floating_point())
+    return STEPS * (LR * float32_tol(n) + 2 * EPS32 * w)
+
+
+def _exact_zero_gradient(name: str) -> bool:
+    """Key-projection biases: attention's softmax is invariant to adding the same q·b to every
+    logit of a row, so their gradient is exactly 0 in exact arithmetic and rounding noise in float32;
+    Adam (g / sqrt(v)) turns that noise into steps of up to lr either way."""
+    return name.endswith("k_proj.bias") or name.endswith("pos_k_linear.bias")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["zero2_resumed", "zero3"])
+def test_zero_consistency_training_matches_ddp(deepspeed_runs, run):
+    """γ = 1 (every step a consistency step, the task drawn per step) on 2 ranks: ZeRO-2 (stopped at
+    step 2 and resumed from its checkpoint folder) and ZeRO-3 train as DDP does."""
+    ddp, other = deepspeed_runs["ddp"], deepspeed_runs[run]
+    assert other["global_step"] == ddp["global_step"] == STEPS
+    assert other["live"]["counts"]["consistency_updates"] == STEPS or run == "zero2_resumed"
+    assert sorted(other["losses"]) == sorted(ddp["losses"]) == list(range(STEPS))
+    for step, loss in ddp["losses"].items():  # same weights, same data: rounding of the layers only
+        assert abs(other["losses"][step] - loss) <= float32_tol(64, loss, depth=4), step
+    tol = _weights_tol(ddp["live"])
+    moved = 0
+    for name, value in ddp["live"]["end"].items():
+        if not value.is_floating_point() or _exact_zero_gradient(name):
+            continue
+        diff = float((other["live"]["end"][name] - value).abs().max())
+        assert diff <= tol, (name, diff, tol)
+        moved += int(not torch.equal(value, ddp["live"]["start"][name]))
+    assert moved > 10
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_continues_the_run_at_its_step(deepspeed_runs):
+    """``resume=<DeepSpeed checkpoint folder>``: the run's stored config, its step, γ generator,
+    data position and optimizer state; ``metrics.jsonl`` goes on from the checkpoint's row."""
+    resumed = deepspeed_runs["zero2_resumed"]
+    assert "resume: " in resumed["log"] and "step 2" in resumed["log"]
+    steps = [r["step"] for r in resumed["rows"] if "train/loss" in r]
+    assert steps == list(range(STEPS))  # each step once: the rows after the checkpoint were not repeated
+    assert resumed["live"]["counts"]["consistency_updates"] == STEPS  # restored 2 + 2 new
+    assert resumed["live"]["end_optimizer"] == "AdamW"
+
+
+@pytest.mark.slow
+def test_lora_under_zero2_trains_the_adapters_on_every_task(deepspeed_runs):
+    run = deepspeed_runs["lora"]
+    assert run["live"]["counts"]["consistency_updates"] == 2
+    start, end = run["live"]["start"], run["live"]["end"]
+    changed = {k for k in end if not torch.equal(end[k], start[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert (Path(run["export_dir"]) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_only_complete_deepspeed_folders_are_resumed(deepspeed_runs, tmp_path):
+    """A folder whose save was cut short (no complete.json: ``ZeroStrategy.save_checkpoint`` removes it
+    before the ranks write and writes it after all finished) is refused by ``resume=`` and passed
+    over by the SLURM restart, which takes the newest complete checkpoint of the run folder."""
+    import unicon.training.run as run
+    from unicon.errors import UserError
+    from unicon.models import DEEPSPEED_COMPLETE_FILE, read_training_checkpoint
+
+    source = Path(deepspeed_runs["zero2"]["ckpt_path"])
+    run_dir = tmp_path / "ds"
+    shutil.copytree(source, run_dir / "epoch=0-step=2.ckpt")
+    shutil.copytree(source, run_dir / "last.ckpt")
+    (run_dir / "last.ckpt" / DEEPSPEED_COMPLETE_FILE).unlink()  # the kill came while last.ckpt was rewritten
+    with pytest.raises(UserError, match=r"last\.ckpt: an incomplete DeepSpeed checkpoint"):
+        read_training_checkpoint(run_dir / "last.ckpt")
+    overrides = [f"output_dir={tmp_path}", "name=ds"]
+    assert run.requeue_checkpoint(overrides) == run_dir / "epoch=0-step=2.ckpt"
+    shutil.rmtree(run_dir / "epoch=0-step=2.ckpt")
+    assert run.requeue_checkpoint(overrides) is None  # nothing complete: the job starts over
+    with pytest.raises(UserError, match="an incomplete DeepSpeed checkpoint"):
+        run.compose_run([f"resume={run_dir / 'last.ckpt'}"])
 
 
 @pytest.mark.slow
@@ -151,7 +241,8 @@ def test_deepspeed_run_converts_through_load_model_and_export(deepspeed_runs, st
     from unicon.models import deepspeed_client_state, load_model, recorded_model_section
 
     run = deepspeed_runs[stage]
-    assert run["global_step"] == 2
+    steps = run["global_step"]
+    assert steps == {"zero2": 2, "zero3": 4}[stage]
     folder = Path(run["ckpt_path"])
     assert folder.is_dir() and (folder / "latest").is_file()  # Lightning's DeepSpeed layout, not a file
     shards = sorted(p.name for p in (folder / "checkpoint").glob("*_states.pt"))
@@ -160,7 +251,7 @@ def test_deepspeed_run_converts_through_load_model_and_export(deepspeed_runs, st
     else:  # weights whole in one file, optimizer state partitioned
         assert shards == ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
     client = deepspeed_client_state(folder)
-    assert client["global_step"] == 2 and client["unicon_config"]["trainer"]["strategy"] == f"deepspeed_{stage}"
+    assert client["global_step"] == steps and client["unicon_config"]["trainer"]["strategy"] == f"deepspeed_{stage}"
     assert recorded_model_section(folder)["arch"]["d_model"] == 32
     # the run used plain AdamW (no offload), wrapped by ZeRO
     assert run["live"]["end_optimizer"] == "AdamW"
@@ -232,28 +323,14 @@ def test_deepspeed_configs_take_the_micro_batch_from_data_and_offload_uses_cpu_a
         run.deepspeed_config("deepspeed_zero2", 2)
 
 
-def _cpu_adam_op_ready() -> str | None:
-    """None when DeepSpeedCPUAdam's C++ op loads without compiling (installed with DS_BUILD_CPU_ADAM=1,
-    or built before into torch's extension cache); otherwise why not."""
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-    from torch.utils.cpp_extension import _get_build_directory
-
-    builder = CPUAdamBuilder()
-    if not builder.is_compatible(verbose=False):
-        return "DeepSpeed's CPUAdamBuilder is not compatible with this machine"
-    if installed_ops.get("cpu_adam") or any(Path(_get_build_directory(builder.name, False)).glob("*.so")):
-        return None
-    return ("DeepSpeedCPUAdam's C++ op is not built: its first use compiles it (1.5-6 min of 2 cores), too long "
-            "for a unit test; make setup builds it once (scripts/build_deepspeed_ops.py)")
-
-
 def test_offload_optimizer_is_deepspeed_cpu_adam_with_adamw_groups(tiny_shapes_world):
     """configure_optimizers under an offload config: DeepSpeedCPUAdam with the two AdamW groups,
     decoupled weight decay."""
     _deepspeed_or_skip()
-    if (why := _cpu_adam_op_ready()) is not None:
-        pytest.skip(why)
+    from unicon.training.run import cpu_adam_unavailable
+
+    if (why := cpu_adam_unavailable()) is not None:
+        pytest.skip(f"DeepSpeed's CPU Adam: {why}")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     import unicon.training.run as run

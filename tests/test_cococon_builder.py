@@ -459,3 +459,35 @@ def test_readme_commands(world, tmp_path, monkeypatch, capsys):
     verify = json.loads(outputs[next(c for c in commands if " verify " in c)])
     assert verify["sources"]["vocab"]["valid_rate"] >= 0.95 and verify["pivot_recall"]["recall"] >= 0.9
     assert json.loads(outputs["unicon bench build-cococon"])["pairs"] == 400
+
+
+def test_failed_builds_leave_no_folder_and_a_file_out_is_refused(synthetic, tmp_path, capsys):
+    """A malformed input and an LM that does not load fail before the first shard: no folder is left
+    (a corrected retry would be refused as other settings); --out naming a file is a one-line error."""
+    good = synthetic["questions"].read_text()
+    synthetic["questions"].write_text(good[: len(good) // 2])
+    out = tmp_path / "new" / "out"
+    with pytest.raises(UserError, match="malformed or truncated"):
+        cb.main(synth_args(synthetic, out))
+    assert not (tmp_path / "new").exists()
+    synthetic["questions"].write_text(good)
+    (tmp_path / "lm").mkdir()  # a folder, but no LM in it
+    with pytest.raises(UserError, match=r"--lm .*lm: cannot load"):
+        cb.main(synth_args(synthetic, out, "--lm", str(tmp_path / "lm")))
+    assert not (tmp_path / "new").exists()
+    assert cb.main(synth_args(synthetic, out)) == 0  # the corrected retry
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert unicon_main(["build-data", "cococon", *synth_args(synthetic, a_file)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"unicon: error: --out {a_file} exists and is not a folder"]
+
+
+def test_all_empty_captions_fail_naming_the_file_and_the_rows_dropped(synthetic, tmp_path):
+    data = json.loads(synthetic["captions"].read_text())
+    for row in data["annotations"]:
+        row["caption"] = " "
+    synthetic["captions"].write_text(json.dumps(data))
+    n = len(data["annotations"])
+    with pytest.raises(UserError, match=rf"captions\.json: no non-empty caption .*\({n} caption rows dropped as empty\)"):
+        cb.main(synth_args(synthetic, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

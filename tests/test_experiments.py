@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,51 @@ def test_table2_cli_refuses_unknown_methods_and_bad_overrides(tmp_path):
         table2.cli(["--out", str(tmp_path), "--", "oops"])
     with pytest.raises(UserError, match="unknown method 'Q'"):
         table2.run_experiment(tmp_path, [0], ["Q"], [])
+
+
+def _claiming_train(args):
+    """``unicon train`` without the training: claims its run folder as a run does (``overwrite=true``
+    deletes the folder's files) and logs one CocoCon row."""
+    from unicon.training.run import claim_run_dir, compose_run, release_run_dir
+
+    cfg = compose_run(args, announce=False)
+    release_run_dir(claim_run_dir(cfg))
+    run_dir = Path(cfg.output_dir) / cfg.name
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "cococon/vqa/C_1": 50.0}) + "\n")
+    return {"run_dir": str(run_dir), "global_step": 1}
+
+
+def test_table2_runs_of_two_experiments_never_share_or_delete_a_run_folder(tmp_path):
+    """Two experiments whose --out share a basename get their own run folders; an existing run folder
+    the experiment did not create is refused and kept, its own interrupted run is retrained."""
+    from unicon.errors import UserError
+
+    overrides = [f"output_dir={tmp_path / 'runs'}"]
+    a, b = tmp_path / "a" / "exp", tmp_path / "b" / "exp"
+    table2.run_experiment(a, [0], ["K"], overrides, train_fn=_claiming_train)
+    table2.run_experiment(b, [0], ["K"], overrides, train_fn=_claiming_train)
+    run_a, run_b = (Path(json.loads((o / "runs" / "K-seed0.json").read_text())["run_dir"]) for o in (a, b))
+    assert run_a != run_b and (run_a / "metrics.jsonl").is_file() and (run_b / "metrics.jsonl").is_file()
+
+    c = tmp_path / "c" / "exp"
+    other = tmp_path / "runs" / f"{table2.run_prefix(c)}_K_seed0"  # another run that has c's run name
+    other.mkdir()
+    (other / "last.ckpt").write_text("weights")
+    with pytest.raises(UserError, match=f"run folder {re.escape(str(other))} exists and was not created by this"):
+        table2.run_experiment(c, [0], ["K"], overrides, train_fn=_claiming_train)
+    assert (other / "last.ckpt").read_text() == "weights"
+
+    (a / "runs" / "K-seed0.json").unlink()  # a's run was interrupted before its record: a retrains it
+    (run_a / "stale.txt").write_text("old")
+    table2.run_experiment(a, [0], ["K"], overrides, train_fn=_claiming_train)
+    assert not (run_a / "stale.txt").exists() and (run_b / "metrics.jsonl").is_file()
+
+
+def test_table2_out_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    from unicon.cli import main as unicon_main
+
+    out = tmp_path / "exp"
+    out.write_text("not a folder")
+    assert unicon_main(["experiment", "table2", "--seeds", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"unicon: error: --out {out} exists and is not a folder"]

@@ -170,6 +170,26 @@ def test_one_run_per_folder(world, trained, tmp_path):
     assert not (scratch / "r" / "stale.txt").exists() and (scratch / "r" / "last.ckpt").is_file()
 
 
+def test_a_failed_start_does_not_block_the_corrected_retry(world, tmp_path, capsys):
+    """A run that fails before its first checkpoint (a data.root without the training files) leaves
+    its run folder; the corrected command reuses it. A folder no run claimed is still refused."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("tokenizer.json", "world.json"):
+        (broken / name).write_bytes((world / name).read_bytes())
+    with pytest.raises(UserError, match="not found"):
+        train(compose(run_args(world, tmp_path, "name=r", "trainer.max_steps=1", f"data.root={broken}")))
+    assert (tmp_path / "r" / "config.yaml").is_file() and not list((tmp_path / "r").glob("*.ckpt"))
+    train(compose(run_args(world, tmp_path, "name=r", "trainer.max_steps=1")))
+    assert (tmp_path / "r" / "last.ckpt").is_file()
+    assert "stopped before its first checkpoint" in capsys.readouterr().out
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a run")
+    with pytest.raises(UserError, match="already holds a run"):
+        claim_run_dir(compose(run_args(world, tmp_path, "name=mine")))
+    assert (tmp_path / "mine" / "notes.txt").is_file()
+
+
 def test_only_rank_zero_touches_the_run_folder(world, tmp_path, monkeypatch):
     """Under DDP only global rank 0 creates the folder; another rank that gets there first must not
     write into it (a 2-rank SLURM job once failed with 'no such file: .../config.yaml' on rank 1)."""

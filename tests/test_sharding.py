@@ -134,3 +134,13 @@ def test_shards_are_the_distributed_sampler_partition():
         for rank in range(world):
             assert shard_indices(n, rank, world) == list(DistributedSampler(range(n), world, rank, shuffle=False))
         assert sorted({i for r in range(world) for i in shard_indices(n, r, world)}) == list(range(n))
+
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_a_bad_shard_spec_creates_no_output_folder(suite, world, ckpt, tmp_path):
+    cli, extra, _, _ = SUITES[suite]
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"--shard 2/2: need n >= 1 and 0 <= i < n"):
+        cli(["--ckpt", str(ckpt), "--device", "cpu", "--logger", "none", *extra(world), "--out", str(out),
+             "--shard", "2/2"])
+    assert not out.exists()

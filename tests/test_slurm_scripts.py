@@ -123,12 +123,23 @@ def _sbatch_shim(bin_dir: Path, log: Path) -> None:
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
 
 
+def _submit_dir(root: Path, *ckpts: str) -> Path:
+    """A folder to submit from: the checkpoints and the ``.venv/bin/activate`` the jobs source."""
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / ".venv" / "bin" / "activate").write_text("")
+    for ckpt in ckpts:
+        (root / ckpt).mkdir(parents=True)
+    return root
+
+
 def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp_path):
     log = tmp_path / "sbatch.log"
     _sbatch_shim(srun_shim, log)
+    submit_dir = _submit_dir(tmp_path / "submit", "a/export", "b/export")
     env = dict(os.environ, PATH=f"{srun_shim}:{os.environ['PATH']}", CKPTS="a/export b/export", SUITES="drift cococon",
                SHARDS="3", OUT=str(tmp_path / "out"), SBATCH_ARGS="--partition=p")
-    proc = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env=env, capture_output=True, text=True)
+    proc = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env=env, capture_output=True, text=True,
+                          cwd=submit_dir)
     assert proc.returncode == 0, proc.stderr
     shards, merge = log.read_text().splitlines()
     assert shards.split() == ["--parsable", "--partition=p", "--array=0-11", str(ARRAY_SCRIPT), "task"]
@@ -137,6 +148,30 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
     bad = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": "shapes"}, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "suite 'shapes' cannot be sharded" in bad.stderr
+
+
+def test_evaluate_array_submit_checks_its_inputs_before_sbatch(srun_shim, tmp_path):
+    log = tmp_path / "sbatch.log"
+    _sbatch_shim(srun_shim, log)
+    submit_dir = _submit_dir(tmp_path / "submit", "a/export")
+    (tmp_path / "out_file").write_text("x")
+    env = dict(os.environ, PATH=f"{srun_shim}:{os.environ['PATH']}", CKPTS="a/export b/export", SUITES="cococon",
+               SHARDS="2", OUT=str(tmp_path / "out"))
+
+    def submit(cwd: Path = submit_dir, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, **extra}, capture_output=True,
+                              text=True, cwd=cwd)
+
+    missing = submit()
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.strip() == \
+        f"evaluate_array: checkpoint 'b/export' (CKPTS) does not exist (the jobs start in {submit_dir})"
+    bad_out = submit(CKPTS="a/export", OUT=str(tmp_path / "out_file"))
+    assert bad_out.returncode == 2 and "OUT" in bad_out.stderr and "is not a folder" in bad_out.stderr
+    no_venv = submit(cwd=submit_dir / "a", CKPTS="export")
+    assert no_venv.returncode == 2 and "no .venv/bin/activate in" in no_venv.stderr
+    assert not log.exists()  # nothing was submitted
+    assert submit(CKPTS="a/export").returncode == 0 and len(log.read_text().splitlines()) == 2
 
 
 @pytest.mark.slow

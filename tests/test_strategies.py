@@ -121,3 +121,42 @@ def test_a_loss_scaler_gets_the_unfused_adamw():
     model = torch.nn.Linear(4, 4)
     assert build_optimizer("adamw", model, 1e-3, 0.01, (0.9, 0.999)).defaults["fused"]
     assert not build_optimizer("adamw", model, 1e-3, 0.01, (0.9, 0.999), scaled_gradients=True).defaults["fused"]
+
+
+# ---- the trainer presets, accelerator swapped to CPU --------------------------------------------------
+TINY = ["model.arch.d_model=32", "model.arch.encoder_layers=1", "model.arch.decoder_layers=1",
+        "model.arch.encoder_ffn_dim=64", "model.arch.decoder_ffn_dim=64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gpu", "slurm_multinode"])
+def test_trainer_preset_runs_consistency_training_on_cpu(preset, tiny_shapes_world, tmp_path):
+    """``unicon train trainer=<preset>`` as a user types it, with only the accelerator (and the device
+    count, to this machine's 2 processes) swapped: the preset's precision (bf16-mixed), gradient
+    clipping, fused AdamW and strategy (DDP; DeepSpeed ZeRO-2) run consistency steps."""
+    import json
+    import os
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    repo = Path(__file__).resolve().parents[1]
+    preset_cfg = OmegaConf.load(repo / "configs" / "trainer" / f"{preset}.yaml")
+    if str(preset_cfg.strategy).startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    args = [f"trainer={preset}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1",
+            f"data.root={tiny_shapes_world}", f"output_dir={tmp_path}", "name=run", "trainer.max_steps=3",
+            "trainer.max_epochs=-1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "eval=none",
+            "logger=csv", "loss.gamma=0.7", "data.batch_size=2", "data.contrast_batch_size=3", *TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "unicon.cli", "train", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{preset}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    stored = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert stored.trainer.precision == preset_cfg.precision == "bf16-mixed"
+    assert stored.trainer.strategy == preset_cfg.strategy and stored.trainer.gradient_clip_val == 1.0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert max(r.get("train/consistency_updates", 0) for r in rows) >= 1
+    assert (tmp_path / "run" / "export" / "unicon_model.json").is_file()

@@ -575,11 +575,12 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
     torch.testing.assert_close(reloaded.state_dict()["fc1.lora_B.default.weight"], lora_b)
 
 
-def test_deepspeed_without_cuda_fails_at_start(world, tmp_path):
+def test_gpu_accelerator_without_cuda_fails_at_start(world, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("machine has CUDA")
-    with pytest.raises(UserError, match="needs CUDA"):
-        train(run_cfg(world, tmp_path, "trainer.strategy=deepspeed_zero2"))
+    with pytest.raises(UserError, match="trainer.accelerator=gpu needs CUDA"):
+        train(run_cfg(world, tmp_path, "trainer.accelerator=gpu", "trainer.strategy=deepspeed_zero2"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_help_lists_groups_and_examples(capsys):
@@ -856,7 +857,7 @@ def test_task_weights_and_batching_are_validated_with_their_key():
         compose(["data.task_weights.captions=2"])
     with pytest.raises(ConfigError, match=r"data.task_weights.vqa=-1.0 must be a number >= 0"):
         compose(["data.task_weights.vqa=-1"])
-    with pytest.raises(ConfigError, match=r"data.batching='per_task' is not one of: mixed, by_task"):
+    with pytest.raises(ConfigError, match=r"data.batching='per_task' is not one of: auto, mixed, by_task"):
         compose(["data.batching=per_task"])
 
 

@@ -124,7 +124,8 @@ class DataConfig:
     tasks: list[str] = choice(list(MIXTURE_TASKS), MIXTURE_TASKS, each=True)
     # "by_task": every mixture batch holds one task (one encoder/decoder call per step instead of
     # one per task; training.datamodule.TaskGroupedSampler); "mixed": batches mix tasks
-    batching: str = choice("mixed", ("mixed", "by_task"))
+    # "auto": by_task under DeepSpeed (ZeRO needs every rank's step to use the same parameters), else mixed
+    batching: str = choice("auto", ("auto", "mixed", "by_task"))
     # rows of task t seen per epoch = round(weight_t * #rows_t) (default 1; e.g. {reason: 2.0})
     task_weights: dict[str, float] = field(default_factory=dict)
     # fraction of text-to-image rows (t2i) trained with an empty prompt, drawn per row and step: the
@@ -188,6 +189,10 @@ class LossConfig:
     # first, only the other one moves; losses/consistency.py)
     direction: str = choice("mutual", ("mutual", "toward_gold"))
     tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # evaluation tasks t_i
+    # a consistency step's evaluation task: drawn per contrast sample, or once per step for every
+    # sample on every rank (the paper's Algorithm 1; needed by DeepSpeed ZeRO); "auto": per_step
+    # under DeepSpeed, else per_sample (training.module)
+    task_draw: str = choice("auto", ("auto", "per_sample", "per_step"))
     on_nonfinite: str = choice("stop", ("stop", "skip"))
 
 
@@ -360,8 +365,27 @@ class _Composer:
             OmegaConf.resolve(self.cfg)
         except OmegaConfBaseException as e:
             raise ConfigError(f"cannot resolve interpolation: {str(e).splitlines()[0]}") from None
+        resolve_auto(self.cfg)
         validate(self.cfg, self.sources)
         return self.cfg
+
+
+def uses_deepspeed(cfg: DictConfig) -> bool:
+    return str(cfg.trainer.strategy).startswith("deepspeed")
+
+
+def resolve_auto(cfg: DictConfig) -> None:
+    """Replace the ``auto`` values that depend on the strategy: ``data.batching`` (by_task under
+    DeepSpeed, else mixed) and ``loss.task_draw`` (per_step under DeepSpeed, else per_sample).
+
+    DeepSpeed ZeRO-2/3 reduce (and ZeRO-3 gathers) parameters from hooks, in the order the backward
+    pass reaches them, so every rank's step must touch the same parameters in the same order: one
+    mixture task per step on all ranks, and one evaluation task per consistency step."""
+    zero = uses_deepspeed(cfg)
+    if cfg.data.batching == "auto":
+        cfg.data.batching = "by_task" if zero else "mixed"
+    if cfg.loss.task_draw == "auto":
+        cfg.loss.task_draw = "per_step" if zero else "per_sample"
 
 
 def _dotlist(dotlist: list[str]) -> DictConfig:
@@ -574,7 +598,13 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         fail("optim.betas", betas, "must be two numbers in [0, 1)")
-    if cfg.optim.name != "adamw" and str(cfg.trainer.strategy).startswith("deepspeed"):
+    if uses_deepspeed(cfg) and cfg.data.batching != "by_task":
+        fail("data.batching", cfg.data.batching, f"mixes tasks across ranks, and DeepSpeed ({cfg.trainer.strategy}) "
+             "needs every rank's step to use the same parameters; use data.batching=by_task (or auto)")
+    if uses_deepspeed(cfg) and cfg.loss.task_draw != "per_step":
+        fail("loss.task_draw", cfg.loss.task_draw, f"draws tasks per sample, and DeepSpeed ({cfg.trainer.strategy}) "
+             "needs every rank's step to use the same parameters; use loss.task_draw=per_step (or auto)")
+    if cfg.optim.name != "adamw" and uses_deepspeed(cfg):
         fail("optim.name", cfg.optim.name, f"DeepSpeed ({cfg.trainer.strategy}) partitions an AdamW optimizer "
              "only; use optim.name=adamw, or trainer.strategy=ddp")
     if cfg.optim.name == "muon" and str(cfg.trainer.strategy) == "fsdp":

@@ -175,8 +175,8 @@ def image_generation_config(model, args: argparse.Namespace):
 
 
 def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), minimum: dict | None = None) -> Path:
-    """Validate the shared arguments and the count flags ``counts`` (>= 1, or ``minimum[name]``);
-    create ``--out``. Returns the output directory."""
+    """Validate the shared arguments, ``--shard`` and the count flags ``counts`` (>= 1, or
+    ``minimum[name]``); then create ``--out``. Returns the output directory."""
     minimum = minimum or {}
     for name in counts:
         value = getattr(args, name)
@@ -187,6 +187,10 @@ def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), mini
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine (torch.cuda.is_available() "
                         "is False); use --device cpu")
+    if getattr(args, "shard", None):  # a bad --shard i/n fails before --out is created
+        from unicon.evaluation.distributed import Shard
+
+        Shard.parse(args.shard)
     return prepare_out(args.out)
 
 

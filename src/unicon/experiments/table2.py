@@ -13,8 +13,15 @@ shared by the methods), then its last epoch-end CocoCon evaluation is read from 
 
 Extra ``key=value`` overrides after ``--`` go to every run (e.g. ``init_from=...``,
 ``trainer.limit_train_batches=50``). Each finished run is recorded in ``<out>/runs/<method>-seed<s>.json``
-and skipped when the command is run again with the same arguments, so an interrupted experiment
-resumes; a record made with other arguments is refused (naming the file), never mixed in.
+and skipped when the command is run again with the same arguments (its run name aside), so an
+interrupted experiment resumes; a record made with other arguments is refused (naming the file),
+never mixed in.
+
+The runs are named ``<out>-<hash>_<method>_seed<s>`` (:func:`run_prefix`: the basename of ``--out``
+and a hash of its resolved path), so two experiments never share a run folder. They train with
+``overwrite=true`` (an interrupted run starts again), but only into a folder the experiment created:
+before its first training, ``<out>/runs/<method>-seed<s>.claim`` records the run folder, and a run
+folder that exists without that claim (another run's) is refused, never deleted.
 
 Reported per method (mean ± sample std over seeds): C_1...C_5, ρ and acc@1 per task (VQA,
 localization, T2I), their mean C_1, the caption ranking accuracy (caption acc@1: the gold caption
@@ -31,6 +38,7 @@ Writes ``<out>/table2.json`` (every run and the summary), ``<out>/table2.md`` an
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -198,31 +206,64 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_prefix(out: Path) -> str:
+    """The start of the experiment's run names: the basename of ``out`` and a hash of its resolved
+    path (``a/exp`` and ``b/exp`` give different names)."""
+    resolved = Path(out).resolve()
+    return f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:8]}"
+
+
+def _training_args(args: Sequence[str]) -> list[str]:
+    """A run's arguments without its ``name=``, which does not change what it trains."""
+    return [a for a in args if not a.startswith("name=")]
+
+
+def claim_run_folder(run_dir: Path, claim: Path) -> None:
+    """Make ``run_dir`` this experiment's before it trains there with ``overwrite=true``: a folder
+    that does not exist yet is claimed (``claim`` records its resolved path), one that ``claim``
+    already names is the experiment's own (an interrupted run); any other existing folder is refused."""
+    target = str(Path(run_dir).resolve())
+    mine = claim.is_file() and claim.read_text().strip() == target
+    if run_dir.exists() and not mine:
+        raise UserError(f"run folder {run_dir} exists and was not created by this experiment (no {claim}); "
+                        "table2 does not overwrite it: move it away or give another --out")
+    claim.write_text(target + "\n")
+
+
 def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], overrides: Sequence[str],
                    train_fn=None) -> dict[str, Any]:
     """Train (or reuse) every (method, seed) run, then write table2.json / .md / .png under ``out``."""
-    from unicon.training.run import train_from_overrides
+    from unicon.training.run import compose_run, train_from_overrides
 
     train_fn = train_fn or train_from_overrides
+    out = Path(out)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     if not seeds:
         raise UserError("give at least one seed (--seeds 0 1 2)")
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the folder ({e.strerror})") from None
+    prefix = run_prefix(out)
     runs: dict[str, dict[int, dict[str, float]]] = {m: {} for m in methods}
     records = []
     for seed in seeds:
         for method in methods:
             record_file = out / "runs" / f"{method}-seed{seed}.json"
-            name = f"{out.name}_{method}_seed{seed}"
+            name = f"{prefix}_{method}_seed{seed}"
             args = [*METHODS[method], f"seed={seed}", f"name={name}", "overwrite=true", *overrides]
             if record_file.is_file():
                 record = read_json(record_file, what="table2 run record")
-                if record.get("args") != args:
+                if _training_args(record.get("args", [])) != _training_args(args):
                     raise UserError(f"{record_file} was trained with other arguments ({' '.join(record.get('args', []))}); "
                                     f"delete it to retrain, or give another --out")
             else:
+                cfg = compose_run(args, announce=False)
+                claim_run_folder(Path(cfg.output_dir) / cfg.name, out / "runs" / f"{method}-seed{seed}.claim")
                 print(f"[table2] {method} seed {seed}: unicon train {' '.join(args)}", flush=True)
                 result = train_fn(args)
                 flat = run_metrics(Path(result["run_dir"]) / "metrics.jsonl")

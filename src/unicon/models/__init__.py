@@ -31,6 +31,7 @@ ShapesWorld world's ``tokenizer.json`` under ``world_root`` and the image codes 
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -209,7 +210,9 @@ def _unreadable(path: Path, e: BaseException) -> UserError:
 
 def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pickle: bool = False,
                              mmap: bool = False) -> dict:
-    """The dict of a Lightning ``.ckpt`` written by ``unicon train``, loaded with ``weights_only=True``.
+    """The dict of a Lightning ``.ckpt`` written by ``unicon train``, loaded with ``weights_only=True``;
+    for a DeepSpeed checkpoint folder, :func:`resumable_deepspeed_state` (the dict without the
+    weights, which DeepSpeed's engine loads itself).
 
     Such a checkpoint holds only tensors and plain containers, so it never needs unpickling of
     arbitrary objects. A file that does (which can run code while it loads) is refused unless
@@ -221,6 +224,8 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
     p = Path(p)
     if not p.exists():
         raise UserError(f"checkpoint {p} does not exist")
+    if is_deepspeed_checkpoint(p):
+        return resumable_deepspeed_state(p, allow_pickle)
     if p.is_dir():
         raise UserError(f"{p} is a directory (a save_pretrained export?); expected a Lightning .ckpt file "
                         "written by unicon train, e.g. <run_dir>/last.ckpt")
@@ -250,6 +255,9 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
 # ``global_step``, ...), and ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank (the fp32
 # master weights' partitions and the optimizer state).
 DEEPSPEED_TAG_FILE = "latest"
+#: written by ``unicon train`` (training.zero.ZeroStrategy) into a DeepSpeed checkpoint folder once
+#: every rank finished writing it, and removed before the next save into the same folder begins
+DEEPSPEED_COMPLETE_FILE = "complete.json"
 
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
@@ -322,6 +330,35 @@ def deepspeed_client_state(path: str | Path, allow_pickle: bool = False) -> dict
         state = torch.load(first, map_location="cpu", weights_only=False)
     if not isinstance(state, dict) or "unicon_config" not in state:
         raise UserError(f"{p}: not a unicon training checkpoint ({first.name} has no 'unicon_config')")
+    return state
+
+
+def deepspeed_checkpoint_step(path: str | Path) -> int | None:
+    """The global step recorded in a DeepSpeed checkpoint folder's ``complete.json``, or None when
+    the folder has none (a save cut short, or a folder not written by ``unicon train``)."""
+    marker = Path(path) / DEEPSPEED_COMPLETE_FILE
+    try:
+        return int(json.loads(marker.read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resumable_deepspeed_state(path: str | Path, allow_pickle: bool = False) -> dict:
+    """The client state (:func:`deepspeed_client_state`) of a DeepSpeed checkpoint folder that a run
+    can resume from: complete (:func:`deepspeed_checkpoint_step` agrees with the stored step) and
+    holding nothing but tensors, containers and DeepSpeed's data classes in any of its files
+    (checked before anything unpickles; ``allow_pickle`` lets other objects through)."""
+    p = Path(path)
+    step = deepspeed_checkpoint_step(p)
+    if step is None:
+        raise UserError(f"{p}: an incomplete DeepSpeed checkpoint (no {DEEPSPEED_COMPLETE_FILE}: its save was cut "
+                        "short, or it was not written by unicon train); resume from another checkpoint of the run")
+    for f in sorted(_deepspeed_tag_dir(p).glob("*.pt")):
+        _load_deepspeed_file(f, allow_pickle)
+    state = deepspeed_client_state(p, allow_pickle)
+    if int(state.get("global_step", -1)) != step:
+        raise UserError(f"{p}: {DEEPSPEED_COMPLETE_FILE} says step {step}, its files step {state.get('global_step')}: "
+                        "an incomplete DeepSpeed checkpoint")
     return state
 
 

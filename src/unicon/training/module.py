@@ -30,9 +30,20 @@ Bad input: contrast samples with no contrast candidate are skipped and counted
 NaN/inf loss raises :class:`NonFiniteLossError` naming the step and the example ids, or with
 ``loss.on_nonfinite=skip`` skips the step on every rank and counts it.
 
-Differences from the paper: the task is drawn per sample rather than per step (a step then
-mixes tasks in one batch; the draw is a deterministic function of ``(seed, step, sample)``
-so that DDP and a single process agree); ``L_const`` is normalised (see the loss module).
+The evaluation task is drawn per sample (``loss.task_draw=per_sample``, the default outside
+DeepSpeed: a step then mixes tasks in one batch; the draw is a deterministic function of
+``(seed, step, sample)`` so that DDP and a single process agree) or once per step
+(``per_step``, the paper's Algorithm 1 and the default under DeepSpeed): a function of
+``(seed, step)`` among the tasks that at least one contrast sample supports on *every* rank (one
+all-gather of per-task counts), the samples that do not support it sitting the step out. Under
+DeepSpeed ZeRO every rank must then touch the same parameters in the same order (ZeRO reduces
+gradients from hooks as the backward pass reaches them): with ``per_step`` and
+``data.batching=by_task`` they do. Whether a drawn consistency step happens is also decided
+together: when a rank has no usable contrast sample, every rank takes the standard update (so the
+ranks always run the same collectives).
+
+Differences from the paper: the per-sample draw (above) outside DeepSpeed; ``L_const`` is
+normalised (see the loss module).
 """
 
 from __future__ import annotations
@@ -150,17 +161,25 @@ class ConsistencyModule(L.LightningModule):
         p = self.cfg.data.t2i_prompt_dropout
         return "" if p > 0 and self._task_rng(f"t2i-dropout:{row_id}").random() < p else prompt
 
-    def consistency_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """``λ·L_const + L_ce`` of a contrast batch (keys ``loss``, ``loss_ce``, ``loss_const``)."""
+    def consistency_loss(self, batch: dict[str, Any], step_task: str | None = None) -> dict[str, torch.Tensor]:
+        """``λ·L_const + L_ce`` of a contrast batch (keys ``loss``, ``loss_ce``, ``loss_const``).
+        ``step_task``: every sample is trained on that task (``loss.task_draw=per_step``); the
+        samples that do not support it are left out of this step."""
         loss_cfg = self.cfg.loss
         only_gold = loss_cfg.type == "none"
+        if step_task is not None:
+            keep = [b for b, (s, c) in enumerate(zip(batch["samples"], batch["contrasts"]))
+                    if step_task in supported_tasks(s, c, [step_task])]
+            if not keep:
+                raise ValueError(f"no contrast sample of this batch supports the step's task {step_task!r}")
+            batch = {key: [batch[key][b] for b in keep] for key in ("samples", "contrasts", "images")}
         n = len(batch["samples"])
         tasks, anchors, cands = [], [], []
         for sample, contrasts in zip(batch["samples"], batch["contrasts"]):
             options = supported_tasks(sample, contrasts, loss_cfg.tasks)
             if not options:
                 raise ValueError(f"contrast sample {sample.id} supports none of loss.tasks {list(loss_cfg.tasks)}")
-            task = self._task_rng(sample.index).choice(options)
+            task = step_task or self._task_rng(sample.index).choice(options)
             a, c = task_candidates(sample, contrasts, task)
             if only_gold:
                 a, c = a[:1], c[:1]
@@ -252,13 +271,37 @@ class ConsistencyModule(L.LightningModule):
         return scores
 
     # ---- Lightning hooks ------------------------------------------------------------------
+    def consistency_plan(self, contrast: dict[str, Any] | None) -> tuple[bool, str | None]:
+        """``(consistency update?, step task)`` of a step whose γ draw chose a consistency update,
+        the same on every rank: an update needs a usable contrast sample on every rank, and with
+        ``loss.task_draw=per_step`` its task is drawn from ``(seed, step)`` among ``loss.tasks``
+        that some sample supports on every rank (None with ``per_sample``). One all-gather of
+        ``[#samples, #samples supporting each task]`` under a multi-process strategy."""
+        tasks = list(self.cfg.loss.tasks)
+        samples = list(zip(contrast["samples"], contrast["contrasts"])) if contrast is not None else []
+        supported = [supported_tasks(s, c, tasks) for s, c in samples]
+        counts = torch.tensor([len(samples)] + [sum(t in opts for opts in supported) for t in tasks],
+                              device=self.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            counts = self.trainer.strategy.all_gather(counts).reshape(-1, len(tasks) + 1).amin(0)
+        if counts[0] == 0:
+            return False, None
+        if self.cfg.loss.task_draw != "per_step":
+            return True, None
+        options = [t for t, c in zip(tasks, counts[1:].tolist()) if c > 0]
+        if not options:
+            return False, None
+        return True, self._task_rng("step-task").choice(options)
+
     def training_step(self, batch: dict[str, Any], batch_idx: int):
         contrast = batch.get("contrast")
         consistency = self.draw_update()
         if consistency and contrast is not None:
             self.counts["skipped_no_contrast"] += int(contrast["num_skipped"])
-        if consistency and contrast is not None and contrast["samples"]:
-            out, kind, ids = self.consistency_loss(contrast), "consistency", contrast["ids"]
+        if consistency:
+            consistency, step_task = self.consistency_plan(contrast)
+        if consistency:
+            out, kind, ids = self.consistency_loss(contrast, step_task), "consistency", contrast["ids"]
             self.counts["consistency_updates"] += 1
         else:
             out, kind, ids = self.standard_loss(batch["mixture"]), "standard", batch["mixture"]["ids"]
@@ -306,7 +349,7 @@ class ConsistencyModule(L.LightningModule):
             # DeepSpeed refuses other optimizers with offload (zero_force_ds_cpu_optimizer)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(decay_groups(self.model, ocfg.weight_decay), lr=ocfg.lr,
+            optimizer = DeepSpeedCPUAdam(decay_groups(self.model, ocfg.weight_decay, nonempty=True), lr=ocfg.lr,
                                          betas=tuple(ocfg.betas), adamw_mode=True)
         else:
             from lightning.pytorch.strategies import DDPStrategy

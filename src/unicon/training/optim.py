@@ -216,16 +216,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
 
-def decay_groups(model: nn.Module, weight_decay: float, exclude: set[int] = frozenset()) -> list[dict]:
+def decay_groups(model: nn.Module, weight_decay: float, exclude: set[int] = frozenset(),
+                 nonempty: bool = False) -> list[dict]:
     """Param groups ``decay`` (trainable matrices, ``weight_decay``) and ``no_decay`` (vectors: norms,
     biases, head scales) of ``model``, without the parameters whose ``id`` is in ``exclude``. Raises
-    when ``model`` has no trainable parameter at all (every optimizer path builds its groups here)."""
+    when ``model`` has no trainable parameter at all (every optimizer path builds its groups here).
+    ``nonempty``: leave out a group without parameters (LoRA trains matrices only; DeepSpeed drops
+    empty groups, which would leave the LR scheduler with more groups than the optimizer)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters (check model.freeze / model.lora)")
     params = [p for p in trainable if id(p) not in exclude]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "name": "decay"},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"}]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "name": "decay"},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]] if nonempty else groups
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
@@ -243,7 +247,7 @@ def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
     if name == "adamw":
         # torch's fused AdamW kernel (CPU and CUDA): one pass over all tensors instead of one op per
         # tensor per moment, ~5x cheaper on the tiny models, where the step is ~3% of an update
-        return torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
+        return torch.optim.AdamW(decay_groups(model, weight_decay, nonempty=True), lr=lr, betas=betas, fused=fused)
     if name == "muon":
         on_muon = muon_parameters(model)
         rest = decay_groups(model, weight_decay, on_muon)

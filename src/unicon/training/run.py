@@ -168,19 +168,22 @@ def slurm_restart_count() -> int:
 def requeue_checkpoint(overrides: list[str]) -> Path | None:
     """The checkpoint a requeued run continues from: of ``<run_dir>/hpc_ckpt_*.ckpt`` (written at
     SIGUSR1), ``<run_dir>/last.ckpt`` (periodic; the only one after a requeue without warning, e.g.
-    a node failure) and an explicit ``resume=`` of the command line, the one with the highest
-    ``global_step``. None when there is none (the job was requeued before its first checkpoint).
-    Unreadable candidates (a save cut by a kill) are skipped with a message."""
-    from unicon.models import read_training_checkpoint
+    a node failure), the run folder's other ``*.ckpt`` (ModelCheckpoint's) and an explicit
+    ``resume=`` of the command line, the one with the highest ``global_step``. Files and DeepSpeed
+    checkpoint folders alike. None when there is none (the job was requeued before its first
+    checkpoint). Unreadable candidates (a save cut by a kill; a DeepSpeed folder without its
+    ``complete.json``) are skipped with a message."""
+    from unicon.models import is_deepspeed_checkpoint, read_training_checkpoint
 
     cfg = _compose(overrides, announce=False)  # with resume=: the run folder of the stored config
     run_dir = _run_dir(cfg)
-    candidates = sorted(run_dir.glob(f"{HPC_PREFIX}*.ckpt")) + [run_dir / "last.ckpt"]
+    others = sorted(p for p in run_dir.glob("*.ckpt") if p.name != "last.ckpt" and not p.name.startswith(HPC_PREFIX))
+    candidates = sorted(run_dir.glob(f"{HPC_PREFIX}*.ckpt")) + [run_dir / "last.ckpt"] + others
     if cfg.resume:
         candidates.append(Path(cfg.resume))
     best, best_step = None, -1
     for path in candidates:
-        if not path.is_file():
+        if not (path.is_file() or is_deepspeed_checkpoint(path)):
             continue
         try:
             step = int(read_training_checkpoint(path, allow_pickle=bool(cfg.model.allow_pickle), mmap=True)
@@ -334,14 +337,38 @@ def keeps_running_statistics(model: torch.nn.Module) -> bool:
 
 
 def check_strategy(name: str, micro_batch_size: int = 1) -> dict | None:
-    """Refuse, before any work, a ``trainer.strategy`` this machine cannot run: DeepSpeed needs CUDA
-    and a valid ``configs/strategy/<name>.json``. Returns that DeepSpeed config (None otherwise)."""
+    """Refuse, before any work, a ``trainer.strategy`` this machine cannot run: DeepSpeed needs the
+    ``deepspeed`` package, a valid ``configs/strategy/<name>.json`` and, to offload the optimizer,
+    its CPU Adam op. Returns that DeepSpeed config (None otherwise). (DeepSpeed runs on GPUs and,
+    with ``trainer.accelerator=cpu``, on CPU: :mod:`unicon.training.zero`.)"""
     if not name.startswith("deepspeed"):
         return None
-    if not torch.cuda.is_available():
-        raise UserError(f"trainer.strategy={name} needs CUDA GPUs, but torch.cuda.is_available() is False "
-                        "on this machine; use trainer.strategy=ddp or auto")
-    return deepspeed_config(name, micro_batch_size)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"trainer.strategy={name} needs deepspeed ({e}); "
+                        "pip install -c constraints.txt -e '.[deepspeed]'") from None
+    config = deepspeed_config(name, micro_batch_size)
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if offload.get("device", "none") in ("cpu", "nvme") and (why := cpu_adam_unavailable()):
+        raise UserError(f"trainer.strategy={name} offloads the optimizer to DeepSpeed's CPU Adam, but {why}")
+    return config
+
+
+def cpu_adam_unavailable() -> str | None:
+    """None when DeepSpeed's CPU Adam op loads without compiling (built at install with
+    ``DS_BUILD_CPU_ADAM=1``, or by ``make setup`` into torch's extension cache); otherwise why not."""
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = CPUAdamBuilder()
+    if not builder.is_compatible(verbose=False):
+        return "DeepSpeed's CPUAdamBuilder is not compatible with this machine"
+    if installed_ops.get("cpu_adam") or any(Path(_get_build_directory(builder.name, False)).glob("*.so")):
+        return None
+    return ("its C++ op is not built; build it once with `python scripts/build_deepspeed_ops.py` "
+            "(make setup does), or install deepspeed with DS_BUILD_CPU_ADAM=1")
 
 
 def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool = True):
@@ -354,9 +381,9 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
     CPU recipe (0.39 s against 0.33-0.34 s, issue 16)."""
     config = check_strategy(name, micro_batch_size)
     if config is not None:
-        from lightning.pytorch.strategies import DeepSpeedStrategy
+        from unicon.training.zero import ZeroStrategy
 
-        return DeepSpeedStrategy(config=config)
+        return ZeroStrategy(config=config)
     if name in ("ddp", "ddp_spawn"):
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -374,13 +401,17 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
 def build_training_model(cfg: DictConfig):
     """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
     gradient checkpointing and LoRA applied."""
-    from unicon.models import (apply_model_options, build_model, check_same_architecture, load_lightning_checkpoint,
-                               load_model, recorded_model_section)
+    from unicon.models import (apply_model_options, build_model, check_same_architecture, is_deepspeed_checkpoint,
+                               load_lightning_checkpoint, load_model, recorded_model_section)
     from unicon.models.lora import apply_lora
     from unicon.training.checkpoints import has_lora
 
     allow_pickle = bool(cfg.model.allow_pickle)
-    if cfg.resume:  # the network the checkpoint holds (its weights are restored by Lightning afterwards)
+    if cfg.resume and is_deepspeed_checkpoint(cfg.resume):
+        # the network of the stored config (cfg is it): DeepSpeed's engine loads the weights of every
+        # rank's partition itself, so none is gathered here
+        model = build_model(cfg.model, cfg.data.root)
+    elif cfg.resume:  # the network the checkpoint holds (its weights are restored by Lightning afterwards)
         model, stored = load_lightning_checkpoint(cfg.resume, allow_pickle=allow_pickle)
         check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), cfg.resume)
         model = apply_model_options(model, cfg.model).train()
@@ -452,13 +483,21 @@ def _run_dir(cfg: DictConfig) -> Path:
 LOCK_NAME = ".lock"
 
 
+def _holds_no_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds no checkpoint (no ``*.ckpt`` file or DeepSpeed checkpoint folder, at
+    any depth) and no ``export/``: in a run folder, what a run leaves that failed before its first
+    checkpoint, with nothing to resume or keep."""
+    return not (run_dir / "export").exists() and next(run_dir.rglob("*.ckpt"), None) is None
+
+
 def claim_run_dir(cfg: DictConfig):
     """Create and lock the run folder; returns the open lock file (held until the process ends or
     :func:`release_run_dir`). Under DDP only global rank 0 claims it.
 
     A folder that already holds files is refused unless the run resumes a checkpoint inside it
     (a requeued SLURM job does: :func:`compose_run`) or ``overwrite=true`` (which deletes the old
-    run's files first).
+    run's files first). A run folder (one with a lock file) that holds nothing to resume or keep
+    (:func:`_holds_no_checkpoint`: a run that stopped before its first checkpoint) is cleared and reused.
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -467,6 +506,7 @@ def claim_run_dir(cfg: DictConfig):
         raise UserError(f"run folder {run_dir} (output_dir/name) exists and is not a directory")
     if rank_zero_only.rank != 0:
         return None
+    was_run = (run_dir / LOCK_NAME).is_file()  # claimed by an earlier run, not just any folder
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = open(run_dir / LOCK_NAME, "a+")
@@ -482,7 +522,9 @@ def claim_run_dir(cfg: DictConfig):
     entries = sorted(p for p in run_dir.iterdir() if p.name != LOCK_NAME)
     resuming = bool(cfg.resume) and Path(cfg.resume).resolve().parent == run_dir.resolve()
     if entries and not resuming:
-        if not cfg.overwrite:
+        if was_run and _holds_no_checkpoint(run_dir):
+            print(f"{run_dir}: clearing the files of a run that stopped before its first checkpoint")
+        elif not cfg.overwrite:
             lock.close()
             raise UserError(f"{run_dir} already holds a run ({len(entries)} entries, e.g. {entries[0].name}); resume it "
                             f"with resume={run_dir / 'last.ckpt'}, choose another name=, or pass overwrite=true "

@@ -521,7 +521,9 @@ class OFAEncoder(_RelPosTables):
         pos_embed = self.pos_ln(text_pos)
         num_patches, patch_ids = 0, None
         if patch_images is not None:
-            feats = self.embed_images(patch_images)  # [B, C, h, w]
+            # in the weights' dtype: under DeepSpeed's bf16 (or bf16-true) the parameters are bf16,
+            # while the pixels arrive as float32 (autocast, bf16-mixed, casts them itself)
+            feats = self.embed_images(patch_images.to(self.embed_tokens.weight.dtype))  # [B, C, h, w]
             h, w = feats.shape[-2:]
             if max(h, w) > self.image_bucket_size:
                 n = self.image_bucket_size
