@@ -133,7 +133,8 @@ TINY = ["model.arch.d_model=32", "model.arch.encoder_layers=1", "model.arch.deco
 def test_trainer_preset_runs_consistency_training_on_cpu(preset, tiny_shapes_world, tmp_path):
     """``unicon train trainer=<preset>`` as a user types it, with only the accelerator (and the device
     count, to this machine's 2 processes) swapped: the preset's precision (bf16-mixed), gradient
-    clipping, fused AdamW and strategy (DDP; DeepSpeed ZeRO-2) run consistency steps."""
+    clipping, fused AdamW and strategy (DDP; DeepSpeed ZeRO-2) run consistency steps, and under
+    DeepSpeed the epoch-end evaluations."""
     import json
     import os
     import subprocess
@@ -144,9 +145,14 @@ def test_trainer_preset_runs_consistency_training_on_cpu(preset, tiny_shapes_wor
     preset_cfg = OmegaConf.load(repo / "configs" / "trainer" / f"{preset}.yaml")
     if str(preset_cfg.strategy).startswith("deepspeed"):
         pytest.importorskip("deepspeed")
+    zero = str(preset_cfg.strategy).startswith("deepspeed")
+    # DeepSpeed: also the epoch-end evaluations (3 steps = one epoch of the 12-row world at 2 x 2 rows)
+    evaluation = ["eval=shapes", "eval.fail_on_error=true", "eval.drift.embedders=[scene]", "eval.drift.generations=1",
+                  "eval.drift.num_chains=2", "eval.cococon.max_samples=2", "eval.ureason.max_samples=2"] \
+        if zero else ["eval=none"]
     args = [f"trainer={preset}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1",
             f"data.root={tiny_shapes_world}", f"output_dir={tmp_path}", "name=run", "trainer.max_steps=3",
-            "trainer.max_epochs=-1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "eval=none",
+            "trainer.max_epochs=1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", *evaluation,
             "logger=csv", "loss.gamma=0.7", "data.batch_size=2", "data.contrast_batch_size=3", *TINY]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "unicon.cli", "train", *args], cwd=repo, env=env,
@@ -160,3 +166,50 @@ def test_trainer_preset_runs_consistency_training_on_cpu(preset, tiny_shapes_wor
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert max(r.get("train/consistency_updates", 0) for r in rows) >= 1
     assert (tmp_path / "run" / "export" / "unicon_model.json").is_file()
+    if zero:
+        evaluated = {k: v for r in rows for k, v in r.items() if k.endswith("/failed")}
+        assert evaluated == {"cococon/failed": 0.0, "drift/failed": 0.0, "ureason/failed": 0.0}
+
+
+# ---- epoch-end evaluation under ZeRO-3 ---------------------------------------------------------------
+#: the suites' files compared byte for byte (as in test_eval_ddp)
+EVAL_FILES = {"cococon": ["results.json", "per_sample.jsonl"], "drift": ["drift.json"],
+              "ureason": ["ureason.json", "samples.jsonl", "table.md"]}
+
+
+@pytest.mark.slow
+def test_epoch_end_evaluation_under_zero3_equals_ddp(tiny_shapes_world, tmp_path):
+    """Every suite at the epoch end of a 2-rank run, ZeRO-3 (parameters partitioned, gathered for the
+    evaluation by ``ZeroStrategy.gathered_parameters``) against DDP: the same files, byte for byte,
+    and the same metrics. The learning rate (1e-12) leaves every weight of magnitude > 1e-4 where
+    it was (an AdamW step moves a weight by about lr, below half its float32 spacing), so both
+    strategies evaluate the same network."""
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("deepspeed")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    runs = {}
+    for strategy in ("ddp", "deepspeed_zero3"):
+        args = ["trainer=cpu", "trainer.devices=2", f"trainer.strategy={strategy}", f"data.root={tiny_shapes_world}",
+                f"output_dir={tmp_path}", f"name={strategy}", "trainer.max_epochs=1", "trainer.limit_train_batches=1",
+                "trainer.enable_progress_bar=false", "logger=csv", "loss.gamma=1", "optim.lr=1e-12",
+                "data.batch_size=2", "data.contrast_batch_size=2", "data.batching=by_task", "loss.task_draw=per_step",
+                "eval=shapes", "eval.fail_on_error=true", "eval.drift.embedders=[scene]", "eval.drift.generations=2",
+                "eval.drift.num_chains=3", "eval.drift.batch_size=2", "eval.cococon.max_samples=3",
+                "eval.cococon.batch_size=2", "eval.ureason.max_samples=3", "eval.ureason.batch_size=2", *TINY]
+        proc = subprocess.run([sys.executable, "-m", "unicon.cli", "train", *args], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{strategy}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        rows = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
+        runs[strategy] = {k: v for r in rows for k, v in r.items()
+                          if k.split("/")[0] in EVAL_FILES and not k.endswith("/seconds")}
+    assert runs["ddp"] and runs["ddp"] == runs["deepspeed_zero3"]
+    assert all(runs["ddp"][f"{suite}/failed"] == 0.0 for suite in EVAL_FILES)
+    for suite, names in EVAL_FILES.items():
+        for name in names:
+            ddp = tmp_path / "ddp" / "eval" / suite / "epoch-1" / name
+            zero3 = tmp_path / "deepspeed_zero3" / "eval" / suite / "epoch-1" / name
+            assert ddp.read_bytes() == zero3.read_bytes(), (suite, name)

@@ -136,6 +136,16 @@ def log_table(
                 f.write(json.dumps(rec, default=str) + "\n")
 
 
+def gathered_parameters(trainer: Trainer, model: torch.nn.Module):
+    """The context an epoch-end evaluation runs in: the strategy's ``gathered_parameters(model)``
+    where it has one (DeepSpeed ZeRO-3, whose partitioned parameters are gathered on every rank
+    for the evaluation: :class:`unicon.training.zero.ZeroStrategy`), else nothing."""
+    import contextlib
+
+    gather = getattr(getattr(trainer, "strategy", None), "gathered_parameters", None)
+    return gather(model) if callable(gather) else contextlib.nullcontext()
+
+
 class EvalCallback(Callback):
     """Runs a suite's ``evaluate`` at the end of every ``every_n_epochs``-th training epoch."""
 
@@ -171,7 +181,7 @@ class EvalCallback(Callback):
         model.eval()
         start = time.perf_counter()
         try:
-            with torch.no_grad(), preemption.watch_signals():
+            with torch.no_grad(), preemption.watch_signals(), gathered_parameters(trainer, model):
                 metrics = dict(self.evaluate(trainer, model))
             metrics[f"{self.name}/failed"] = 0.0
         except preemption.Preempted as e:
