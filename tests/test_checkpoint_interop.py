@@ -236,6 +236,18 @@ def test_only_complete_deepspeed_folders_are_resumed(deepspeed_runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_resuming_a_deepspeed_folder_with_another_model_is_refused_before_loading(deepspeed_runs):
+    import unicon.training.run as run
+    from unicon.errors import UserError
+
+    folder = deepspeed_runs["zero2"]["ckpt_path"]
+    cfg = run.compose_run([f"resume={folder}", "model.arch.d_model=64"], announce=False)
+    with pytest.raises(UserError, match=rf"{folder}.*d_model"):
+        run.build_training_model(cfg)
+    assert run.build_training_model(run.compose_run([f"resume={folder}"], announce=False)) is not None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_run_converts_through_load_model_and_export(deepspeed_runs, stage):
     from unicon.models import deepspeed_client_state, load_model, recorded_model_section

@@ -113,6 +113,26 @@ def test_nonfinite_guard_under_bf16_mixed(tmp_path, monkeypatch):
         train(run_cfg(world, tmp_path, "trainer.max_steps=1", "trainer.precision=bf16-mixed"))
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.accelerator=cpu", "trainer.precision=16-mixed"], "trainer.precision='16-mixed'"),
+    (["trainer.strategy=deepspeed_zero2", "data.batching=mixed"], "data.batching='mixed'"),
+    (["trainer.strategy=deepspeed_zero3", "loss.task_draw=per_sample"], "loss.task_draw='per_sample'"),
+])
+def test_pairs_that_cannot_work_fail_at_compose_naming_the_key(overrides, key):
+    from unicon.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"command line: {key} ") as err:
+        compose(overrides)
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_auto_batching_and_task_draw_follow_the_strategy():
+    zero = compose(["trainer.strategy=deepspeed_zero2"])
+    assert (zero.data.batching, zero.loss.task_draw) == ("by_task", "per_step")
+    ddp = compose(["trainer.strategy=ddp"])
+    assert (ddp.data.batching, ddp.loss.task_draw) == ("mixed", "per_sample")
+
+
 def test_a_loss_scaler_gets_the_unfused_adamw():
     """Under ``16-mixed`` (a GradScaler; CUDA only: Lightning runs ``16-mixed`` as bf16 on CPU) the
     scaler must unscale before clipping, which the fused kernel does not allow."""
@@ -213,3 +233,38 @@ def test_epoch_end_evaluation_under_zero3_equals_ddp(tiny_shapes_world, tmp_path
             ddp = tmp_path / "ddp" / "eval" / suite / "epoch-1" / name
             zero3 = tmp_path / "deepspeed_zero3" / "eval" / suite / "epoch-1" / name
             assert ddp.read_bytes() == zero3.read_bytes(), (suite, name)
+
+
+def test_a_deepspeed_save_cut_short_leaves_no_complete_marker(tmp_path, monkeypatch):
+    """``ZeroStrategy.save_checkpoint`` removes ``complete.json`` before the ranks write into the folder
+    and writes it (with the step) only after all of them finished: a kill during the writes leaves a
+    folder that resume and the SLURM restart refuse."""
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from unicon.models import DEEPSPEED_COMPLETE_FILE, deepspeed_checkpoint_step
+    from unicon.training.zero import ZeroStrategy
+
+    class OneRank(ZeroStrategy):
+        is_global_zero = True
+
+        def barrier(self, name=None):
+            pass
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / DEEPSPEED_COMPLETE_FILE).write_text('{"global_step": 2}\n')  # the previous save's
+
+    def killed(self, checkpoint, filepath, storage_options=None):
+        (Path(filepath) / "latest").write_text("checkpoint")
+        raise KeyboardInterrupt("killed while writing")
+
+    strategy = OneRank.__new__(OneRank)
+    monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        strategy.save_checkpoint({"global_step": 4}, folder)
+    assert deepspeed_checkpoint_step(folder) is None
+
+    monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", lambda self, c, f, s=None: None)
+    strategy.save_checkpoint({"global_step": 4}, folder)
+    assert deepspeed_checkpoint_step(folder) == 4

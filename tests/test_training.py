@@ -878,3 +878,24 @@ def test_ddp_broadcasts_buffers_only_for_models_with_running_statistics():
     for broadcast in (True, False):
         strategy = make_strategy("ddp", broadcast_buffers=broadcast)
         assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["broadcast_buffers"] is broadcast
+
+
+def test_bench_train_loop_reports_the_loop_beside_the_bare_step(world, tmp_path, double, capsys):
+    """``unicon bench train --loop``: both throughputs, measured on the same examples, and their ratio."""
+    from unicon.training.bench import cli as bench_cli
+
+    overrides = [f"data.root={world}", f"output_dir={tmp_path / 'unused'}", "trainer=cpu", "logger=csv", "eval=none",
+                 "data.batch_size=4", "data.contrast_batch_size=4", "loss.gamma=0.5", "trainer.enable_progress_bar=false",
+                 "trainer.log_every_n_steps=1"]
+    assert bench_cli(["--loop", "--steps", "3", "--warmup", "1", "--rounds", "2", *overrides]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["same_examples"] and out["steps"] == 3 and out["rounds"] == 2
+    assert out["bare_step_examples_per_s"] > 0 and out["lightning_loop_examples_per_s"] > 0
+    assert out["loop_fraction_of_bare"] == pytest.approx(
+        out["lightning_loop_examples_per_s"] / out["bare_step_examples_per_s"], rel=0.01)
+    assert out["bare_step_examples_per_s"] == pytest.approx(
+        out["examples_per_step"] / out["bare_ms_per_step"] * 1e3, rel=0.01)
+    assert out["lightning_loop_examples_per_s"] == pytest.approx(
+        out["examples_per_step"] / out["loop_ms_per_step"] * 1e3, rel=0.01)
+    assert len(out["loop_fraction_of_bare_per_round"]) == 2
+    assert not (tmp_path / "unused").exists()  # the loop's run folders live in a temporary directory

@@ -598,6 +598,9 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         fail("optim.betas", betas, "must be two numbers in [0, 1)")
+    if cfg.trainer.accelerator == "cpu" and str(cfg.trainer.precision) in ("16-mixed", "16"):
+        fail("trainer.precision", cfg.trainer.precision, "is fp16 autocast, which needs CUDA (on CPU Lightning would "
+             "run bf16-mixed instead); use trainer.precision=bf16-mixed")
     if uses_deepspeed(cfg) and cfg.data.batching != "by_task":
         fail("data.batching", cfg.data.batching, f"mixes tasks across ranks, and DeepSpeed ({cfg.trainer.strategy}) "
              "needs every rank's step to use the same parameters; use data.batching=by_task (or auto)")

@@ -409,17 +409,33 @@ def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = Non
                               allow_pickle: bool = False, **kwargs):
     """A ``unicon train`` ``.ckpt`` (or DeepSpeed checkpoint folder) -> ``(model, run config)``; LoRA
     adapters are re-applied, unmerged."""
-    from unicon.models.lora import apply_lora
-
     p = Path(p)
     if is_deepspeed_checkpoint(p):
         ckpt = read_deepspeed_checkpoint(p, allow_pickle)
     else:
         ckpt = read_training_checkpoint(p, map_location, allow_pickle)
+    model, cfg = checkpoint_network(ckpt, p, world_root)
+    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # size mismatches
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise UserError(f"{p}: weights do not fit the model its config describes ({detail}); "
+                        "was it trained on another world's vocabulary? pass that world") from None
+    if missing or unexpected:
+        raise UserError(f"{p}: weights do not match the model; first missing: {missing[:1]}, "
+                        f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")
+    return model, cfg
+
+
+def checkpoint_network(ckpt: dict, p: str | Path, world_root: str | Path | None = None):
+    """``(model, run config)``: the network a training checkpoint's dict describes, with freshly
+    initialised weights (LoRA adapters applied, unmerged). The architecture comes from the run's
+    model section (a ``pretrained`` directory is read for its config and tokenizer, a world's
+    vocabulary from the copy stored in the checkpoint, unless ``world_root`` names one)."""
+    from unicon.models.lora import apply_lora
+
     cfg = checkpoint_config(ckpt, p)
-    # The architecture comes from the run's model section (a `pretrained` directory is read
-    # for its config and tokenizer, a world's vocabulary from the copy stored in the checkpoint);
-    # the weights are then replaced by the trained ones.
     stored = ckpt.get("unicon_world_files") or {}
     if world_root is None and stored:
         known = getattr(backend_class(cfg.model.backend), "world_vocabulary_files", ())
@@ -434,14 +450,4 @@ def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = Non
         model = build_model(cfg.model, world_root=world_root or cfg.data.root)
     if cfg.model.lora.enabled:
         apply_lora(model, cfg.model.lora)
-    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # size mismatches
-        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
-        raise UserError(f"{p}: weights do not fit the model its config describes ({detail}); "
-                        "was it trained on another world's vocabulary? pass that world") from None
-    if missing or unexpected:
-        raise UserError(f"{p}: weights do not match the model; first missing: {missing[:1]}, "
-                        f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")
     return model, cfg

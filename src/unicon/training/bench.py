@@ -11,6 +11,15 @@ object::
 
 ``ratio = consistency / standard``; the goal is ≥ 0.8 (the soft-rank bookkeeping is cheap
 and candidates are batched, so a consistency step costs about what its sequences cost).
+
+``unicon bench train --loop`` (:func:`run_loop_bench`) instead times the training loop's own cost:
+the bare step (forward, backward, clipping, optimizer and scheduler, no Lightning) beside the same
+steps through ``unicon train``'s ``Trainer.fit`` with its callbacks and logging, in one process and
+in turn. Prints::
+
+    {"bare_step_examples_per_s", "lightning_loop_examples_per_s", "loop_fraction_of_bare", ...}
+
+with the goal ``loop_fraction_of_bare >= 0.95``.
 """
 
 from __future__ import annotations
@@ -114,22 +123,186 @@ def cli(argv: list[str] | None = None) -> int:
         prog="unicon bench train",
         description="Sequences/s of consistency updates vs standard updates at the same sequences per step "
         "(prints one JSON object; goal: ratio >= 0.8).",
-        epilog="example: unicon bench train experiment=shapes_consistency --steps 20 --sequences 64",
+        epilog="examples:\n  unicon bench train experiment=shapes_consistency --steps 20 --sequences 64\n"
+        "  unicon bench train --loop experiment=shapes_pretrain logger=csv --steps 30",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `unicon train`")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per update kind")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--sequences", type=int, default=32, help="scored sequences per step")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--loop", action="store_true",
+                        help="instead: examples/s of Lightning's training loop (unicon train's Trainer.fit, its "
+                        "callbacks and logging) beside the bare step on the same batches, in one process, "
+                        "interleaved (goal: loop_fraction_of_bare >= 0.95)")
+    parser.add_argument("--rounds", type=int, default=2, help="--loop: bare and loop runs, in turn")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.sequences < 2:
-        raise UserError("bench train: need --steps >= 1, --warmup >= 0, --sequences >= 2")
+    if args.steps < 1 or args.warmup < 0 or args.sequences < 2 or args.rounds < 1:
+        raise UserError("bench train: need --steps >= 1, --warmup >= 0, --sequences >= 2, --rounds >= 1")
     try:
         cfg = compose(args.overrides)
     except ConfigError as e:
         raise UserError(str(e)) from None
+    if args.loop:
+        print(json.dumps(run_loop_bench(cfg, args.steps, max(args.warmup, 1), args.rounds, args.device)))
+        return 0
     print(json.dumps(run_bench(cfg, args.steps, args.warmup, args.sequences, args.device)))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `unicon bench train --loop`: Lightning's training loop against the bare step
+# ---------------------------------------------------------------------------------------------
+def _loop_config(cfg, steps: int, warmup: int, output_dir: str):
+    """``cfg`` for one process (the loop's per-rank cost; all-reduces are not loop overhead), bounded
+    by ``warmup + steps`` optimizer steps, writing its run folder under ``output_dir``."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.strategy = 1, 1, "auto"
+    cfg.trainer.max_steps, cfg.trainer.max_epochs = warmup + steps, -1
+    cfg.trainer.accumulate_grad_batches, cfg.trainer.limit_train_batches = 1, None
+    cfg.output_dir, cfg.name, cfg.overwrite, cfg.resume = output_dir, "bench-loop", True, None
+    return cfg
+
+
+def _step_clock(device: torch.device):
+    """A Lightning callback that records the time at the end of every training step and the examples
+    that step trained on (the contrast samples of a consistency update, else the mixture rows)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StepClock(Callback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.examples: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._before = pl_module.counts["consistency_updates"]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.ends.append(time.perf_counter())
+            consistency = pl_module.counts["consistency_updates"] > self._before
+            self.examples.append(len(batch["contrast"]["ids"] if consistency else batch["mixture"]["ids"]))
+
+    return StepClock()
+
+
+def _bare_step(cfg, device: torch.device):
+    """``(step, batches)``: the training step without Lightning -- the γ draw, the update's loss,
+    backward, gradient clipping (``trainer.gradient_clip_val``), the run's optimizer and LR
+    scheduler -- and the batches of the training loader's first epoch, in its order (collated
+    before timing: the bare step does not load data)."""
+    from transformers import get_scheduler
+
+    from unicon.data.coco_mixture import image_resize_for
+    from unicon.training.datamodule import ConsistencyDataModule
+    from unicon.training.module import SCHEDULERS, ConsistencyModule
+    from unicon.training.optim import build_optimizer
+    from unicon.training.run import build_training_model
+
+    torch.manual_seed(cfg.seed)
+    model = build_training_model(cfg).to(device).train()
+    module = ConsistencyModule(model, cfg)
+    dm = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
+                               image_resize=image_resize_for(model))
+    dm.setup("fit")
+    n = int(cfg.trainer.max_steps)
+    batches = []
+    while len(batches) < n:  # epochs in a row, as the loop's max_steps run them
+        batches += [b for b, _, _ in dm.train_dataloader()][: n - len(batches)]
+    ocfg = cfg.optim
+    opt = build_optimizer(ocfg.name, model, ocfg.lr, ocfg.weight_decay, tuple(ocfg.betas))
+    sched = get_scheduler(SCHEDULERS[ocfg.scheduler], opt, num_warmup_steps=0, num_training_steps=n)
+    clip = float(cfg.trainer.gradient_clip_val or 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in str(cfg.trainer.precision))
+    examples: list[int] = []
+
+    def step(batch) -> None:
+        contrast = batch.get("contrast")
+        consistency, task = module.draw_update(), None
+        if consistency:
+            consistency, task = module.consistency_plan(contrast)
+        with autocast:
+            out = module.consistency_loss(contrast, task) if consistency else module.standard_loss(batch["mixture"])
+        examples.append(len(contrast["ids"] if consistency else batch["mixture"]["ids"]))
+        out["loss"].backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, batches, examples
+
+
+def run_loop_bench(cfg, steps: int = 20, warmup: int = 3, rounds: int = 2, device: str | None = None) -> dict:
+    """Examples/s of the bare training step (:func:`_bare_step`) and of the same steps through
+    :func:`unicon.training.run.train` -- Lightning's ``Trainer.fit`` with the run's callbacks
+    (checkpointing, log files, LR monitor, progress bar when enabled, evaluations), loggers and
+    per-step logging -- in one process, ``rounds`` times in turn. Each side runs ``warmup + steps``
+    steps from a fresh model and times its last ``steps``: the loop from the end of step ``warmup``
+    to the end of the last step (data loading, hooks and logging included; the run's start and its
+    export are not); the bare side goes first in even rounds, the loop in odd ones.
+    ``loop_fraction_of_bare`` = loop examples/s / bare examples/s over all rounds (and per round)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from unicon.training.run import train
+
+    if warmup < 1:
+        raise UserError("bench train --loop: need --warmup >= 1 (the loop's clock starts at the end of a step)")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.trainer.cpu_threads:
+        torch.set_num_threads(int(cfg.trainer.cpu_threads))
+    bare_s = loop_s = 0.0
+    bare_examples = loop_examples = 0
+    round_fractions = []
+    with tempfile.TemporaryDirectory(prefix="unicon-bench-loop-") as tmp:
+        cfg = _loop_config(cfg, steps, warmup, tmp)
+
+        def bare_run() -> tuple[float, int]:
+            step, batches, examples = _bare_step(cfg, dev)
+            return _timed(step, batches, warmup, dev), sum(examples[warmup:])
+
+        def loop_run() -> tuple[float, int]:
+            clock = _step_clock(dev)
+            with contextlib.redirect_stdout(io.StringIO()):  # the run's own messages
+                train(cfg, extra_callbacks=[clock])
+            if len(clock.ends) != warmup + steps:
+                raise RuntimeError(f"bench train --loop: the loop ran {len(clock.ends)} steps, not {warmup + steps}")
+            return clock.ends[-1] - clock.ends[warmup - 1], sum(clock.examples[warmup:])
+
+        for r in range(rounds):  # bare first in even rounds, the loop first in odd ones
+            if r % 2:
+                (ls, le), (bs, be) = loop_run(), bare_run()
+            else:
+                (bs, be), (ls, le) = bare_run(), loop_run()
+            bare_s, bare_examples, loop_s, loop_examples = bare_s + bs, bare_examples + be, loop_s + ls, loop_examples + le
+            round_fractions.append(round((le / ls) / (be / bs), 3))
+    bare, loop = bare_examples / bare_s, loop_examples / loop_s
+    return {
+        "bare_step_examples_per_s": round(bare, 2),
+        "lightning_loop_examples_per_s": round(loop, 2),
+        "loop_fraction_of_bare": round(loop / bare, 3),
+        "loop_fraction_of_bare_per_round": round_fractions,
+        "bare_ms_per_step": round(1e3 * bare_s / (rounds * steps), 2),
+        "loop_ms_per_step": round(1e3 * loop_s / (rounds * steps), 2),
+        "examples_per_step": round(loop_examples / (rounds * steps), 2),
+        "same_examples": bare_examples == loop_examples,
+        "steps": steps,
+        "warmup": warmup,
+        "rounds": rounds,
+        "logger": cfg.logger.type,
+        "progress_bar": bool(cfg.trainer.enable_progress_bar),
+        "log_every_n_steps": int(cfg.trainer.log_every_n_steps),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev),
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -378,7 +378,13 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
     ``broadcast_buffers`` (DDP): False for a model whose buffers are constants of its config
     (:func:`keeps_running_statistics` is False): OFA's relative-position bucket tables are 33 MB in
     ``shapes-tiny``, and broadcasting them before every forward cost 13% of a step of the two-rank
-    CPU recipe (0.39 s against 0.33-0.34 s, issue 16)."""
+    CPU recipe (0.39 s against 0.33-0.34 s).
+
+    DDP searches every step's autograd graph for unused parameters (``find_unused_parameters``): a
+    step uses a task-dependent subset of them (OFA's image-code decoder embeddings only in T2I, its
+    image stem only with image inputs) and ranks mix tasks differently. The search costs about 1 ms
+    of a 340 ms step of the ShapesWorld recipe (2,100 graph nodes); ``static_graph`` would assume one
+    set of used parameters for every step, which mixed-task batches break."""
     config = check_strategy(name, micro_batch_size)
     if config is not None:
         from unicon.training.zero import ZeroStrategy
@@ -387,8 +393,6 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
     if name in ("ddp", "ddp_spawn"):
         from lightning.pytorch.strategies import DDPStrategy
 
-        # A step uses a task-dependent subset of the parameters (e.g. OFA's image-code decoder
-        # embeddings only in T2I, its ResNet only with image inputs), and ranks mix tasks differently.
         return DDPStrategy(find_unused_parameters=True, broadcast_buffers=broadcast_buffers,
                            start_method="spawn" if name == "ddp_spawn" else "popen")
     if name == "fsdp":
@@ -401,16 +405,19 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
 def build_training_model(cfg: DictConfig):
     """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
     gradient checkpointing and LoRA applied."""
-    from unicon.models import (apply_model_options, build_model, check_same_architecture, is_deepspeed_checkpoint,
-                               load_lightning_checkpoint, load_model, recorded_model_section)
+    from unicon.models import (apply_model_options, build_model, check_same_architecture, checkpoint_network,
+                               is_deepspeed_checkpoint, load_lightning_checkpoint, load_model, recorded_model_section,
+                               resumable_deepspeed_state)
     from unicon.models.lora import apply_lora
     from unicon.training.checkpoints import has_lora
 
     allow_pickle = bool(cfg.model.allow_pickle)
     if cfg.resume and is_deepspeed_checkpoint(cfg.resume):
-        # the network of the stored config (cfg is it): DeepSpeed's engine loads the weights of every
-        # rank's partition itself, so none is gathered here
-        model = build_model(cfg.model, cfg.data.root)
+        # the network the folder's stored config and vocabulary describe; DeepSpeed's engine loads
+        # every rank's partition of the weights itself, so none is gathered here
+        model, stored = checkpoint_network(resumable_deepspeed_state(cfg.resume, allow_pickle), cfg.resume)
+        check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), cfg.resume)
+        model = apply_model_options(model, cfg.model).train()
     elif cfg.resume:  # the network the checkpoint holds (its weights are restored by Lightning afterwards)
         model, stored = load_lightning_checkpoint(cfg.resume, allow_pickle=allow_pickle)
         check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), cfg.resume)
