@@ -18,14 +18,16 @@ $(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh scripts/bu
 	$(VPY) -m pip install -q -c constraints.txt torch torchvision
 	PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION)
 	$(VPY) -m pip install -q -c constraints.txt -e '.[dev,deepspeed]'
-	$(VPY) scripts/build_deepspeed_ops.py   # DeepSpeed's CPU Adam and shared-memory ops, compiled once
+	# DeepSpeed's CPU Adam and shared-memory ops, compiled once, with the venv's ninja (as in the venv,
+	# its jobs and the tests: another ninja version would make torch rebuild them)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VPY) scripts/build_deepspeed_ops.py
 	@touch $@
 
 # One pytest-xdist worker per core; tests sharing an expensive fixture stay together (tests/conftest.py).
 # The suite fails if it wrote into the checkout, and prints its slowest tests and the disk it used.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	WANDB_MODE=offline $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	PATH=$(abspath $(VENV))/bin:$$PATH WANDB_MODE=offline $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 # The demo: build ShapesWorld (seconds), pretrain the tiny OFA once (minutes; reused afterwards),
 # then consistency training with epoch-end CocoCon / drift / UReason evaluation.

@@ -183,12 +183,17 @@ def pytest_collection_modifyitems(config, items):
     os.replace(tmp, out)  # the workers collect the same tests: whichever lands last, the file is whole
 
 
+def units_file(config) -> Path:
+    """(controller) Where the workers leave the units of work: in the controller's tmp root."""
+    return config._tmp_path_factory.getbasetemp() / UNITS_FILE
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """(controller) Tell each worker where to write the units of work, under ``--dist loadgroup``."""
     config = node.config
     if config.getoption("dist") == "loadgroup":
-        node.workerinput["unicon_units"] = str(config._tmp_path_factory.getbasetemp() / UNITS_FILE)
+        node.workerinput["unicon_units"] = str(units_file(config))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -199,23 +204,23 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    units_file = config._tmp_path_factory.getbasetemp() / UNITS_FILE
+    units_path = units_file(config)
 
     class FixtureUnitScheduling(LoadScopeScheduling):
         units: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
             if self.units is None:
-                if not units_file.is_file():
-                    raise RuntimeError(f"{units_file}: the workers wrote no units of work (tests/conftest.py)")
-                self.units = json.loads(units_file.read_text())
+                if not units_path.is_file():
+                    raise RuntimeError(f"{units_path}: the workers wrote no units of work (tests/conftest.py)")
+                self.units = json.loads(units_path.read_text())
             return self.units.get(nodeid, nodeid)
 
     config.option.loadscopereorder = False  # keep the collection order: slow units first
     return FixtureUnitScheduling(config, log)
 
 
-# ---- the suite leaves the working tree as it found it, and says how much disk it wrote -------------
+# ---- the suite leaves the working tree as it found it, and says the peak disk its tmp root held -----
 SKIPPED_IN_TREE = {".git", ".venv", "__pycache__", ".pytest_cache"}
 
 
