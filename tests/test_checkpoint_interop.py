@@ -85,18 +85,28 @@ CONSISTENCY = ["loss.gamma=1", "loss.task_draw=per_step", "data.batching=by_task
 def _train_run(world: Path, out: Path, strategy: str, steps: int, *extra: str) -> dict:
     """A 2-rank ``unicon train`` of the tiny OFA on CPU (gloo) in its own processes."""
     out.mkdir(parents=True, exist_ok=True)
-    overrides = ["trainer=cpu", "trainer.devices=2", f"trainer.strategy={strategy}", f"data.root={world}",
-                 f"output_dir={out / 'runs'}", "name=ds", f"trainer.max_steps={steps}", "trainer.max_epochs=-1",
-                 "eval=none", "logger=csv", "trainer.enable_progress_bar=false", *CONSISTENCY, *TINY, *extra]
+    return _launch(out, ["trainer=cpu", "trainer.devices=2", f"trainer.strategy={strategy}", f"data.root={world}",
+                         f"output_dir={out / 'runs'}", "name=ds", f"trainer.max_steps={steps}", "trainer.max_epochs=-1",
+                         "eval=none", "logger=csv", "trainer.enable_progress_bar=false", *CONSISTENCY, *TINY, *extra])
+
+
+def _resume_run(out: Path, folder: Path, *extra: str) -> dict:
+    """The run of ``out`` resumed from its checkpoint ``folder`` (its stored config, ``extra`` on top)."""
+    return _launch(out, [f"resume={folder}", *extra])
+
+
+def _launch(out: Path, overrides: list[str]) -> dict:
+    """``python tests/test_checkpoint_interop.py OUT overrides...`` (:func:`_run_main`): its result, the
+    parameters it recorded, its log and the rows of ``<out>/runs/ds/metrics.jsonl``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, __file__, str(out), *overrides], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"run {overrides} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     run_dir = out / "runs" / "ds"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {**json.loads((out / "result.json").read_text()), "live": torch.load(out / "live.pt", weights_only=True),
-            "log": proc.stdout + proc.stderr, "run_dir": run_dir,
+            "log": proc.stdout + proc.stderr, "run_dir": run_dir, "rows": rows,
             "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}}
 
 
@@ -134,18 +144,6 @@ def deepspeed_runs(tiny_shapes_world, tmp_path_factory) -> dict[str, dict]:
                               "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]")
     return runs
 
-
-def _resume_run(out: Path, folder: Path, *extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__, str(out), f"resume={folder}", *extra], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"resume failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    run_dir = out / "runs" / "ds"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {**json.loads((out / "result.json").read_text()), "live": torch.load(out / "live.pt", weights_only=True),
-            "log": proc.stdout + proc.stderr, "run_dir": run_dir, "rows": rows,
-            "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}}
 
 
 def _weights_tol(live: dict) -> float:

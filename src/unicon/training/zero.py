@@ -16,7 +16,7 @@ and DeepSpeed's own code:
   ``latest`` file names a tag with half-old, half-new files. :meth:`save_checkpoint` removes
   ``<folder>/complete.json`` before the ranks write and rank 0 writes it back (with the step)
   after all of them finished; resume and the SLURM requeue only take folders that have it
-  (:func:`unicon.models.deepspeed_checkpoint_complete`).
+  (:func:`unicon.models.resumable_deepspeed_state`).
 * **Gathered evaluation.** :meth:`gathered_parameters` is the context the epoch-end evaluations
   run in: under ZeRO-3 DeepSpeed's ``GatheredParameters`` over the model (every rank holds the
   whole model while the ranks evaluate their shards independently, with no collective inside
