@@ -37,10 +37,12 @@ and are skipped (counted in the report). ``--max-captions-per-question`` caps pi
 when it is the answer again (lemma-equal), one of the 10 human answers to the question, a
 WordNet synonym, hypernym, holonym or meronym of the answer (``--lexical wordnet``: the
 relations that the paper's Step 5 removed by hand), gives the gold caption again or a contrast
-caption already kept, or when its contrast caption scores badly under a causal language model
-(``--lm PATH``: a local ``transformers`` causal or seq2seq LM, e.g. T5 as in the paper; ``--lm none``
-disables the filter). The first
-``--max-contrasts`` survivors, in source order, are kept.
+caption already kept, or when its contrast caption scores badly under a language model
+(``--lm PATH``: a local ``transformers`` causal or seq2seq LM, e.g. T5 as in the paper). The LM
+filter runs whenever ``--lm PATH`` is given. Without ``--lm`` it is off and the build prints a
+warning that names the flag: no LM ships with unicon or is downloaded, so there is none to run
+offline by default; ``--lm none`` turns it off without the warning. The first ``--max-contrasts``
+survivors, in source order, are kept.
 
 **Step 4 -- heterogeneous tasks.** With ``--instances``, a pivot whose answer names a COCO
 category that has boxes in the image (so the object is named by the caption *and* the answer)
@@ -50,6 +52,13 @@ uses the captions reversed: the gold and contrast captions are its inputs, nothi
 stored (as in the released file).
 
 Deviations from the paper, on purpose:
+
+* Extra filters that the paper does not describe: a candidate that is one of the question's 10
+  human answers is dropped (``human_answer`` in ``drop_report.json``; such answers describe the
+  image, so the contrast caption may still be true of it), and a pivot whose answer has more than
+  :data:`MAX_ANSWER_TOKENS` (4) tokens is skipped (``long_answer``), as are yes/no answers and
+  answers made only of function words (Step 1).
+* LM filter off unless ``--lm PATH`` is given (the paper always applies T5); see Step 3.
 
 * Candidates: GPV-2 is not available; ``vocab``/``file:``/``model:``/``mllm:`` replace it (above).
   Appendix B.1 does not say how the confidences were used; we order by them and let Step 3 filter.
@@ -855,8 +864,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--model-vocab", type=int, default=100, help="answers of the question type a model ranks")
     c.add_argument("--max-contrasts", type=int, default=5, help="contrast sets per sample (the schema's 1-5)")
     c.add_argument("--max-captions-per-question", type=int, default=0, help="pivots per question (0 = all)")
-    c.add_argument("--lm", default="none",
-                   help="local transformers causal or seq2seq (T5, BART) LM for Step 3, or 'none'")
+    c.add_argument("--lm", default=None,
+                   help="local transformers causal or seq2seq (T5, BART) LM for Step 3's plausibility filter (the "
+                        "paper uses T5); without it the filter is off and a warning says so; 'none' turns it off "
+                        "silently")
     c.add_argument("--lm-margin", type=float, default=1.0,
                    help="keep a contrast caption iff its mean token log-prob >= the gold caption's - margin")
     c.add_argument("--lexical", choices=("wordnet", "none"), default="wordnet",
@@ -884,7 +895,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UserError(f"--max-contrasts {args.max_contrasts}: the CocoCon schema has 1-5 contrast sets per sample")
     if args.pool < 1 or args.model_vocab < 1 or args.shards < 1 or args.workers < 0 or args.max_captions_per_question < 0:
         raise UserError("--pool, --model-vocab and --shards must be >= 1; --workers, --max-captions-per-question >= 0")
-    args.lm = None if args.lm == "none" else args.lm
+    if args.lm is None:
+        print("warning: no --lm given, so Step 3's language-model filter is off (the CocoCon paper filters "
+              "contrast captions with T5); pass --lm DIR (a local T5 or causal LM) to apply it, or --lm none "
+              "to build without it and silence this warning", file=sys.stderr)
+    args.lm = None if args.lm in (None, "none") else args.lm
     if args.lm is not None and not Path(args.lm).is_dir():
         raise UserError(f"--lm {args.lm}: not a directory (a local transformers causal LM, or 'none')")
     if Path(args.out).exists() and not Path(args.out).is_dir():

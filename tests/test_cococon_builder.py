@@ -64,8 +64,8 @@ def synthetic(tmp_path) -> dict[str, Path]:
 def synth_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["--captions", str(paths["captions"]), "--questions", str(paths["questions"]),
             "--annotations", str(paths["annotations"]), "--instances", str(paths["instances"]),
-            "--candidates", "vocab", "--lexical", "none", "--out", str(out), "--shards", "4", "--workers", "1",
-            "--quiet", *extra]
+            "--candidates", "vocab", "--lexical", "none", "--lm", "none", "--out", str(out), "--shards", "4",
+            "--workers", "1", "--quiet", *extra]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,3 +491,19 @@ def test_all_empty_captions_fail_naming_the_file_and_the_rows_dropped(synthetic,
     with pytest.raises(UserError, match=rf"captions\.json: no non-empty caption .*\({n} caption rows dropped as empty\)"):
         cb.main(synth_args(synthetic, tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_without_lm_the_filter_is_off_with_a_warning_naming_the_flag(synthetic, tmp_path, capsys):
+    """No LM is available offline, so the paper's T5 filter cannot be the default: a build without
+    --lm warns and builds exactly what --lm none builds (which stays silent)."""
+    argv = synth_args(synthetic, tmp_path / "quiet")
+    assert cb.main(argv) == 0
+    assert "--lm" not in capsys.readouterr().err
+    i = argv.index("--lm")
+    bare = argv[:i] + argv[i + 2:]
+    bare[bare.index("--out") + 1] = str(tmp_path / "bare")
+    assert "--lm" not in bare
+    assert cb.main(bare) == 0
+    err = capsys.readouterr().err
+    assert "warning: no --lm given" in err and "T5" in err and "--lm none" in err
+    assert (tmp_path / "bare" / "cococon.json").read_bytes() == (tmp_path / "quiet" / "cococon.json").read_bytes()

@@ -890,7 +890,8 @@ def test_detector_threshold_is_applied_and_recorded(tmp_path):
     det = load_detector(f"owlv2:{path}", color_classifier=lambda im, boxes, c: ["red"] * len(boxes))
     d = det.describe()
     assert (d["name"], d["threshold"], d["source"], d["color"]) == ("owlv2", OWLV2_THRESHOLD, str(path),
-                                                                    "CLIP on box crops")
+                                                                    "in the OWLv2 query")
+    assert d["protocol"] == "telephone-game" and d["counting_threshold"] == OWLV2_THRESHOLD
     assert load_detector(f"owlv2:{path}", threshold=0.5).describe()["threshold"] == 0.5
     prompt = parse_row({"tag": "single_object", "include": [{"class": "apple", "count": 1}], "prompt": "an apple"},
                        "x", 1)
@@ -941,8 +942,108 @@ def test_sdr_per_mapping_and_the_reference_average():
     out = metrics.mcd(sims, gens)
     assert out["SDR"]["t2t"] == pytest.approx(0.5, rel=1e-3) and out["SDR"]["t2i"] == pytest.approx(0.2, rel=1e-3)
     assert out["SDR_avg"] == pytest.approx((out["SDR"]["t2t"] + out["SDR"]["t2i"]) / 2)
+    # the reference's printed "SDR": the mean of the fitted (a, b, c) triples over the mappings
+    fits = [out["decay"][m] for m in ("t2t", "t2i")]
+    assert out["SDR_abc"]["t2i"] == {k: fits[1][k] for k in "abc"}
+    assert out["SDR_abc_mean"] == pytest.approx({k: (fits[0][k] + fits[1][k]) / 2 for k in "abc"})
+    assert out["SDR_abc_mean"]["b"] == pytest.approx(out["SDR_avg"])
     short = metrics.mcd([{"text": {"t2t": [0.5]}}], 2)  # one point: no fit, no SDR
-    assert short["SDR"] == {} and math.isnan(short["SDR_avg"])
+    assert short["SDR"] == {} and short["SDR_avg"] is None and short["SDR_abc_mean"] is None
+    assert "t2t: needs >= 3 generations, got 1" in short["SDR_avg_reason"]
+
+
+def reference_fit(x, y):
+    """An independent recomputation of the reference code's SDR fit (semantic-drift/mcd-sdr.py):
+    ``a exp(-b x) + c`` by scipy ``curve_fit`` from p0 = (1, 0.1, 0), maxfev 5000, no bounds."""
+    import warnings
+
+    from scipy.optimize import curve_fit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference only prints scipy's covariance warning
+        params, _ = curve_fit(lambda t, a, b, c: a * np.exp(-b * t) + c, np.asarray(x, float), np.asarray(y, float),
+                              p0=(1, 0.1, 0), maxfev=5000)
+    return params
+
+
+@pytest.mark.parametrize("mapping", ["t2t", "t2i"])
+@pytest.mark.parametrize("abc", [(0.4, 0.3, 0.5), (0.25, 0.08, 0.6), (0.3, 0.9, 0.2), (-0.2, 0.15, 0.9)])
+def test_decay_fit_is_the_reference_fit(mapping, abc):
+    a, b, c = abc  # the last one rises with g: the fit keeps its sign (no bound on a or b)
+    x = metrics.mapping_generations(mapping, 20)  # the reference's generations: 2..20 even / 1..19 odd
+    rng = np.random.default_rng(int(100 * b))
+    y = a * np.exp(-b * np.asarray(x, float)) + c
+    fit = metrics.fit_decay(x, y)
+    assert (fit["a"], fit["b"], fit["c"]) == pytest.approx(abc, rel=1e-4, abs=1e-6)
+    noisy = y + rng.normal(0, 0.01, len(x))
+    fit = metrics.fit_decay(x, noisy)
+    assert (fit["a"], fit["b"], fit["c"]) == pytest.approx(tuple(reference_fit(x, noisy)), rel=1e-6, abs=1e-9)
+
+
+def test_decay_fit_has_no_bound_on_b_and_keeps_three_point_fits():
+    # a similarity that grows with g: the reference's unbounded fit gives b < 0
+    x = metrics.mapping_generations("t2i", 20)
+    y = 0.2 * np.exp(0.1 * np.asarray(x, float))
+    fit = metrics.fit_decay(x, y)
+    assert (fit["a"], fit["b"], fit["c"]) == pytest.approx((0.2, -0.1, 0.0), rel=1e-6, abs=1e-6)
+    # a nearly linear rise sends the fit from (1, 0.1, 0) to a large a and c of opposite signs, as the reference's
+    y = 0.01 * np.exp(0.1 * np.asarray(x, float)) + 0.5
+    fit = metrics.fit_decay(x, y)
+    assert (fit["a"], fit["b"], fit["c"]) == pytest.approx(tuple(reference_fit(x, y)), rel=1e-6)
+    # three points (G = 6): an exact fit whose covariance scipy cannot estimate is kept, with a warning
+    y3 = [0.9 * math.exp(-0.4 * g) + 0.3 for g in (2, 4, 6)]
+    fit = metrics.fit_decay([2, 4, 6], y3)
+    assert "error" not in fit
+    assert (fit["a"], fit["b"], fit["c"]) == pytest.approx(tuple(reference_fit([2, 4, 6], y3)), rel=1e-6)
+
+
+class HashEmbedder(Embedder):
+    """A joint embedder whose vectors are drawn from sha256 of the caption / the image bytes."""
+
+    name = "hash"
+    modalities = frozenset({"text", "image"})
+    joint = True
+
+    def _v(self, data: bytes):
+        import hashlib
+
+        seed = int.from_bytes(hashlib.sha256(data).digest()[:4], "little")
+        v = torch.from_numpy(np.random.default_rng(seed).normal(size=8)).float()
+        return v / v.norm()
+
+    def embed_text(self, texts):
+        return torch.stack([self._v(t.encode()) for t in texts])
+
+    def embed_image(self, images):
+        return torch.stack([self._v(im.tobytes()) for im in images])
+
+
+def test_drift_json_is_strict_json_when_sdr_cannot_be_fitted(tmp_path):
+    from unicon.evaluation.drift.jsonsafe import loads_strict
+
+    report = runner.evaluate_drift(chain_model(), tmp_path / "o", seeds=make_seeds(tmp_path, 8), generations=4,
+                                   batch_size=4, embedders={"hash": HashEmbedder()}, strips=0)
+    assert report["SDR"] == {} and report["SDR_avg"] is None  # 2 points per mapping: no fit
+    text = (tmp_path / "o" / "drift.json").read_text()
+    stored = loads_strict(text)  # raises on a bare NaN / Infinity
+    assert "NaN" not in text and stored["SDR_avg"] is None and stored["SDR_abc_mean"] is None
+    assert "needs >= 3 generations" in stored["SDR_avg_reason"]
+    assert stored["MCD_avg"] == pytest.approx(report["MCD_avg"])
+    assert "drift/SDR_avg" not in metrics.drift_metrics(stored) and "drift/MCD_avg" in metrics.drift_metrics(stored)
+    for f in (tmp_path / "o").rglob("*.json"):
+        loads_strict(f.read_text())
+
+
+def test_strict_json_writer_replaces_non_finite_values_with_reasons():
+    from unicon.evaluation.drift import jsonsafe
+
+    text = jsonsafe.dumps({"MGG": float("nan"), "SDR_avg": None, "SDR_avg_reason": "given",
+                           "S": {1: np.float32("inf"), 2: 0.5}, "x": [float("-inf"), np.int64(3)]})
+    out = jsonsafe.loads_strict(text)
+    assert out == {"MGG": None, "MGG_reason": "non-finite value (nan)", "SDR_avg": None, "SDR_avg_reason": "given",
+                   "S": {"1": None, "2": 0.5}, "x": [None, 3]}
+    with pytest.raises(ValueError, match="NaN"):
+        jsonsafe.loads_strict('{"a": NaN}')
 
 
 def test_geneval_r_is_the_default_outside_shapesworld(tmp_path, monkeypatch):
@@ -984,3 +1085,100 @@ def test_mpnet_sentence_embedder_from_a_local_directory(tmp_path):
     assert v.shape == (3, 16) and torch.allclose(v.norm(dim=-1), torch.ones(3), atol=float32_tol(16))
     assert torch.allclose(v[0], v[2], atol=float32_tol(16)) and not torch.allclose(v[0], v[1], atol=1e-3)
     assert emb.describe() == {"class": "SentenceEmbedder", "source": str(tmp_path / "mpnet")}
+
+
+# ---- MGG with OWLv2: the Telephone-Game reference protocol (semantic-drift/mgg.py) ------------------------
+def test_reference_queries_put_the_colour_in_the_query():
+    from unicon.evaluation.drift.geneval import reference_queries
+
+    p = row("color_attr", [{"class": "car", "count": 1, "color": "red"}, {"class": "bench", "count": 1}])
+    assert reference_queries(p) == ["a photo of a red car", "a photo of a bench"]
+
+
+def test_reference_threshold_is_0_1_for_every_prompt_type_counting_included():
+    from unicon.evaluation.drift.geneval import evaluate_reference
+
+    p = row("counting", [{"class": "clock", "count": 2}], [{"class": "clock", "count": 3}])
+    low = [det("clock", [0, 0, 5, 5], 0.2), det("clock", [10, 0, 5, 5], 0.15)]
+    assert evaluate_reference(p, low).correct  # GenEval's rules want 0.9 for counting
+    assert not evaluate_detections(p, low).correct
+    # a third clock above 0.1 triggers the exclusion; one at exactly 0.1 is not kept (> 0.1)
+    assert not evaluate_reference(p, low + [det("clock", [20, 0, 5, 5], 0.11)]).correct
+    assert evaluate_reference(p, low + [det("clock", [20, 0, 5, 5], 0.1)]).correct
+    # include uses every kept box, not the top count: no colour check (the colour was in the query)
+    c = row("colors", [{"class": "car", "count": 1, "color": "pink"}])
+    assert evaluate_reference(c, [det("car", [0, 0, 9, 9], 0.3)]).correct
+    assert not evaluate_reference(c, [det("car", [0, 0, 9, 9], 0.05)]).correct
+
+
+def test_pixel_relative_position_by_hand():
+    from unicon.evaluation.drift.geneval import pixel_relative_position
+
+    # offset (10, 6), margins 2 -> (8, 4) pixels: right of and below (GenEval's normalised rule: right of only)
+    assert pixel_relative_position([10, 6, 10, 10], [0, 0, 10, 10]) == {"right of", "below"}
+    assert relative_position([10, 6, 10, 10], [0, 0, 10, 10]) == {"right of"}
+    # margin-reduced offset of 0.4 px: no relation; of 0.6 px: a relation (half a pixel, not normalised)
+    assert pixel_relative_position([2.4, 0, 10, 10], [0, 0, 10, 10]) == set()
+    assert pixel_relative_position([2.6, 0, 10, 10], [0, 0, 10, 10]) == {"right of"}
+    assert pixel_relative_position([0, 0, 10, 10], [0, 30, 10, 10]) == {"above"}
+
+
+def test_reference_position_needs_one_target_per_box():
+    from unicon.evaluation.drift.geneval import evaluate_reference
+
+    p = row("position", [{"class": "teddy bear", "count": 1},
+                         {"class": "dog", "count": 1, "position": ["right of", 0]}])
+    bears = [det("teddy bear", [0, 0, 10, 10], 0.2), det("teddy bear", [100, 0, 10, 10], 0.3)]
+    dog = det("dog", [50, 0, 10, 10], 0.2)
+    # the dog is right of one bear and left of the other: enough for the reference (any target, every box);
+    # GenEval checks the top-1 bear only, the right one
+    assert evaluate_reference(p, bears + [dog]).correct
+    assert not evaluate_detections(p, [dict(b, score=b["score"] + 0.6) for b in bears] + [dict(dog, score=0.95)]).correct
+    # every dog box must have such a target
+    assert not evaluate_reference(p, bears[1:] + [dog]).correct
+    res = evaluate_reference(p, [dog])
+    assert not res.correct and any("no target" in r for r in res.reasons)
+
+
+def test_score_images_runs_the_reference_protocol_with_a_stub_detector():
+    from unicon.evaluation.drift.geneval import Detector, Detection, reference_queries, score_images
+
+    class Stub(Detector):
+        name, protocol, threshold = "stub", "telephone-game", 0.1
+
+        def __init__(self):
+            self.queries = []
+
+        def detect(self, images, class_names):
+            raise AssertionError("the reference protocol queries each prompt's own clauses")
+
+        def detect_prompts(self, images, prompts):
+            self.queries += [reference_queries(p) for p in prompts]
+            return [[Detection((0, 0, 4, 4), "cat", 0.12), Detection((9, 0, 4, 4), "dog", 0.5)] for _ in images]
+
+    prompts = [row("counting", [{"class": "cat", "count": 1}], [{"class": "cat", "count": 2}]),
+               row("colors", [{"class": "dog", "count": 1, "color": "blue"}]),
+               row("position", [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 0]}])]
+    stub = Stub()
+    summary, results = score_images(prompts, [Image.new("RGB", (16, 16))] * 3, stub, batch_size=2)
+    assert stub.queries == [["a photo of a cat"], ["a photo of a blue dog"], ["a photo of a cat", "a photo of a dog"]]
+    assert [r.correct for r in results] == [True, True, False]  # the dog is right of the cat
+    assert summary["tasks"] == {"counting": 1.0, "colors": 1.0, "position": 0.0}
+    assert stub.describe()["counting_threshold"] == 0.1 and stub.describe()["color"] == "in the OWLv2 query"
+
+
+def test_owlv2_reference_protocol_labels_boxes_by_clause_on_a_tiny_random_model(tmp_path):
+    import standins
+
+    from unicon.evaluation.drift.geneval import Owlv2Detector
+
+    standins.owlv2(tmp_path / "owl")
+    det_ = Owlv2Detector(str(tmp_path / "owl"), color_classifier=lambda im, b, c: ["red"] * len(b))
+    assert det_.protocol == "telephone-game" and det_.color_classifier is None
+    prompts = [row("color_attr", [{"class": "cat", "count": 1, "color": "red"}, {"class": "dog", "count": 1}]),
+               row("single_object", [{"class": "dog", "count": 1}])]
+    out = det_.detect_prompts([Image.new("RGB", (32, 32), (200, 10, 10)), Image.new("RGB", (30, 20))], prompts)
+    assert [len(o) for o in out] == [16, 16]
+    assert {d.label for d in out[0]} <= {"cat", "dog"} and {d.label for d in out[1]} == {"dog"}
+    geneval = Owlv2Detector(str(tmp_path / "owl"), protocol="geneval")
+    assert geneval.describe()["counting_threshold"] == 0.9 and geneval.describe()["protocol"] == "geneval"

@@ -41,6 +41,24 @@ def test_run_metrics_reads_the_last_cococon_row_and_names_a_run_without_one(tmp_
         table2.run_metrics(f)
 
 
+def test_training_rho_rise_is_last_epoch_mean_minus_first_and_is_tabulated(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"step": 10, "train/rho/vqa/ema": 0.1},
+        {"step": 149, "train/rho/vqa/epoch_mean": 0.40, "train/rho/t2i/epoch_mean": 0.50},
+        {"step": 299, "train/rho/vqa/epoch_mean": 0.55, "train/rho/t2i/epoch_mean": float("nan")},
+        {"step": 449, "train/rho/vqa/epoch_mean": 0.70, "train/rho/t2i/epoch_mean": 0.45},
+    ]) + "\n")
+    got = table2.training_rho(f)
+    assert got["vqa/first"] == 0.40 and got["vqa/last"] == 0.70 and got["vqa/rise"] == pytest.approx(0.30)
+    assert got["t2i/rise"] == pytest.approx(-0.05) and "localization/rise" not in got
+    k = table2.summarize_run({"cococon/vqa/C_1": 80.0}, {"vqa/rise": 0.01})
+    m = table2.summarize_run({"cococon/vqa/C_1": 82.0}, got)
+    assert math.isnan(k["train_rho/t2i/rise"]) and m["train_rho/vqa/rise"] == pytest.approx(0.30)
+    md = table2.markdown(table2.summarize({"K": {0: k}, "M": {0: m}}), [0], [])
+    assert "VQA train ρ rise" in md and "| M | 0.300 |" in md and "| M − K | +0.290 |" in md
+
+
 def test_probe_columns_appear_only_for_runs_with_probe_words():
     flat = {"cococon/vqa/C_1": 80.0, "cococon/localization/C_1": 60.0, "cococon/t2i/C_1": 70.0}
     plain = table2.summarize_run(flat)

@@ -9,6 +9,7 @@ from scipy.stats import spearmanr
 from unicon.losses.consistency import (
     consistency_loss,
     hinge_rank_loss,
+    hard_ranks,
     rank_diagnostics,
     rank_scale,
     soft_ranks,
@@ -204,3 +205,81 @@ def test_toward_gold_moves_only_the_task_that_misranks_the_gold(loss_type):
     assert all((g > 0).all() for g in grads["mutual"])
     with pytest.raises(ValueError, match="loss.direction"):
         consistency_loss(loss_type, s0, si, direction="sideways")
+
+
+# ---- loss.soft_rank=sigmoid: a gradient for every misordered candidate ----------------------------
+def _reversed_rows():
+    """``(anchor, task)`` rows, K = 2..6: the anchor's candidates one step apart, the task's in the
+    reversed order with every combination of gaps of 1..5 (K ≤ 4) or a spread of them (K = 5, 6)."""
+    for k in range(2, 7):
+        combos = itertools.product(range(1, 6), repeat=k - 1) if k <= 4 else (
+            [g] * (k - 1) for g in range(1, 6))
+        for gaps in combos:
+            task = torch.cat([torch.zeros(1), torch.tensor(gaps, dtype=torch.float64).cumsum(0)]).flip(0)
+            yield torch.arange(k, dtype=torch.float64)[None], task[None]
+    yield torch.arange(6, dtype=torch.float64)[None], torch.tensor([[15.0, 10, 9, 5, 4, 0]], dtype=torch.float64)
+
+
+def test_sigmoid_soft_ranks_tend_to_the_hard_ranks_with_ties_averaged():
+    x = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]], dtype=torch.float64)
+    hard = torch.tensor([[5.0, 2.0, 3.5, 3.5, 1.0]], dtype=torch.float64)
+    assert torch.allclose(soft_ranks(x, regularization_strength=1e-3, soft_rank="sigmoid"), hard, atol=1e-12)
+    soft = soft_ranks(x, regularization_strength=1.0, soft_rank="sigmoid")
+    # Σ_j R_j = K(K+1)/2 whatever ε (σ(d) + σ(-d) = 1 pairs up), and the order is kept
+    assert soft.sum().item() == pytest.approx(15.0, abs=1e-12)
+    assert torch.equal(soft.argsort(), x.argsort())
+    with pytest.raises(ValueError, match="loss.soft_rank"):
+        soft_ranks(x, soft_rank="neural")
+
+
+def test_every_reversed_row_gets_a_gradient_and_a_few_sgd_steps_on_the_task_reverse_it():
+    """For rows of K = 2..6 whose task order is the anchor's reversed, with gaps of 1-5 rank steps,
+    ∂L_const/∂s_i is non-zero on every candidate, and plain SGD on s_i alone (a fixed step of 2·std(s_i)²,
+    the scale on which a scale-invariant loss's gradient lives) reaches the anchor's order in a few steps."""
+    for anchor, task in _reversed_rows():
+        si = task.clone().requires_grad_()
+        lr = 2.0 * float(task.std(unbiased=False)) ** 2
+        for step in range(10):
+            (grad,) = torch.autograd.grad(spearman_rank_loss(anchor, si, soft_rank="sigmoid"), si)
+            if step == 0:
+                assert (grad != 0).all(), (anchor, task, grad)
+            with torch.no_grad():
+                si -= lr * grad
+            if torch.equal(hard_ranks(si.detach()), hard_ranks(anchor)):
+                break
+        else:
+            raise AssertionError(f"10 SGD steps did not reverse {task.tolist()} (now {si.detach().tolist()})")
+
+
+def test_torchsort_ranks_give_no_gradient_to_a_well_separated_misordered_candidate():
+    """Why loss.soft_rank=sigmoid exists: the projection's soft ranks are the hard ranks where
+    neighbours are >= ε apart, with a zero gradient there. Rank-scaled, [0, 0.1, 5] is
+    [-0.59, -0.56, 1.15]: candidate 2 is 1.7 rank steps from the others; reversed in the task, the
+    task's candidate 0 (ranked last instead of first) gets no push from the projection's ranks."""
+    anchor = torch.tensor([[0.0, 0.1, 5.0]], dtype=torch.float64)
+    task = anchor.flip(1).clone().requires_grad_()
+    (grad,) = torch.autograd.grad(spearman_rank_loss(anchor, task, soft_rank="torchsort"), task)
+    assert grad[0, 0] == 0 and grad[0, 1] != 0
+    (grad,) = torch.autograd.grad(spearman_rank_loss(anchor, task, soft_rank="sigmoid"), task)
+    assert (grad != 0).all() and grad[0, 0] > 0  # descent lowers its NLL, toward the anchor's first place
+
+
+@pytest.mark.parametrize("soft_rank", ["torchsort", "sigmoid"])
+def test_both_soft_ranks_keep_the_loss_properties(soft_rank):
+    """A consistent order costs far less than a reversed one; positive affine maps of either row
+    change nothing; masked padding changes nothing (float64: exact up to K-term sums)."""
+    g = torch.Generator().manual_seed(5)
+    s0 = torch.rand(32, 5, generator=g, dtype=torch.float64) * 0.3
+    si = torch.rand(32, 5, generator=g, dtype=torch.float64) * 0.3
+    loss = lambda a, b, mask=None: spearman_rank_loss(a, b, mask, soft_rank=soft_rank).item()  # noqa: E731
+    assert loss(s0, 2 * s0 + 1) < 0.2 * loss(s0, -s0)
+    base = loss(s0, si)
+    for a, b in ((2.0, 1.0), (0.01, -3.0), (1e3, 5.0)):
+        assert loss(a * s0 + b, si) == pytest.approx(base, rel=AFFINE_TOL)
+        assert loss(s0, a * si + b) == pytest.approx(base, rel=AFFINE_TOL)
+    mask = torch.ones_like(s0, dtype=torch.bool)
+    mask[:8, 3:] = False
+    padded0, paddedi = s0.clone(), si.clone()
+    padded0[:8, 3:], paddedi[:8, 3:] = 1e6, -1e6
+    alone = (loss(s0[:8, :3], si[:8, :3]) * 8 + loss(s0[8:], si[8:]) * 24) / 32
+    assert loss(padded0, paddedi, mask) == pytest.approx(alone, rel=1e-12)

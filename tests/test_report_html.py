@@ -158,7 +158,8 @@ def test_report_html_renders_every_section_in_chromium(report, chromium, tmp_pat
         return sections[sid]["keys"]
 
     assert "headline" in sections["summary"]["tables"]
-    assert keys("training") == {"training/curves": 1, "evaluation/curves": 1}
+    # the training-batch ρ per task (the run trains with the rank loss), the training curves, the headline curves
+    assert keys("training") == {"training/rho": 1, "training/curves": 1, "evaluation/curves": 1}
     # each suite: its figures at every epoch end, its tables, its sample images
     for name in ("consistency_by_k", "consistency_vs_accuracy"):
         assert keys("cococon")[f"cococon/fig/{name}"] == EPOCHS

@@ -469,6 +469,44 @@ def test_none_scores_gold_only_and_equals_ce(world):
     assert out["loss_const"].item() == 0.0 and out["loss"].item() == pytest.approx(out["loss_ce"].item())
 
 
+def test_each_task_reports_its_training_batch_rho_for_m_and_for_k(world):
+    """train/rho/<task>: the hard-rank ρ of the step's rows of that task. M computes it from the scores
+    it trains on; K (loss none, gold candidates only) from a gradient-free scoring of every candidate,
+    whose RNG use is forked off: K's loss, and every random draw after it, are those of a run without it."""
+    batch = _contrast_batch(world)
+    model = TinyUnified()
+    m = ConsistencyModule(model, compose([f"data.root={world}"])).consistency_loss(batch)
+    assert m["rho"] and set(m["rho"]) <= {"vqa", "localization", "t2i"}
+    torch.manual_seed(0)
+    k = ConsistencyModule(model, compose([f"data.root={world}", "loss=none"])).consistency_loss(batch)
+    after_k = torch.rand(3)
+    torch.manual_seed(0)
+    gold = ConsistencyModule(model, compose([f"data.root={world}", "loss=none"])).score_contrast(batch, only_gold=True)
+    assert torch.equal(torch.rand(3), after_k)  # the diagnostic pass drew nothing from the global RNG
+    ce = (torch.cat(gold["gold_sum"]).sum() / torch.cat(gold["gold_tokens"]).sum()).item()
+    assert k["loss"].item() == pytest.approx(ce, rel=1e-6)
+    # the same rows, the same (deterministic) model: K's ρ per task is M's
+    assert {t: v for t, (v, _) in k["rho"].items()} == pytest.approx({t: v for t, (v, _) in m["rho"].items()}, abs=1e-12)
+    for task, (rho, rows) in m["rho"].items():
+        assert -1.0 <= rho <= 1.0 and rows >= 1
+
+
+def test_task_lambda_scales_each_tasks_consistency_term(world):
+    """loss.task_lambda.<task> = f multiplies that task's examples' L_const terms by f (the mean is
+    still over every example): 0 removes the task's term, and the factors add up linearly."""
+    batch = _contrast_batch(world)
+    model = TinyUnified()
+    const = lambda *o: ConsistencyModule(model, compose([f"data.root={world}", *o])).consistency_loss(batch)["loss_const"].item()  # noqa: E731
+    tasks = ConsistencyModule(model, compose([f"data.root={world}"])).score_contrast(batch)["tasks"]
+    assert len(set(tasks)) >= 2
+    full = const()
+    parts = {t: const(*[f"loss.task_lambda.{u}={1.0 if u == t else 0.0}" for u in ("vqa", "localization", "t2i")])
+             for t in set(tasks)}
+    assert sum(parts.values()) == pytest.approx(full, rel=1e-6)
+    t = next(iter(parts))
+    assert const(f"loss.task_lambda.{t}=3") == pytest.approx(full + 2 * parts[t], rel=1e-6)
+
+
 def test_gamma_draws_are_seeded_and_restored():
     cfg = compose(["seed=3"])
     a, b = ConsistencyModule(TinyUnified(), cfg), ConsistencyModule(TinyUnified(), cfg)
@@ -899,3 +937,22 @@ def test_bench_train_loop_reports_the_loop_beside_the_bare_step(world, tmp_path,
         out["examples_per_step"] / out["loop_ms_per_step"] * 1e3, rel=0.01)
     assert len(out["loop_fraction_of_bare_per_round"]) == 2
     assert not (tmp_path / "unused").exists()  # the loop's run folders live in a temporary directory
+
+
+def test_bench_rank_regime_reports_each_tasks_scores_and_gradients(world, tmp_path, double, capsys):
+    """``unicon bench train --rank-regime``: per task, the spread of the ranked scores, the soft-rank
+    regime of each variant and the gradient L_const sends through each side, all finite."""
+    from unicon.training.bench import RANK_VARIANTS, cli as bench_cli
+
+    overrides = [f"data.root={world}", f"output_dir={tmp_path / 'unused'}", "trainer=cpu", "logger=csv", "eval=none",
+                 "data.contrast_batch_size=2"]
+    assert bench_cli(["--rank-regime", "--steps", "2", *overrides]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["batches"] == 2 and out["tasks"]
+    for stats in out["tasks"].values():
+        assert stats["score_std"] > 0 and stats["anchor_score_std"] > 0 and -1 <= stats["rho_hard"] <= 1
+        assert stats["grad_ce"] > 0
+        for soft_rank, eps in RANK_VARIANTS:
+            name = f"{soft_rank}@{eps:g}"
+            assert 0 <= stats[f"{name}/merged_rows"] <= 1 and stats[f"{name}/soft_hard_gap"] >= 0
+            assert stats[f"{name}/grad_task_side"] > 0 and stats[f"{name}/grad_anchor_side"] > 0

@@ -183,12 +183,17 @@ class LossConfig:
     lambda_: float = bounded(0.25, 0.0)
     gamma: float = bounded(0.5, 0.0, 1.0)  # probability that a step is a consistency update
     regularization: str = choice("l2", ("l2", "kl"))  # torchsort soft_rank regularization
-    regularization_strength: float = bounded(1.0, 0.0, lo_open=True)
+    regularization_strength: float = bounded(1.0, 0.0, lo_open=True)  # ε, the soft ranks' softness in rank steps
+    # the Spearman loss's soft ranks: "torchsort" (the paper's projection) or "sigmoid" (ours: pairwise
+    # logistic ranks at temperature ε, a gradient for every misordered pair; losses/consistency.py)
+    soft_rank: str = choice("torchsort", ("torchsort", "sigmoid"))
     hinge_margin: float = bounded(0.1, 0.0)
     # "mutual" (Eq. 3: both tasks move) or "toward_gold" (ours: where only one task ranks the gold
     # first, only the other one moves; losses/consistency.py)
     direction: str = choice("mutual", ("mutual", "toward_gold"))
     tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # evaluation tasks t_i
+    # per evaluation task, a factor on its examples' L_const terms (λ_t = λ · factor; 1 when absent)
+    task_lambda: dict[str, float] = field(default_factory=dict)
     # a consistency step's evaluation task: drawn per contrast sample, or once per step for every
     # sample on every rank (the paper's Algorithm 1; needed by DeepSpeed ZeRO); "auto": per_step
     # under DeepSpeed, else per_sample (training.module)
@@ -595,6 +600,11 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
             fail(f"data.task_weights.{task}", weight, f"names no mixture task: use one of {', '.join(MIXTURE_TASKS)}")
         if not isinstance(weight, (int, float)) or not math.isfinite(float(weight)) or weight < 0:
             fail(f"data.task_weights.{task}", weight, "must be a number >= 0")
+    for task, factor in dict(cfg.loss.task_lambda).items():
+        if task not in EVAL_TASKS:
+            fail(f"loss.task_lambda.{task}", factor, f"names no evaluation task: use one of {', '.join(EVAL_TASKS)}")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(float(factor)) or factor < 0:
+            fail(f"loss.task_lambda.{task}", factor, "must be a number >= 0")
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         fail("optim.betas", betas, "must be two numbers in [0, 1)")

@@ -340,9 +340,39 @@ def _section_summary(run_dir: Path, series: dict) -> str:
     return out
 
 
+def _rho_figure(series: dict):
+    """Each task's training-batch ρ against the step: its moving average (``train/rho/<task>/ema``)
+    as a line and its epoch means (``.../epoch_mean``) as markers; None when none was logged."""
+    from matplotlib.figure import Figure
+
+    tasks = sorted({k.split("/")[2] for k in series if k.startswith("train/rho/") and k.count("/") == 3})
+    if not tasks:
+        return None
+    fig = Figure(figsize=(5.2, 3.0))
+    ax = fig.subplots()
+    for i, task in enumerate(tasks):
+        color = f"C{i}"
+        if f"train/rho/{task}/ema" in series:
+            steps, vals = zip(*series[f"train/rho/{task}/ema"])
+            ax.plot(steps, vals, color=color, label=f"{task} (moving average)")
+        if f"train/rho/{task}/epoch_mean" in series:
+            steps, vals = zip(*series[f"train/rho/{task}/epoch_mean"])
+            ax.plot(steps, vals, "o--", color=color, ms=5, label=f"{task} (epoch mean)")
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("Spearman ρ, captioning vs task", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def _section_training(series: dict) -> str:
     train = [k for k in sorted(series) if k.startswith("train/")]
     parts = []
+    rho = _rho_figure(series)
+    if rho is not None:
+        parts.append(_figure_png(rho, "training/rho", "training-batch ρ per task: is the consistency objective "
+                                 "moving what it optimises?"))
     if train:
         parts.append(_figure_png(_curves_figure(series, train, 6, (2.6, 2.0)), "training/curves",
                                  "training metrics against step"))

@@ -24,7 +24,8 @@ before its first training, ``<out>/runs/<method>-seed<s>.claim`` records the run
 folder that exists without that claim (another run's) is refused, never deleted.
 
 Reported per method (mean ± sample std over seeds): C_1...C_5, ρ and acc@1 per task (VQA,
-localization, T2I), their mean C_1, the caption ranking accuracy (caption acc@1: the gold caption
+localization, T2I), their mean C_1, how much each task's training-batch ρ rose from the first to the
+last epoch (:func:`training_rho`), the caption ranking accuracy (caption acc@1: the gold caption
 scored above the hardest contrast), the generative task accuracies, and -- when the runs set
 ``eval.cococon.probe_words`` (a knowledge-gap world) -- the probed concept's caption acc@1 and mean C_1. For a method X against K,
 the paired difference d_s = X_s − K_s per seed has the 95 % interval
@@ -73,10 +74,27 @@ def run_metrics(metrics_file: Path) -> dict[str, float]:
     return {k: v for k, v in last.items() if k.startswith("cococon/")}
 
 
-def summarize_run(flat: dict[str, float]) -> dict[str, float]:
-    """The Table-2 columns of one run from its flat ``cococon/...`` metrics (NaN where absent)."""
-    get = lambda key: float(flat.get(key, math.nan))  # noqa: E731
+def training_rho(metrics_file: Path) -> dict[str, float]:
+    """Each task's training-batch ρ (``train/rho/<task>/epoch_mean``, the epoch means of the hard-rank
+    Spearman ρ between captioning and the task on the consistency steps' rows) at the first and the
+    last epoch of the run: ``{"<task>/first", "<task>/last", "<task>/rise"}`` (rise = last − first)."""
+    series: dict[str, list[float]] = {}
+    for _, row in read_jsonl(metrics_file, what="metrics file"):
+        for t in TASKS:
+            value = row.get(f"train/rho/{t}/epoch_mean")
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                series.setdefault(t, []).append(float(value))
     out: dict[str, float] = {}
+    for t, values in series.items():
+        out.update({f"{t}/first": values[0], f"{t}/last": values[-1], f"{t}/rise": values[-1] - values[0]})
+    return out
+
+
+def summarize_run(flat: dict[str, float], train_rho: dict[str, float] | None = None) -> dict[str, float]:
+    """The Table-2 columns of one run from its flat ``cococon/...`` metrics and its
+    :func:`training_rho` (``train_rho/<task>/rise``); NaN where absent."""
+    get = lambda key: float(flat.get(key, math.nan))  # noqa: E731
+    out: dict[str, float] = {f"train_rho/{t}/rise": float((train_rho or {}).get(f"{t}/rise", math.nan)) for t in TASKS}
     for t in TASKS:
         for k in range(1, MAX_K + 1):
             out[f"{t}/C_{k}"] = get(f"cococon/{t}/C_{k}")
@@ -171,6 +189,17 @@ def markdown(summary: dict[str, Any], seeds: Sequence[int], overrides: Sequence[
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     for method, diffs in summary["paired_vs_K"].items():
         cells = [_fmt_diff(diffs.get(c, {"mean": math.nan, "low": math.nan}), d) for c, _, d in cols]
+        lines.append(f"| {method} − K | " + " | ".join(cells) + " |")
+    lines += ["", "Training-batch ρ per task (captioning vs the task, hard ranks, on the consistency steps' "
+              "rows): last epoch's mean − first epoch's mean; for K from a gradient-free scoring of the same "
+              "rows.", "",
+              "| method | " + " | ".join(f"{TASK_LABELS[t]} train ρ rise" for t in TASKS) + " |",
+              "| --- | " + " | ".join("---:" for _ in TASKS) + " |"]
+    for method, stats_ in summary["methods"].items():
+        cells = [_fmt(stats_.get(f"train_rho/{t}/rise", {"mean": math.nan, "std": math.nan}), 3) for t in TASKS]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    for method, diffs in summary["paired_vs_K"].items():
+        cells = [_fmt_diff(diffs.get(f"train_rho/{t}/rise", {"mean": math.nan, "low": math.nan}), 3) for t in TASKS]
         lines.append(f"| {method} − K | " + " | ".join(cells) + " |")
     lines += ["", "C_k per task (mean over seeds):", "",
               "| method | task | " + " | ".join(f"C_{k}" for k in range(1, MAX_K + 1)) + " |",
@@ -268,9 +297,10 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
                 result = train_fn(args)
                 flat = run_metrics(Path(result["run_dir"]) / "metrics.jsonl")
                 record = {"method": method, "seed": seed, "args": args, "run_dir": result["run_dir"],
-                          "global_step": result.get("global_step"), "cococon": flat}
+                          "global_step": result.get("global_step"), "cococon": flat,
+                          "train_rho": training_rho(Path(result["run_dir"]) / "metrics.jsonl")}
                 record_file.write_text(json.dumps(record, indent=2) + "\n")
-            runs[method][seed] = summarize_run(record["cococon"])
+            runs[method][seed] = summarize_run(record["cococon"], record.get("train_rho"))
             records.append(record)
     summary = summarize(runs)
     (out / "table2.json").write_text(json.dumps(

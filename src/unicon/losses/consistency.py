@@ -18,13 +18,29 @@ Rank scale (our choice; the paper does not state the scale of the scores)
 
         z_b = (s_b − mean(s_b)) / std(s_b) · σ(K_b),      σ(K) = sqrt((K² − 1) / 12)
 
-    (population std, not detached: the gradient flows through it). An evenly spread row then
-    has gaps of exactly one rank, so ε = 1 (Table 5) means "one rank step": soft ranks equal
-    hard ranks for well-separated candidates and smooth only near-ties. The loss is invariant to
-    positive affine changes of either row, so it does not depend on how a backend scales its
-    scores. A row whose spread is below the rounding of its values (all candidates scored alike)
+    (population std). An evenly spread row then has gaps of exactly one rank, so ε = 1
+    (Table 5) means "one rank step". The loss is invariant to positive affine changes of either
+    row, so it does not depend on how a backend scales its scores. The std is *detached*: the
+    gradient reaches the scores through the centring only, ``∂z/∂s = σ(K)/std · (I − 11ᵀ/K)``.
+    Through a differentiated std the gradient would have no component that changes the row's
+    spread, and a two-candidate row (whose standardised values are always ±½) would get none at
+    all: its order can only flip by shrinking its spread through zero. A row whose spread is below the rounding of its values (all candidates scored alike)
     carries no order and is skipped, like a row with one candidate; a row with a NaN/inf score makes
     the loss NaN instead (so the training step's non-finite guard sees it).
+
+Soft ranks (``loss.soft_rank``, softness ε = ``loss.regularization_strength``, in rank steps)
+    ``torchsort`` (the paper's): the projection above. It equals the hard ranks wherever sorted
+    neighbours are ≥ ε apart, and there its gradient is exactly zero: a misordered pair that is
+    well separated in both tasks gets no push, only near-ties do. On rank-scaled rows (gaps of
+    about one rank step) with ε = 1 most candidates are in that regime.
+    ``sigmoid`` (ours; a deviation from the paper): the pairwise logistic relaxation of the rank
+    at temperature ε::
+
+        R_j(z) = ½ + Σ_k σ((z_j − z_k) / ε)        (the k = j term is σ(0) = ½)
+
+    the hard rank (ties averaged) as ε → 0, and smooth everywhere: every pair contributes a
+    gradient ``σ'((z_j − z_k)/ε)/ε > 0``, so every misordered candidate is pushed, the closer
+    pairs harder. Same scale as the hard ranks, so Eq. 3's scale and λ carry over.
 
 Spearman (the paper's, ``loss.type=spearman``) -- Eq. 3 as written, per example::
 
@@ -75,6 +91,7 @@ import math
 import torch
 
 LOSS_TYPES = ("spearman", "hinge", "none")
+SOFT_RANKS = ("torchsort", "sigmoid")
 
 
 def _check(s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -93,15 +110,22 @@ def _check(s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor | None) -> tor
     return mask
 
 
-def soft_ranks(values: torch.Tensor, regularization: str = "l2", regularization_strength: float = 1.0) -> torch.Tensor:
-    """``torchsort.soft_rank`` of each row of ``[n, K]`` (ascending: the smallest value gets rank ≈ 1)."""
-    import torchsort
-
-    # torchsort's kernels work in float32/64; bf16 scores are promoted and the result cast back
+def soft_ranks(values: torch.Tensor, regularization: str = "l2", regularization_strength: float = 1.0,
+               soft_rank: str = "torchsort") -> torch.Tensor:
+    """Soft ranks of each row of ``[n, K]`` (ascending: the smallest value gets rank ≈ 1):
+    ``torchsort.soft_rank`` or the pairwise ``sigmoid`` ranks at temperature
+    ``regularization_strength`` (module docstring)."""
+    # both work in float32/64; bf16 scores are promoted and the result cast back
     dtype = values.dtype if values.dtype in (torch.float32, torch.float64) else torch.float32
-    out = torchsort.soft_rank(
-        values.to(dtype), regularization=regularization, regularization_strength=regularization_strength
-    )
+    x = values.to(dtype)
+    if soft_rank == "sigmoid":
+        out = 0.5 + torch.sigmoid((x[:, :, None] - x[:, None, :]) / regularization_strength).sum(-1)
+    elif soft_rank == "torchsort":
+        import torchsort
+
+        out = torchsort.soft_rank(x, regularization=regularization, regularization_strength=regularization_strength)
+    else:
+        raise ValueError(f"loss.soft_rank must be one of {', '.join(SOFT_RANKS)}, got {soft_rank!r}")
     return out.to(values.dtype)
 
 
@@ -112,7 +136,7 @@ def rank_scale(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = values.shape[1]
     x = values if values.dtype in (torch.float32, torch.float64) else values.float()
     centred = x - x.mean(1, keepdim=True)
-    std = centred.pow(2).mean(1, keepdim=True).sqrt()
+    std = centred.detach().pow(2).mean(1, keepdim=True).sqrt()
     floor = torch.finfo(x.dtype).eps * x.detach().abs().amax(1, keepdim=True) * k
     ordered = (std.detach() > floor).squeeze(1)
     safe = torch.where(ordered[:, None], std, torch.ones_like(std))
@@ -135,8 +159,11 @@ def spearman_rank_loss(
     regularization_strength: float = 1.0,
     reduction: str = "mean",
     all_reduce=None,
+    soft_rank: str = "torchsort",
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 3, ``½‖R(z0) − R(zi)‖²`` per example on rank-scaled scores, mean over examples (module docstring)."""
+    """Eq. 3, ``½‖R(z0) − R(zi)‖²`` per example on rank-scaled scores, mean over examples (module
+    docstring); ``weight``: ``[B]`` factors of the examples' terms (see :func:`_reduce`)."""
     mask = _check(s0, si, mask)
     dtype = torch.float64 if s0.dtype == torch.float64 else torch.float32
     per_example = s0.new_zeros(s0.shape[0], dtype=dtype)
@@ -144,15 +171,15 @@ def spearman_rank_loss(
     for k, rows in _groups(mask):
         z0, ok0 = rank_scale(s0[rows, :k])
         zi, oki = rank_scale(si[rows, :k])
-        r0 = soft_ranks(z0, regularization, regularization_strength).to(dtype)
-        ri = soft_ranks(zi, regularization, regularization_strength).to(dtype)
+        r0 = soft_ranks(z0, regularization, regularization_strength, soft_rank).to(dtype)
+        ri = soft_ranks(zi, regularization, regularization_strength, soft_rank).to(dtype)
         # a non-finite score is never hidden as "no order": it makes the loss NaN (the training guard)
         broken = ~(torch.isfinite(s0[rows, :k]).all(1) & torch.isfinite(si[rows, :k]).all(1))
         ok = (ok0 & oki) | broken
         value = torch.where(broken, float("nan"), 0.5 * ((r0 - ri) ** 2).sum(1))
         per_example = per_example.index_put((rows,), torch.where(ok, value, 0.0))
         valid = valid.index_put((rows,), ok)
-    return _reduce(per_example, valid, reduction, all_reduce)
+    return _reduce(per_example, valid, reduction, all_reduce, weight)
 
 
 def hinge_rank_loss(
@@ -162,6 +189,7 @@ def hinge_rank_loss(
     margin: float = 0.1,
     reduction: str = "mean",
     all_reduce=None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Symmetric pairwise margin-ranking loss between the two tasks' orderings of rank-scaled scores."""
     mask = _check(s0, si, mask)
@@ -179,13 +207,18 @@ def hinge_rank_loss(
     counted = pair & ((sign0 != 0) | (signi != 0))
     n_pairs = counted.sum((1, 2))
     per_example = (term * counted).sum((1, 2)) / n_pairs.clamp(min=1)
-    return _reduce(per_example, n_pairs > 0, reduction, all_reduce)
+    return _reduce(per_example, n_pairs > 0, reduction, all_reduce, weight)
 
 
-def _reduce(per_example: torch.Tensor, valid: torch.Tensor, reduction: str, all_reduce=None) -> torch.Tensor:
-    """Mean over the valid examples. Under DDP, ``all_reduce`` (sums a tensor over ranks, returns
-    ``(total, world_size)``) makes it the mean over all ranks' valid examples: the rank returns
-    ``world · Σ_rank / n_all``, whose mean over ranks (what DDP averages) is the global mean."""
+def _reduce(per_example: torch.Tensor, valid: torch.Tensor, reduction: str, all_reduce=None,
+            weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the valid examples, of ``weight_b · L_b`` when ``weight`` is given (the count stays
+    the number of valid examples: a weight scales its example's term, as a per-task λ does). Under
+    DDP, ``all_reduce`` (sums a tensor over ranks, returns ``(total, world_size)``) makes it the mean
+    over all ranks' valid examples: the rank returns ``world · Σ_rank / n_all``, whose mean over
+    ranks (what DDP averages) is the global mean."""
+    if weight is not None:
+        per_example = per_example * weight.to(per_example.dtype)
     if reduction == "none":
         return per_example * valid
     if reduction != "mean":
@@ -227,18 +260,22 @@ def consistency_loss(
     regularization_strength: float = 1.0,
     margin: float = 0.1,
     direction: str = "mutual",
+    soft_rank: str = "torchsort",
     all_reduce=None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``) after ``loss.direction``
-    (``mutual`` | ``toward_gold``); ``all_reduce``: see :func:`_reduce`."""
+    (``mutual`` | ``toward_gold``); ``soft_rank``: the Spearman loss's ranks; ``all_reduce`` and
+    ``weight`` (``[B]``, e.g. each example's task λ factor): see :func:`_reduce`."""
     if direction not in DIRECTIONS:
         raise ValueError(f"loss.direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     if direction == "toward_gold" and loss_type != "none":
         s0, si = toward_gold(s0, si, _check(s0, si, mask))
     if loss_type == "spearman":
-        return spearman_rank_loss(s0, si, mask, regularization, regularization_strength, all_reduce=all_reduce)
+        return spearman_rank_loss(s0, si, mask, regularization, regularization_strength,
+                                  all_reduce=all_reduce, soft_rank=soft_rank, weight=weight)
     if loss_type == "hinge":
-        return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce)
+        return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce, weight=weight)
     if loss_type == "none":
         _check(s0, si, mask)
         return s0.new_zeros((), dtype=torch.float32)
@@ -255,7 +292,7 @@ def hard_ranks(values: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_diagnostics(
     s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor | None = None,
-    regularization: str = "l2", regularization_strength: float = 1.0,
+    regularization: str = "l2", regularization_strength: float = 1.0, soft_rank: str = "torchsort",
 ) -> dict[str, float]:
     """``rho_hard``: mean Spearman ρ of the hard ranks of ``s0`` and ``si`` over the examples with an
     order in both; ``soft_hard_gap``: mean |soft rank − hard rank| of the rank-scaled scores the
@@ -274,7 +311,7 @@ def rank_diagnostics(
         denom = (ca.norm(dim=1) * cb.norm(dim=1)).clamp(min=1e-300)
         rhos.append((ca * cb).sum(1) / denom)
         for z, h in ((za[ok], ha), (zb[ok], hb)):
-            gaps.append((soft_ranks(z, regularization, regularization_strength).double() - h).abs().flatten())
+            gaps.append((soft_ranks(z, regularization, regularization_strength, soft_rank).double() - h).abs().flatten())
     if not rhos:
         return {"rho_hard": float("nan"), "soft_hard_gap": float("nan")}
     return {"rho_hard": float(torch.cat(rhos).mean()), "soft_hard_gap": float(torch.cat(gaps).mean())}

@@ -20,6 +20,10 @@ in turn. Prints::
     {"bare_step_examples_per_s", "lightning_loop_examples_per_s", "loop_fraction_of_bare", ...}
 
 with the goal ``loop_fraction_of_bare >= 0.95``.
+
+``unicon bench train --rank-regime`` (:func:`run_rank_regime`) measures, per evaluation task, the
+regime the consistency loss works in: the spread of the scores it ranks, how many rows its soft
+ranks merge, and the gradient it sends through each task, for each soft-rank variant.
 """
 
 from __future__ import annotations
@@ -137,6 +141,10 @@ def cli(argv: list[str] | None = None) -> int:
                         "callbacks and logging) beside the bare step on the same batches, in one process, "
                         "interleaved (goal: loop_fraction_of_bare >= 0.95)")
     parser.add_argument("--rounds", type=int, default=2, help="--loop: bare and loop runs, in turn")
+    parser.add_argument("--rank-regime", action="store_true",
+                        help="instead: per evaluation task, the spread of the scores the consistency loss ranks, "
+                        "how many rows its soft ranks merge, and the gradient it sends to the model through each "
+                        "task, for each soft-rank variant, on --steps contrast batches")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.sequences < 2 or args.rounds < 1:
         raise UserError("bench train: need --steps >= 1, --warmup >= 0, --sequences >= 2, --rounds >= 1")
@@ -144,11 +152,97 @@ def cli(argv: list[str] | None = None) -> int:
         cfg = compose(args.overrides)
     except ConfigError as e:
         raise UserError(str(e)) from None
+    if args.rank_regime:
+        print(json.dumps(run_rank_regime(cfg, args.steps, args.device)))
+        return 0
     if args.loop:
         print(json.dumps(run_loop_bench(cfg, args.steps, max(args.warmup, 1), args.rounds, args.device)))
         return 0
     print(json.dumps(run_bench(cfg, args.steps, args.warmup, args.sequences, args.device)))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `unicon bench train --rank-regime`: where the consistency loss has a gradient, per task
+# ---------------------------------------------------------------------------------------------
+#: the soft ranks compared by --rank-regime: ``(loss.soft_rank, ε)``
+RANK_VARIANTS = (("torchsort", 1.0), ("sigmoid", 1.0), ("sigmoid", 0.5))
+
+
+def _grad_norm(loss: torch.Tensor, params: list) -> float:
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
+
+
+def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
+    """Per evaluation task, on ``batches`` contrast batches of the training split (``data.contrast_batch_size``
+    samples, every one scored on that task, the model in training mode as the loss sees it):
+
+    * ``score_std`` / ``anchor_score_std``: the mean over rows of the std of the task's (the anchor's)
+      raw NLLs over the candidates: how far apart the scores the loss ranks are;
+    * ``rho_hard``: the rows' mean hard-rank Spearman ρ between the two tasks;
+    * per soft-rank variant (``<soft_rank>@<ε>``): ``soft_hard_gap`` (mean |soft − hard rank|),
+      ``merged_rows`` (share of rows where some soft rank is > 0.01 from its hard rank),
+      ``misordered_rows_without_gradient`` (share of the rows with ρ < 1 whose ``∂L_const/∂s_i`` is 0),
+      and the gradient norm that ``λ·L_const`` sends to the model's parameters through the task's
+      scores alone (``grad_task_side``, the anchor's scores detached) and through the anchor's alone
+      (``grad_anchor_side``);
+    * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale."""
+    from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
+    from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
+    from unicon.training.module import ConsistencyModule, supported_tasks, token_weighted_ce
+    from unicon.training.run import build_training_model
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.seed)
+    model = build_training_model(cfg).to(dev).train()
+    module = ConsistencyModule(model, cfg)
+    dm = ConsistencyDataModule(cfg.data, seed=cfg.seed)
+    dm.setup("fit")
+    params = [p for p in model.parameters() if p.requires_grad]
+    size, lam = int(cfg.data.contrast_batch_size), float(cfg.loss.lambda_)
+    report: dict[str, Any] = {"batches": batches, "contrast_batch_size": size, "lambda": lam,
+                              "init_from": cfg.init_from, "tasks": {}}
+    for task in cfg.loss.tasks:
+        usable = [i for i, sample in enumerate(dm.contrast.data)
+                  if sample.contrast_sets and task in supported_tasks(sample, sample.contrast_sets, [task])]
+        if not usable:
+            continue
+        stats: dict[str, list[float]] = {}
+        add = lambda key, v: stats.setdefault(key, []).append(float(v))  # noqa: E731
+        for b in range(batches):
+            picked = [usable[(b * size + j) % len(usable)] for j in range(size)]
+            scored = module.score_contrast(collate_contrast([dm.contrast[i] for i in picked]), task)
+            s0, si, mask = scored["s0"].nll, scored["si"], scored["s0"].mask
+            add("grad_ce", _grad_norm(token_weighted_ce(scored["gold_sum"], scored["gold_tokens"]), params))
+            for row in range(si.shape[0]):
+                k = int(mask[row].sum())
+                a, t = s0[row, :k].detach().double()[None], si[row, :k].detach().double()[None]
+                add("score_std", t.std(unbiased=False))
+                add("anchor_score_std", a.std(unbiased=False))
+                ha, ht = hard_ranks(a), hard_ranks(t)
+                ca, ct = ha - ha.mean(), ht - ht.mean()
+                add("rho_hard", (ca * ct).sum() / (ca.norm() * ct.norm()).clamp(min=1e-300))
+            for soft_rank, eps in RANK_VARIANTS:
+                name = f"{soft_rank}@{eps:g}"
+                kw = dict(regularization=cfg.loss.regularization, regularization_strength=eps, soft_rank=soft_rank)
+                for row in range(si.shape[0]):
+                    k = int(mask[row].sum())
+                    t = si[row, :k].detach().double()[None].requires_grad_()
+                    a = s0[row, :k].detach().double()[None]
+                    z = rank_scale(t)[0]
+                    gap = (soft_ranks(z.detach(), cfg.loss.regularization, eps, soft_rank) - hard_ranks(t.detach())).abs()
+                    add(f"{name}/soft_hard_gap", gap.mean())
+                    add(f"{name}/merged_rows", gap.max() > 0.01)
+                    (grad,) = torch.autograd.grad(consistency_loss("spearman", a, t, **kw), t)
+                    if not torch.equal(hard_ranks(a), hard_ranks(t.detach())):
+                        add(f"{name}/misordered_rows_without_gradient", grad.abs().max() == 0)
+                task_side = consistency_loss("spearman", s0.detach(), si, mask, **kw)
+                anchor_side = consistency_loss("spearman", s0, si.detach(), mask, **kw)
+                add(f"{name}/grad_task_side", lam * _grad_norm(task_side, params))
+                add(f"{name}/grad_anchor_side", lam * _grad_norm(anchor_side, params))
+        report["tasks"][task] = {key: round(sum(v) / len(v), 5) for key, v in sorted(stats.items())}
+    return report
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,11 +15,16 @@ Each training step receives a contrast batch and a pretraining-mixture batch
   - T2I ``si[b, k] = score_image(caption_k, gold_image)``                 (input varies)
 
   all length-normalised NLL (``Scores.nll``, CocoCon section 4.3). Then
-  ``L = λ · L_const(s0, si, mask) + L_ce`` with ``L_const`` from
+  ``L = λ · L_const(s0, si, mask) + L_ce`` (each example's term of ``L_const`` times its task's
+  ``loss.task_lambda`` factor, 1 by default) with ``L_const`` from
   :mod:`unicon.losses.consistency` and ``L_ce`` the token-weighted CE of the gold targets of both
-  tasks (:func:`token_weighted_ce`). With ``loss.type=none`` only the gold candidates are scored
-  (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data). Each consistency
-  step also logs the hard-rank Spearman ρ of ``s0``/``si`` and the mean |soft − hard rank|.
+  tasks (:func:`token_weighted_ce`). With ``loss.type=none`` only the gold candidates are trained
+  on (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data). Each consistency
+  step also logs the hard-rank Spearman ρ of ``s0``/``si`` and the mean |soft − hard rank|; per
+  task, the training-batch ρ is logged as its epoch mean over the task's rows
+  (``train/rho/<task>/epoch_mean``) and as a moving average over its last ~20 rows
+  (``train/rho/<task>/ema``, every step), for K from a gradient-free scoring of every candidate:
+  whether the objective moves what it optimises.
 * otherwise -- **standard update**: the token-weighted CE of the mixture batch's gold
   targets (each task through its ``score_*`` method with one candidate; think-then-draw
   ``reason`` rows through ``score_text(None, prompt, [trace])``, their ``reason_t2i`` rows through
@@ -42,8 +47,8 @@ gradients from hooks as the backward pass reaches them): with ``per_step`` and
 together: when a rank has no usable contrast sample, every rank takes the standard update (so the
 ranks always run the same collectives).
 
-Differences from the paper: the per-sample draw (above) outside DeepSpeed; ``L_const`` is
-normalised (see the loss module).
+Differences from the paper: the per-sample draw (above) outside DeepSpeed; ``L_const`` works on
+rank-scaled scores and may use other soft ranks (see the loss module).
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ from unicon.losses.consistency import consistency_loss, rank_diagnostics
 from unicon.models import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
 from unicon.training.optim import build_optimizer, decay_groups
+
+#: weight of one training row in ``train/rho/<task>/ema``: a row's ρ moves the average by this
+#: fraction of its difference (about the last 1/RATE = 20 rows of the task count)
+RHO_EMA_RATE = 0.05
 
 #: ``optim.scheduler`` -> the name ``transformers.get_scheduler`` knows it by
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
@@ -146,6 +155,7 @@ class ConsistencyModule(L.LightningModule):
         self.world_files = world_vocabulary(cfg.model, cfg.data.root)
         self.counts = {"consistency_updates": 0, "standard_updates": 0, "skipped_no_contrast": 0,
                        "skipped_nonfinite": 0, "truncated": 0}
+        self.rho_ema: dict[str, float] = {}  # each task's training-batch ρ, moving average (RHO_EMA_RATE)
 
     # ---- Algorithm 1 ----------------------------------------------------------------------
     def draw_update(self) -> bool:
@@ -161,12 +171,13 @@ class ConsistencyModule(L.LightningModule):
         p = self.cfg.data.t2i_prompt_dropout
         return "" if p > 0 and self._task_rng(f"t2i-dropout:{row_id}").random() < p else prompt
 
-    def consistency_loss(self, batch: dict[str, Any], step_task: str | None = None) -> dict[str, torch.Tensor]:
-        """``λ·L_const + L_ce`` of a contrast batch (keys ``loss``, ``loss_ce``, ``loss_const``).
-        ``step_task``: every sample is trained on that task (``loss.task_draw=per_step``); the
-        samples that do not support it are left out of this step."""
-        loss_cfg = self.cfg.loss
-        only_gold = loss_cfg.type == "none"
+    def score_contrast(self, batch: dict[str, Any], step_task: str | None = None,
+                       only_gold: bool = False) -> dict[str, Any]:
+        """Score a contrast batch for Algorithm 1: ``tasks`` (each row's evaluation task), ``s0``
+        (the anchor's :class:`Scores` of the captions), ``si`` (``[B, K]`` task NLLs aligned with
+        ``s0``'s candidates, zero-padded) and the gold targets' ``gold_sum`` / ``gold_tokens``.
+        ``step_task``: every sample is scored on that task (``loss.task_draw=per_step``); the samples
+        that do not support it are left out. ``only_gold``: the gold candidates alone (λ = 0)."""
         if step_task is not None:
             keep = [b for b, (s, c) in enumerate(zip(batch["samples"], batch["contrasts"]))
                     if step_task in supported_tasks(s, c, [step_task])]
@@ -176,9 +187,9 @@ class ConsistencyModule(L.LightningModule):
         n = len(batch["samples"])
         tasks, anchors, cands = [], [], []
         for sample, contrasts in zip(batch["samples"], batch["contrasts"]):
-            options = supported_tasks(sample, contrasts, loss_cfg.tasks)
+            options = supported_tasks(sample, contrasts, self.cfg.loss.tasks)
             if not options:
-                raise ValueError(f"contrast sample {sample.id} supports none of loss.tasks {list(loss_cfg.tasks)}")
+                raise ValueError(f"contrast sample {sample.id} supports none of loss.tasks {list(self.cfg.loss.tasks)}")
             task = step_task or self._task_rng(sample.index).choice(options)
             a, c = task_candidates(sample, contrasts, task)
             if only_gold:
@@ -210,15 +221,43 @@ class ConsistencyModule(L.LightningModule):
             si = si.index_put((index,), torch.nn.functional.pad(sc.nll.to(si.dtype), (0, K - sc.nll.shape[1])))
             gold_sum.append(sc.sum_nll[:, 0])
             gold_tokens.append(sc.num_tokens[:, 0])
-        loss_ce = token_weighted_ce(gold_sum, gold_tokens, self._token_all_reduce())
-        reg = dict(regularization=loss_cfg.regularization, regularization_strength=loss_cfg.regularization_strength)
+        return {"tasks": tasks, "s0": s0, "si": si, "gold_sum": gold_sum, "gold_tokens": gold_tokens}
+
+    def consistency_loss(self, batch: dict[str, Any], step_task: str | None = None) -> dict[str, torch.Tensor]:
+        """``λ·L_const + L_ce`` of a contrast batch (keys ``loss``, ``loss_ce``, ``loss_const``), and
+        the rank diagnostics of the step (:func:`rank_diagnostics`, over the batch and, under
+        ``rho/<task>``, per evaluation task as ``(ρ, #rows)``). With ``loss.type=none`` only the gold
+        candidates are trained on; the diagnostics then come from a second, gradient-free scoring of
+        every candidate under a forked RNG (the control's training is unchanged, and K and M report
+        the same training-batch ρ). ``step_task``: see :meth:`score_contrast`."""
+        loss_cfg = self.cfg.loss
+        only_gold = loss_cfg.type == "none"
+        scored = self.score_contrast(batch, step_task, only_gold)
+        s0, si = scored["s0"], scored["si"]
+        loss_ce = token_weighted_ce(scored["gold_sum"], scored["gold_tokens"], self._token_all_reduce())
+        reg = dict(regularization=loss_cfg.regularization, regularization_strength=loss_cfg.regularization_strength,
+                   soft_rank=loss_cfg.soft_rank)
+        task_lambda = dict(loss_cfg.task_lambda)
+        weight = (torch.tensor([float(task_lambda.get(t, 1.0)) for t in scored["tasks"]], device=si.device)
+                  if task_lambda else None)
         loss_const = consistency_loss(loss_cfg.type, s0.nll, si, s0.mask, margin=loss_cfg.hinge_margin,
-                                      direction=loss_cfg.direction, all_reduce=self._token_all_reduce(), **reg)
+                                      direction=loss_cfg.direction, all_reduce=self._token_all_reduce(),
+                                      weight=weight, **reg)
         lam = 0.0 if only_gold else loss_cfg.lambda_
         out = {"loss": lam * loss_const + loss_ce, "loss_ce": loss_ce.detach(), "loss_const": loss_const.detach(),
                "num_sequences": torch.tensor(int(s0.mask.sum()) * 2)}
-        if not only_gold:  # is the loss operating on ranks? (logged as train/rank_rho_hard, train/soft_hard_gap)
-            out.update(rank_diagnostics(s0.nll.detach(), si.detach(), s0.mask, **reg))
+        if only_gold:
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                scored = self.score_contrast(batch, step_task)
+        tasks, a, b, mask = scored["tasks"], scored["s0"].nll.detach(), scored["si"].detach(), scored["s0"].mask
+        out.update(rank_diagnostics(a, b, mask, **reg))
+        out["rho"] = {}
+        for task in sorted(set(tasks)):
+            rows = torch.tensor([i for i, t in enumerate(tasks) if t == task], device=a.device)
+            rho = rank_diagnostics(a[rows], b[rows], mask[rows], **reg)["rho_hard"]
+            if math.isfinite(rho):
+                out["rho"][task] = (rho, len(rows))
         return out
 
     def standard_loss(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -328,6 +367,12 @@ class ConsistencyModule(L.LightningModule):
             for key, name in (("rho_hard", "train/rank_rho_hard"), ("soft_hard_gap", "train/soft_hard_gap")):
                 if key in out and math.isfinite(out[key]):
                     self.log(name, out[key], batch_size=bs)
+            for task, (rho, rows) in out.get("rho", {}).items():
+                self.log(f"train/rho/{task}/epoch_mean", rho, on_step=False, on_epoch=True, batch_size=rows)
+                previous = self.rho_ema.get(task, rho)
+                self.rho_ema[task] = previous + (1 - (1 - RHO_EMA_RATE) ** rows) * (rho - previous)
+        for task, value in self.rho_ema.items():
+            self.log(f"train/rho/{task}/ema", value, batch_size=1)
         self._log_counts()
         return loss
 
@@ -389,8 +434,10 @@ class ConsistencyModule(L.LightningModule):
         checkpoint["unicon_world_files"] = self.world_files
         checkpoint["gamma_rng_state"] = self.gamma_rng.get_state()
         checkpoint["unicon_counts"] = dict(self.counts)
+        checkpoint["unicon_rho_ema"] = dict(self.rho_ema)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "gamma_rng_state" in checkpoint:
             self.gamma_rng.set_state(checkpoint["gamma_rng_state"])
         self.counts.update(checkpoint.get("unicon_counts", {}))
+        self.rho_ema.update(checkpoint.get("unicon_rho_ema", {}))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ import torch
 
 from unicon.errors import UserError
 from unicon.evaluation.drift.cli import add_chain_args
+from unicon.evaluation.drift import jsonsafe
 from unicon.evaluation.drift.metrics import CHAINS
 from unicon.evaluation.drift.runner import run_chains
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
@@ -203,5 +203,5 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
     source = args.ckpt or f"model={args.model} (random weights)"
     result["t2i_kv_cache"] = bench_t2i_cache(model, source, prompts, min(args.batch_size, len(prompts)),
                                              args.t2i_base_codes, args.repeats, device)
-    print(json.dumps(result))
+    print(jsonsafe.dumps(result))
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +31,7 @@ from unicon.evaluation.cli_common import (
     Flag, add_common_args, add_config_args, add_image_generation_args, add_shard_args, check_common_args,
     config_argv, config_from_args, image_generation_config, load_model_for, sharding,
 )
+from unicon.evaluation.drift import jsonsafe
 from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nd-n", type=int, default=200, help="ND400: pairs drawn from each source (200 -> 400)")
     p.add_argument("--geneval-limit", type=int, default=None, help="first N prompts of every task")
     p.add_argument("--detector", default="shapes",
-                   help="'shapes', 'owlv2:<dir>' (the paper's reference code) or 'mask2former:<dir>' (GenEval's)")
+                   help="'shapes', 'owlv2:<dir>' (the Telephone-Game reference MGG protocol: colour in the OWLv2 "
+                        "query, threshold 0.1 for every prompt type, positions by pixel offsets) or "
+                        "'mask2former:<dir>' (GenEval's rules and threshold 0.3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-batch image sampling seeds")
     add_shard_args(p)
     return p
@@ -217,5 +219,5 @@ def cli(argv: Sequence[str] | None = None) -> int:
     summary = {k: report[k] for k in ("MCD_avg", "MCD", "MGG", "MGG_micro") if k in report}
     summary["out"] = str(out)
     summary["repairs"] = len(report["repairs"])
-    print(json.dumps(summary, indent=1))
+    print(jsonsafe.dumps(summary, indent=1))
     return 0

@@ -2,13 +2,16 @@
 
 Rules and aggregation are pure functions; the detectors (:class:`Mask2FormerDetector`,
 :class:`Owlv2Detector`, :class:`ShapesDetector`) run models and load weights from disk. Used by the
-drift suite only.
+drift suite only. Two protocols, recorded in ``drift.json`` (``Detector.describe``):
 
-The rules follow GenEval's ``evaluation/evaluate_images.py`` (Ghosh et al., 2023); only the
-detector is pluggable: Mask2Former (COCO instance) with masked colour crops and threshold 0.3 is
-the GenEval-comparable one; OWLv2 with box crops and the Telephone-Game reference code's 0.1 is
-the one comparable with the paper's MGG numbers; ShapesWorld's exact detector serves its world.
-``drift.json`` records which (``Detector.describe``):
+* ``geneval`` (:func:`evaluate_detections`): the rules of GenEval's ``evaluation/evaluate_images.py``
+  (Ghosh et al., 2023), below. Mask2Former (COCO instance) with masked colour crops and threshold
+  0.3 is the GenEval-comparable detector; ShapesWorld's exact detector serves its world.
+* ``telephone-game`` (:func:`evaluate_reference`): the protocol of the Telephone-Game paper's public
+  MGG script (``semantic-drift/mgg.py`` of github.com/mollahsabbir/Semantic-Drift-in-Unified-Models),
+  used by ``--detector owlv2:<dir>``; see "Telephone-Game protocol" below.
+
+GenEval protocol:
 
 * **Detections kept** per class: score strictly above the detector's threshold (0.9 for ``counting`` prompts), sorted by
   score (highest first), at most 16 per class, no extra NMS (GenEval's defaults).
@@ -28,6 +31,37 @@ the one comparable with the paper's MGG numbers; ShapesWorld's exact detector se
 * **colour** (zero-shot CLIP): the box crop is classified among the 10 GenEval colours with the
   mean of the normalised text embeddings of three templates, "a photo of a {c} {object}",
   "a photo of a {c}-colored {object}", "a photo of a {c} object".
+
+Telephone-Game protocol (OWLv2, :func:`evaluate_reference`), as the reference script does it:
+
+* **queries**: one per include clause, ``"a photo of a {color} {class}"`` with the clause's
+  colour, ``"a photo of a {class}"`` without (:func:`reference_queries`); only the image's own
+  clauses are queried, one image at a time. Each OWLv2 box gets the query of its highest score
+  and that score; a box of query ``i`` counts for include clause ``i``'s class.
+* **threshold** 0.1 (:data:`OWLV2_THRESHOLD`) for every prompt type, counting included: a box is
+  kept when its score is > 0.1. No NMS, no cap on the number of boxes, no colour classifier (the
+  colour is in the query).
+* **include** ``{class, count}``: at least ``count`` kept boxes of ``class`` (all of them are used,
+  not the top ``count``). **position** ``[rel, j]``: every kept box of the class must stand in
+  ``rel`` to *at least one* box of clause ``j`` (which must have found its boxes); a clause whose
+  position fails still serves as a target for later clauses.
+* **exclude** ``{class, count}``: fails when ``count`` or more boxes of ``class`` were kept.
+* **relative position by pixel offsets** (:func:`pixel_relative_position`)::
+
+      o' = sign(o) * max(|o| - 0.1 * (d_A + d_B), 0)    (as above, in pixels)
+      left of: o'_x < -0.5,  right of: o'_x > 0.5,  above: o'_y < -0.5,  below: o'_y > 0.5
+
+  i.e. the margin-reduced offset itself, in pixels, is compared with half a pixel (GenEval
+  normalises it by ``||o||`` first).
+
+Where unicon's OWLv2 run still differs from the reference script: (1) the weights are whatever
+``owlv2:<dir>`` holds (the reference loads google/owlv2-large-patch14-ensemble; save that one to
+compare), recorded as ``source``; (2) boxes are scaled to the padded square of side
+``max(W, H)`` that OWLv2 sees, where the reference scales by ``(H, W)``, which distorts boxes of
+non-square images (identical for square ones); (3) the reference's loop stops after the first 4
+prompts of each generation (``if idx == 4: break``); unicon scores every prompt; (4) the
+reference reports the micro average over images; unicon reports it as ``MGG_micro`` next to the
+GenEval task mean ``MGG``.
 
 Aggregation: a task's accuracy is the fraction of its images that are correct; the **overall**
 score is the unweighted mean of the task accuracies (GenEval's ``summary_scores.py``). The
@@ -58,8 +92,12 @@ COLOR_TEMPLATES = (
     "a photo of a {c} {object}", "a photo of a {c}-colored {object}", "a photo of a {c} object",
 )
 THRESHOLD = 0.3
-#: the Telephone-Game reference code's OWLv2 score threshold (GenEval's 0.3 is for Mask2Former)
+#: the Telephone-Game reference code's OWLv2 score threshold, for every prompt type (GenEval's 0.3 is for Mask2Former)
 OWLV2_THRESHOLD = 0.1
+#: the Telephone-Game reference code's OWLv2 query; the class is "{color} {class}" when the clause has a colour
+REFERENCE_QUERY = "a photo of a {}"
+#: the protocols: GenEval's rules, or the Telephone-Game reference MGG script's (module docstring)
+PROTOCOLS = ("geneval", "telephone-game")
 #: GenEval's background for masked colour crops (``ImageCrops``: composite over "#999", then crop)
 MASK_BACKGROUND = (153, 153, 153)
 COUNTING_THRESHOLD = 0.9
@@ -131,6 +169,70 @@ def relative_position(
     if dy > 0.5:
         rels.add("below")
     return rels
+
+
+def pixel_relative_position(
+    box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN
+) -> set[str]:
+    """Relations of A to B by the Telephone-Game reference's rule: the margin-reduced centre offset,
+    in pixels and not normalised, compared with +-0.5 (module docstring). Boxes are ``[x, y, w, h]``."""
+    (xa, ya, wa, ha), (xb, yb, wb, hb) = box_a, box_b
+    dx, dy = xa + wa / 2 - (xb + wb / 2), ya + ha / 2 - (yb + hb / 2)
+    rx = max(abs(dx) - margin * (wa + wb), 0.0) * np.sign(dx)
+    ry = max(abs(dy) - margin * (ha + hb), 0.0) * np.sign(dy)
+    rels = set()
+    if rx < -0.5:
+        rels.add("left of")
+    if rx > 0.5:
+        rels.add("right of")
+    if ry < -0.5:
+        rels.add("above")
+    if ry > 0.5:
+        rels.add("below")
+    return rels
+
+
+def reference_queries(prompt: GenEvalPrompt, template: str = REFERENCE_QUERY) -> list[str]:
+    """The OWLv2 queries of the Telephone-Game protocol: one per include clause, colour included."""
+    return [template.format(f"{r.color} {r.cls}" if r.color is not None else r.cls) for r in prompt.include]
+
+
+def evaluate_reference(
+    prompt: GenEvalPrompt, detections: Sequence[Any], threshold: float = OWLV2_THRESHOLD,
+) -> "GenEvalResult":
+    """The Telephone-Game protocol on one image (module docstring): ``detections`` are labelled
+    with the class of the include clause whose query they answered; ``threshold`` applies to every
+    prompt type."""
+    kept: dict[str, list[Detection]] = defaultdict(list)
+    for i, d in enumerate(detections):
+        d = Detection.coerce(d, f"detection {i}")
+        if d.score > threshold:
+            kept[d.label].append(d)
+    correct, reasons = True, []
+    matched: list[list[Detection] | None] = []
+    for req in prompt.include:
+        found = kept.get(req.cls, [])
+        if len(found) < req.count:
+            correct = False
+            reasons.append(f"expected {req.cls}>={req.count} above score {threshold}, found {len(found)}")
+            matched.append(None)
+            continue
+        if req.position is not None:
+            rel, j = req.position
+            targets = matched[j] if j < len(matched) else None
+            if not targets:
+                correct = False
+                reasons.append(f"no target for {req.cls} to be {rel}")
+            elif not all(any(rel in pixel_relative_position(a.box, t.box) for t in targets) for a in found):
+                correct = False
+                reasons.append(f"expected {req.cls} {rel} target")
+        matched.append(found)
+    for req in prompt.exclude:
+        n = len(kept.get(req.cls, []))
+        if n >= req.count:
+            correct = False
+            reasons.append(f"expected {req.cls}<{req.count}, found {n}")
+    return GenEvalResult(correct, reasons)
 
 
 ColorFn = Callable[[Image.Image | None, Sequence[Detection], str], list[str]]
@@ -273,12 +375,21 @@ class Detector(abc.ABC):
     threshold: float = THRESHOLD
     source: str | None = None
 
+    #: which rules judge its detections (:data:`PROTOCOLS`)
+    protocol: str = "geneval"
+
     def describe(self) -> dict[str, Any]:
-        """What drift.json records: the detector, its weights, threshold and colour crops."""
-        return {"name": self.name, "source": self.source, "threshold": self.threshold,
+        """What drift.json records: the detector, its weights, protocol, thresholds and colour rule."""
+        if self.protocol == "telephone-game":
+            return {"name": self.name, "source": self.source, "protocol": self.protocol,
+                    "threshold": self.threshold, "counting_threshold": self.threshold,
+                    "query": REFERENCE_QUERY.format("[{color} ]{class}"), "color": "in the OWLv2 query",
+                    "position": "pixel offsets (Telephone-Game reference)"}
+        return {"name": self.name, "source": self.source, "protocol": self.protocol, "threshold": self.threshold,
                 "counting_threshold": COUNTING_THRESHOLD,
                 "color": "detections' own colours" if self.color_classifier is None else
-                ("CLIP on masked crops" if self.masks else "CLIP on box crops")}
+                ("CLIP on masked crops" if self.masks else "CLIP on box crops"),
+                "position": "normalised offsets (GenEval)"}
 
     #: whether detections carry instance masks (colour crops are then masked, as GenEval's)
     masks: bool = False
@@ -288,22 +399,30 @@ class Detector(abc.ABC):
 
 
 class Owlv2Detector(Detector):
-    """OWLv2 through transformers (``Owlv2ForObjectDetection``), queried with every class name.
+    """OWLv2 through transformers (``Owlv2ForObjectDetection``).
 
     ``path`` is a local ``save_pretrained`` directory (model + processor) or a hub id (needs network
     or a filled HF cache). Boxes are converted from the processor's ``[x0, y0, x1, y1]`` to ``[x, y, w, h]``.
-    The default ``threshold`` is the Telephone-Game reference code's 0.1 (:data:`OWLV2_THRESHOLD`:
-    the SDP-comparable setting); GenEval's 0.3 belongs to its Mask2Former. Colours come from box crops.
+
+    ``protocol="telephone-game"`` (the default, what ``--detector owlv2:<dir>`` runs) follows the
+    Telephone-Game reference MGG script (module docstring): each image is queried with its own
+    include clauses, colour in the query (:meth:`detect_prompts`), and judged by
+    :func:`evaluate_reference` at ``threshold`` (0.1, :data:`OWLV2_THRESHOLD`) for every prompt
+    type. ``protocol="geneval"`` queries every class name with ``query_template`` (:meth:`detect`)
+    and applies GenEval's rules (counting at 0.9, colours of box crops by ``color_classifier``).
     """
 
     name = "owlv2"
 
     def __init__(self, path: str, device: str = "cpu", color_classifier: ColorFn | None = None,
-                 query_template: str = "a photo of a {}", threshold: float = OWLV2_THRESHOLD):
+                 query_template: str = REFERENCE_QUERY, threshold: float = OWLV2_THRESHOLD,
+                 protocol: str = "telephone-game"):
         from transformers import Owlv2ForObjectDetection, Owlv2Processor
 
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol {protocol!r}: use one of {PROTOCOLS}")
         hint = ("give a local directory holding the model and processor (e.g. "
-                "google/owlv2-base-patch16-ensemble saved once with save_pretrained)")
+                "google/owlv2-large-patch14-ensemble saved once with save_pretrained)")
         local = Path(path).expanduser()
         if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") != 1):
             raise UserError(f"cannot load OWLv2: {local.resolve()} does not exist; {hint}")
@@ -313,25 +432,27 @@ class Owlv2Detector(Detector):
         except OSError as e:
             raise UserError(f"cannot load OWLv2 from {path!r}: {str(e).splitlines()[0]}; {hint}") from None
         self.device = device
-        self.color_classifier = color_classifier
+        self.protocol = protocol
+        self.color_classifier = color_classifier if protocol == "geneval" else None
         self.query_template = query_template
         self.threshold = float(threshold)
         self.source = str(path)
 
     @torch.no_grad()
-    def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
+    def _detect(self, images: Sequence[Image.Image], queries: Sequence[str],
+                labels: Sequence[str]) -> list[list[Detection]]:
+        """Every box of every image, labelled ``labels[i]`` for the query ``queries[i]`` it scores best on."""
         images = [im.convert("RGB") for im in images]
-        queries = [self.query_template.format(c) for c in class_names]
         # queries are padded to OWL's text length (it pools each query at its end token) and cut to it
         length = self.model.config.text_config.max_position_embeddings
-        inputs = self.processor(text=[queries] * len(images), images=images, return_tensors="pt",
+        inputs = self.processor(text=[list(queries)] * len(images), images=images, return_tensors="pt",
                                 padding="max_length", truncation=True, max_length=length)
         inputs = inputs.to(self.device)
         outputs = self.model(**inputs)
         # OWLv2 pads images to a square: boxes are relative to the padded square of side max(W, H)
         sizes = torch.tensor([[max(im.size)] * 2 for im in images])
         results = self.processor.post_process_grounded_object_detection(
-            outputs, threshold=0.0, target_sizes=sizes, text_labels=[list(class_names)] * len(images)
+            outputs, threshold=0.0, target_sizes=sizes, text_labels=[list(queries)] * len(images)
         )
         out = []
         for res in results:
@@ -339,9 +460,21 @@ class Owlv2Detector(Detector):
             rows = zip(res["boxes"].tolist(), res["scores"].tolist(), res["labels"].tolist())
             for box, score, label in rows:
                 x0, y0, x1, y1 = box
-                dets.append(Detection((x0, y0, x1 - x0, y1 - y0), class_names[int(label)], float(score)))
+                dets.append(Detection((x0, y0, x1 - x0, y1 - y0), labels[int(label)], float(score)))
             out.append(dets)
         return out
+
+    def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
+        """The GenEval protocol's detection: every image queried with ``query_template`` of every class."""
+        return self._detect(images, [self.query_template.format(c) for c in class_names], list(class_names))
+
+    def detect_prompts(self, images: Sequence[Image.Image],
+                       prompts: Sequence[GenEvalPrompt]) -> list[list[Detection]]:
+        """The Telephone-Game protocol's detection: image ``i`` queried with :func:`reference_queries` of
+        ``prompts[i]`` alone (one image per forward pass, so no padding query competes), each box
+        labelled with the class of the include clause whose query it answered."""
+        return [self._detect([im], reference_queries(p, self.query_template), [r.cls for r in p.include])[0]
+                for im, p in zip(images, prompts, strict=True)]
 
 
 class Mask2FormerDetector(Detector):
@@ -434,7 +567,8 @@ def check_detector_spec(spec: str) -> None:
         return
     if spec.split(":", 1)[0] not in DETECTORS or ":" not in spec:
         raise UserError(f"--detector {spec!r}: use 'shapes', 'owlv2:<local model directory>' (the Telephone-Game "
-                        "reference, threshold 0.1) or 'mask2former:<local model directory>' (GenEval's, 0.3)")
+                        "reference protocol: colour in the query, threshold 0.1 for every prompt type) or "
+                        "'mask2former:<local model directory>' (GenEval's rules, 0.3)")
     path = Path(spec.split(":", 1)[1]).expanduser()
     if not path.is_dir():
         raise UserError(f"--detector {spec}: {path} is not a local model directory (detectors load from disk only)")
@@ -469,9 +603,15 @@ def score_images(
     if class_names is None:
         class_names = sorted({r.cls for p in prompts for r in (*p.include, *p.exclude)})
     results = []
+    reference = getattr(detector, "protocol", "geneval") == "telephone-game"
     for s in range(0, len(images), batch_size):
-        dets = detector.detect(images[s : s + batch_size], class_names)
-        for p, im, d in zip(prompts[s : s + batch_size], images[s : s + batch_size], dets):
+        batch, batch_prompts = images[s : s + batch_size], prompts[s : s + batch_size]
+        if reference:
+            for p, d in zip(batch_prompts, detector.detect_prompts(batch, batch_prompts)):
+                results.append(evaluate_reference(p, d, threshold=detector.threshold))
+            continue
+        dets = detector.detect(batch, class_names)
+        for p, im, d in zip(batch_prompts, batch, dets):
             results.append(evaluate_detections(p, d, image=im, color_classifier=detector.color_classifier,
                                                threshold=detector.threshold))
     return summarize([p.tag for p in prompts], [r.correct for r in results]), results

@@ -23,12 +23,33 @@ first available of :data:`PREFERRED` (sentence embedder for t2t, DINO for i2i, C
 modalities).
 
 **SDR** (semantic drift rate). The paper's text defines only MCD and MGG; SDR comes from the
-authors' public reference code, which reports a drift rate per mapping and their average. Here
-``SDR_delta`` is ``b`` of the least-squares fit ``S_delta(g) ~ a exp(-b g) + c`` with ``b >= 0``
-(:func:`fit_decay`; needs >= 3 points of a mapping, i.e. G >= 5 or 6), and ``SDR_avg`` is the mean of
-``SDR_delta`` over the mappings whose fit succeeded, the reference's average. The reference code
-was not available to this project, so the estimator of ``b`` (the exponential fit) is unicon's;
-compare SDR across unicon runs, and with published SDR only as a trend.
+authors' public reference code (``semantic-drift/mcd-sdr.py`` of
+github.com/mollahsabbir/Semantic-Drift-in-Unified-Models). For each mapping it fits, by
+unconstrained least squares (scipy ``curve_fit``, Levenberg-Marquardt)::
+
+    S_delta(g) ~ a_delta * exp(-b_delta * g) + c_delta       over g in G_delta
+
+from the start point ``(a, b, c) = (1, 0.1, 0)`` with at most 5000 function evaluations and no
+bound on any parameter (``b`` may come out negative: similarity rising with g; a nearly linear
+curve may send ``a`` and ``c`` to large values of opposite signs with ``b`` near 0, as it does in
+the reference). :func:`fit_decay` uses exactly these settings. The reference then prints, as "SDR", the mean of the fitted triples
+``(a, b, c)`` over its four mappings. unicon reports, per mapping and over the mappings:
+
+* ``decay[delta]``: the fit ``{a, b, c, rmse}`` (or ``{error}``), also as ``SDR_abc[delta] = {a, b, c}``;
+* ``SDR_abc_mean = {a, b, c}``: the mean of the fitted triples, the reference's printed "SDR";
+* ``SDR[delta] = b_delta`` (the drift *rate*) and ``SDR_avg``: the mean of ``b_delta``, which is
+  the ``b`` of ``SDR_abc_mean``.
+
+Differences from the reference: (1) a mapping's similarity curve comes from the first available
+embedder of :data:`PREFERRED` (the reference hard-codes MPNet for t2t, DINO for i2i and CLIP for
+t2i / i2t; unicon's "text" embedder is MPNet or MiniLM); (2) a fit that fails (fewer than 3
+points, i.e. G < 5 / 6, non-finite similarities, or no convergence within 5000 evaluations) is
+recorded as ``{error}`` and the means run over the mappings whose fit succeeded, where the
+reference script stops with an exception; (3) when scipy cannot estimate the covariance (e.g.
+exactly 3 points) the fit is kept with a ``warning``, as the reference keeps it (it only prints
+the warning); (4) the reference also fits the mean of the four curves against ``g = 1..n`` for a
+plot only; unicon does not. When no fit succeeds, ``SDR_avg`` and ``SDR_abc_mean`` are None with
+``SDR_avg_reason`` saying why (drift.json holds no bare NaN, :mod:`.jsonsafe`).
 
 **G.** Every average above runs over generations ``1..G``: runs compare only at equal G. The paper
 uses ``G = 20`` (:data:`PAPER_G`); the epoch-end callback's default 4 is a cheap training-time
@@ -81,11 +102,23 @@ def mapping_generations(mapping: str, generations: int) -> list[int]:
     return [g for g in range(1, generations + 1) if g % 2 == parity]
 
 
-def fit_decay(gens: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
-    """Least-squares fit of ``S(g) = a exp(-b g) + c`` with ``0 <= b <= 50`` (scipy ``curve_fit``).
+#: start point and evaluation budget of the reference code's ``curve_fit`` (module docstring)
+DECAY_P0 = (1.0, 0.1, 0.0)
+DECAY_MAXFEV = 5000
 
-    Returns ``{"a", "b", "c", "rmse"}``, or ``{"error": reason}`` with fewer than 3 points,
-    non-finite values, or when the fit fails."""
+
+def decay(g, a, b, c):
+    """``a exp(-b g) + c``: the reference code's decay model."""
+    return a * np.exp(-b * np.asarray(g, dtype=float)) + c
+
+
+def fit_decay(gens: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
+    """Least-squares fit of ``S(g) = a exp(-b g) + c`` as the reference code fits it: scipy
+    ``curve_fit`` from ``p0 = (1, 0.1, 0)``, ``maxfev = 5000``, no bounds (``b`` may be negative).
+
+    Returns ``{"a", "b", "c", "rmse"}`` (plus ``"warning"`` when scipy could not estimate the
+    covariance), or ``{"error": reason}`` with fewer than 3 points, non-finite values, or when the
+    fit does not converge or gives non-finite parameters."""
     x, y = np.asarray(gens, dtype=float), np.asarray(values, dtype=float)
     if len(x) < 3:
         return {"error": f"needs >= 3 generations, got {len(x)}"}
@@ -93,19 +126,20 @@ def fit_decay(gens: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
         return {"error": "non-finite similarities"}
     from scipy.optimize import OptimizeWarning, curve_fit
 
-    def f(g, a, b, c):
-        return a * np.exp(-b * g) + c
-
-    p0 = (max(y[0] - y[-1], 1e-3), 0.5, y[-1])
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", OptimizeWarning)
-            (a, b, c), _ = curve_fit(f, x, y, p0=p0, bounds=([-np.inf, 0.0, -np.inf], [np.inf, 50.0, np.inf]),
-                                     maxfev=20000)
-    except (RuntimeError, ValueError, OptimizeWarning) as e:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", OptimizeWarning)
+            (a, b, c), _ = curve_fit(decay, x, y, p0=DECAY_P0, maxfev=DECAY_MAXFEV)
+    except (RuntimeError, ValueError, TypeError) as e:
         return {"error": f"curve_fit failed: {str(e).splitlines()[0]}"}
-    rmse = float(np.sqrt(np.mean((f(x, a, b, c) - y) ** 2)))
-    return {"a": float(a), "b": float(b), "c": float(c), "rmse": rmse}
+    if not np.all(np.isfinite([a, b, c])):
+        return {"error": f"curve_fit gave non-finite parameters ({a}, {b}, {c})"}
+    rmse = float(np.sqrt(np.mean((decay(x, a, b, c) - y) ** 2)))
+    fit = {"a": float(a), "b": float(b), "c": float(c), "rmse": rmse}
+    notes = [str(w.message).splitlines()[0] for w in caught if issubclass(w.category, OptimizeWarning)]
+    if notes:
+        fit["warning"] = notes[0]
+    return fit
 
 
 def mcd(similarities: Sequence[Mapping[str, Mapping[str, Sequence[float]]]], generations: int) -> dict[str, Any]:
@@ -115,8 +149,9 @@ def mcd(similarities: Sequence[Mapping[str, Mapping[str, Sequence[float]]]], gen
     at ``g in G_delta`` (:func:`mapping_generations`), one entry per seed in seed order; every seed
     has the same embedders and mappings. Returns ``{"S": {mapping: {g: value}}, "MCD": {mapping:
     value}, "MCD_avg", "embedder": {mapping: name}, "by_embedder": {name: {mapping: {"S", "MCD",
-    "per_chain"}}}, "decay": {mapping: fit}, "SDR": {mapping: b}, "SDR_avg"}`` (``SDR_avg`` is NaN
-    when no fit succeeded).
+    "per_chain"}}}, "decay": {mapping: fit}, "SDR": {mapping: b}, "SDR_avg", "SDR_abc": {mapping: {a, b, c}},
+    "SDR_abc_mean": {a, b, c}}``. ``SDR_avg`` and ``SDR_abc_mean`` are None, with ``SDR_avg_reason``,
+    when no fit succeeded; ``MCD_avg`` is None, with ``MCD_avg_reason``, when no mapping was computed.
     """
     if not similarities:
         raise ValueError("MCD needs at least one chain")
@@ -143,9 +178,21 @@ def mcd(similarities: Sequence[Mapping[str, Mapping[str, Sequence[float]]]], gen
                 result["embedder"][mapping] = name
                 result["decay"][mapping] = fit_decay(list(entry["S"]), list(entry["S"].values()))
                 break
-    result["MCD_avg"] = float(np.mean(list(result["MCD"].values()))) if result["MCD"] else float("nan")
-    result["SDR"] = {m: fit["b"] for m, fit in result["decay"].items() if "b" in fit}
-    result["SDR_avg"] = float(np.mean(list(result["SDR"].values()))) if result["SDR"] else float("nan")
+    if result["MCD"]:
+        result["MCD_avg"] = float(np.mean(list(result["MCD"].values())))
+    else:
+        result["MCD_avg"] = None
+        result["MCD_avg_reason"] = "no embedder supports any mapping of the chains computed"
+    fits = {m: fit for m, fit in result["decay"].items() if "b" in fit}
+    result["SDR"] = {m: fit["b"] for m, fit in fits.items()}
+    result["SDR_abc"] = {m: {k: fit[k] for k in "abc"} for m, fit in fits.items()}
+    if fits:
+        result["SDR_avg"] = float(np.mean(list(result["SDR"].values())))
+        result["SDR_abc_mean"] = {k: float(np.mean([fit[k] for fit in fits.values()])) for k in "abc"}
+    else:
+        failed = "; ".join(f"{m}: {fit.get('error')}" for m, fit in result["decay"].items())
+        result["SDR_avg"] = result["SDR_abc_mean"] = None
+        result["SDR_avg_reason"] = f"no decay fit succeeded ({failed or 'no mapping computed'})"
     return result
 
 
@@ -177,7 +224,8 @@ def drift_metrics(report: Mapping[str, Any], prefix: str = "drift") -> dict[str,
     ``MGG_micro`` and ``MGG_<task>`` (the task's accuracy averaged over the image generations)."""
     m: dict[str, float] = {}
     if "mcd" in report:
-        m[f"{prefix}/MCD_avg"] = report["MCD_avg"]
+        if report.get("MCD_avg") is not None:
+            m[f"{prefix}/MCD_avg"] = report["MCD_avg"]
         for k, v in report["MCD"].items():
             m[f"{prefix}/MCD_{k}"] = v
         for name, per in report["mcd"]["by_embedder"].items():
@@ -186,7 +234,7 @@ def drift_metrics(report: Mapping[str, Any], prefix: str = "drift") -> dict[str,
         for k, fit in report["mcd"]["decay"].items():
             if "b" in fit:
                 m[f"{prefix}/drift_rate_{k}"] = fit["b"]
-        if report["mcd"].get("SDR"):
+        if report["mcd"].get("SDR") and report["mcd"].get("SDR_avg") is not None:
             m[f"{prefix}/SDR_avg"] = report["mcd"]["SDR_avg"]
     if "mgg" in report:
         m[f"{prefix}/MGG"] = report["MGG"]

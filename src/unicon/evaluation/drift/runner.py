@@ -62,7 +62,7 @@ from unicon.embedders.base import Embedder
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_objects, gather_records, rank_and_world, shard_indices, writes_outputs
-from unicon.evaluation.drift import metrics, plots
+from unicon.evaluation.drift import jsonsafe, metrics, plots
 from unicon.evaluation.drift.geneval import Detector, score_images
 from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, PAPER_G, mapping_generations, modality
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
@@ -276,7 +276,7 @@ class ChainRunner:
                         f"({str(value)[:80]} != {str(info[key])[:80]}); use another --out or the same "
                         "settings"
                     )
-        atomic_write(path, json.dumps(info, indent=1).encode())
+        atomic_write(path, json.dumps(info, indent=1, allow_nan=False).encode())
 
     # -- verification of complete generations -------------------------------------------------------
     def _read_marker(self, chain: str, g: int) -> dict | None:
@@ -450,7 +450,7 @@ class ChainRunner:
             entry["captions" if is_text else "items"] = items
             jpath.parent.mkdir(parents=True, exist_ok=True)
             with open(jpath, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry) + "\n")
+                f.write(json.dumps(entry, allow_nan=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         if is_text:
@@ -462,7 +462,7 @@ class ChainRunner:
         changed = marker is not None and any(hashes[i] != marker["items"][i] for i in self.ids)
         new_marker = {"generation": g, "chain": chain, "modality": modality(chain, g), "count": len(self.ids),
                       "items": hashes}
-        atomic_write(self.layout.marker(chain, g), json.dumps(new_marker, indent=0).encode())
+        atomic_write(self.layout.marker(chain, g), json.dumps(new_marker, indent=0, allow_nan=False).encode())
         if jpath.exists():
             jpath.unlink()
         self.result.computed.setdefault(chain, []).append(g)
@@ -627,6 +627,10 @@ def evaluate_drift(
             report["mcd"] = mcd
             report["MCD_avg"], report["MCD"] = mcd["MCD_avg"], mcd["MCD"]
             report["SDR"], report["SDR_avg"] = mcd["SDR"], mcd["SDR_avg"]
+            report["SDR_abc_mean"] = mcd["SDR_abc_mean"]  # the reference code's printed "SDR"
+            for key in ("MCD_avg_reason", "SDR_avg_reason"):
+                if key in mcd:
+                    report[key] = mcd[key]
         trails = [(c, seeds[k].id, r["trail"][c]) for c in chains for k, r in records.items() if r["trail"]]
     if geneval_seeds:
         index = shard_indices(len(geneval_seeds))
@@ -651,5 +655,5 @@ def evaluate_drift(
         if trails:
             plots.plot_strips(trails, out / "strips.png")
             plots.save_strip_images(trails, out)
-        atomic_write(out / "drift.json", json.dumps(report, indent=1, default=float).encode())
+        atomic_write(out / "drift.json", jsonsafe.dumps(report, indent=1, default=float).encode())
     return report
