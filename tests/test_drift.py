@@ -863,7 +863,7 @@ def test_owlv2_detector_wiring_on_a_tiny_random_model(tmp_path):
         Owlv2Detector(str(tmp_path / "missing"))
 
 
-# ---- issue 22 item 4: drift fidelity (detectors, thresholds, SDR, GenEval-R, MPNet) ----------------------
+# ---- drift fidelity (detectors, thresholds, SDR, GenEval-R, MPNet) ----------------------
 def test_color_crop_masks_like_geneval_and_box_crop_without_mask():
     from unicon.evaluation.drift.geneval import MASK_BACKGROUND, Detection, color_crop
 
