@@ -1019,7 +1019,7 @@ class HashEmbedder(Embedder):
 
 
 def test_drift_json_is_strict_json_when_sdr_cannot_be_fitted(tmp_path):
-    from unicon.evaluation.drift.jsonsafe import loads_strict
+    from unicon.jsonsafe import loads_strict
 
     report = runner.evaluate_drift(chain_model(), tmp_path / "o", seeds=make_seeds(tmp_path, 8), generations=4,
                                    batch_size=4, embedders={"hash": HashEmbedder()}, strips=0)
@@ -1035,7 +1035,7 @@ def test_drift_json_is_strict_json_when_sdr_cannot_be_fitted(tmp_path):
 
 
 def test_strict_json_writer_replaces_non_finite_values_with_reasons():
-    from unicon.evaluation.drift import jsonsafe
+    from unicon import jsonsafe
 
     text = jsonsafe.dumps({"MGG": float("nan"), "SDR_avg": None, "SDR_avg_reason": "given",
                            "S": {1: np.float32("inf"), 2: 0.5}, "x": [float("-inf"), np.int64(3)]})

@@ -48,6 +48,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from unicon import jsonsafe
 from unicon.data.jsonl import read_json, read_jsonl
 from unicon.errors import UserError
 
@@ -95,8 +96,12 @@ def training_rho(metrics_file: Path) -> dict[str, float]:
 def summarize_run(flat: dict[str, float], train_rho: dict[str, float] | None = None) -> dict[str, float]:
     """The Table-2 columns of one run from its flat ``cococon/...`` metrics and its
     :func:`training_rho` (``train_rho/<task>/rise``); NaN where absent."""
-    get = lambda key: float(flat.get(key, math.nan))  # noqa: E731
-    out: dict[str, float] = {f"train_rho/{t}/rise": float((train_rho or {}).get(f"{t}/rise", math.nan)) for t in TASKS}
+    def number(source: dict | None, key: str) -> float:  # absent, or null in a strict-JSON record: NaN
+        value = (source or {}).get(key)
+        return math.nan if value is None else float(value)
+
+    get = lambda key: number(flat, key)  # noqa: E731
+    out: dict[str, float] = {f"train_rho/{t}/rise": number(train_rho, f"{t}/rise") for t in TASKS}
     for t in TASKS:
         for k in range(1, MAX_K + 1):
             out[f"{t}/C_{k}"] = get(f"cococon/{t}/C_{k}")
@@ -301,11 +306,12 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
                 record = {"method": method, "seed": seed, "args": args, "run_dir": result["run_dir"],
                           "global_step": result.get("global_step"), "cococon": flat,
                           "train_rho": training_rho(Path(result["run_dir"]) / "metrics.jsonl")}
-                record_file.write_text(json.dumps(record, indent=2) + "\n")
+                record_file.write_text(jsonsafe.dumps(record, indent=2) + "\n")
             runs[method][seed] = summarize_run(record["cococon"], record.get("train_rho"))
             records.append(record)
     summary = summarize(runs)
-    (out / "table2.json").write_text(json.dumps(
+    # strict JSON: a statistic that cannot be computed (one seed's interval, an absent column) is null
+    (out / "table2.json").write_text(jsonsafe.dumps(
         {"seeds": list(seeds), "methods": list(methods), "overrides": list(overrides), "runs": records,
          "summary": summary}, indent=2, default=lambda v: None) + "\n")
     (out / "table2.md").write_text(markdown(summary, seeds, overrides))

@@ -184,9 +184,9 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
     * per soft-rank variant (``<soft_rank>@<ε>``): ``soft_hard_gap`` (mean |soft − hard rank|),
       ``merged_rows`` (share of rows where some soft rank is > 0.01 from its hard rank),
       ``misordered_rows_without_gradient`` (share of the rows with ρ < 1 whose ``∂L_const/∂s_i`` is 0),
-      and the gradient norm that ``λ·L_const`` sends to the model's parameters through the task's
-      scores alone (``grad_task_side``, the anchor's scores detached) and through the anchor's alone
-      (``grad_anchor_side``);
+      and the gradient norm that ``λ_t·L_const`` (``lambda``: λ times the task's ``loss.task_lambda``)
+      sends to the model's parameters through the task's scores alone (``grad_task_side``, the
+      anchor's scores detached) and through the anchor's alone (``grad_anchor_side``);
     * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale."""
     from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
     from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
@@ -200,10 +200,10 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
     dm = ConsistencyDataModule(cfg.data, seed=cfg.seed)
     dm.setup("fit")
     params = [p for p in model.parameters() if p.requires_grad]
-    size, lam = int(cfg.data.contrast_batch_size), float(cfg.loss.lambda_)
-    report: dict[str, Any] = {"batches": batches, "contrast_batch_size": size, "lambda": lam,
-                              "init_from": cfg.init_from, "tasks": {}}
+    size, task_lambda = int(cfg.data.contrast_batch_size), dict(cfg.loss.task_lambda)
+    report: dict[str, Any] = {"batches": batches, "contrast_batch_size": size, "init_from": cfg.init_from, "tasks": {}}
     for task in cfg.loss.tasks:
+        lam = float(cfg.loss.lambda_) * float(task_lambda.get(task, 1.0))  # the task's λ_t
         usable = [i for i, sample in enumerate(dm.contrast.data)
                   if sample.contrast_sets and task in supported_tasks(sample, sample.contrast_sets, [task])]
         if not usable:
@@ -241,7 +241,7 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
                 anchor_side = consistency_loss("spearman", s0, si.detach(), mask, **kw)
                 add(f"{name}/grad_task_side", lam * _grad_norm(task_side, params))
                 add(f"{name}/grad_anchor_side", lam * _grad_norm(anchor_side, params))
-        report["tasks"][task] = {key: round(sum(v) / len(v), 5) for key, v in sorted(stats.items())}
+        report["tasks"][task] = {"lambda": lam, **{key: round(sum(v) / len(v), 5) for key, v in sorted(stats.items())}}
     return report
 
 

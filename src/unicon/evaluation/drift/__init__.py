@@ -3,7 +3,7 @@ by MCD (embedding similarity to the chain's input) and MGG (GenEval over generat
 
 Rooms, lowest first (each imports only the ones above it):
 
-* :mod:`.jsonsafe` -- strict JSON for the results files (non-finite values as null with a reason);
+* (:mod:`unicon.jsonsafe` writes its results files: non-finite values as null with a reason);
 * :mod:`.geneval` -- GenEval rules and the Telephone-Game reference MGG rules (pure), and the
   detectors that feed them (OWLv2, Mask2Former, ShapesWorld);
 * :mod:`.metrics` -- MCD, MGG, the decay fit and the logger scalars: pure functions of per-seed

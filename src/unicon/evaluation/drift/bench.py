@@ -22,7 +22,7 @@ import torch
 
 from unicon.errors import UserError
 from unicon.evaluation.drift.cli import add_chain_args
-from unicon.evaluation.drift import jsonsafe
+from unicon import jsonsafe
 from unicon.evaluation.drift.metrics import CHAINS
 from unicon.evaluation.drift.runner import run_chains
 from unicon.models.base import ImageGenerationConfig, UnifiedModel

@@ -31,7 +31,7 @@ from unicon.evaluation.cli_common import (
     Flag, add_common_args, add_config_args, add_image_generation_args, add_shard_args, check_common_args,
     config_argv, config_from_args, image_generation_config, load_model_for, sharding,
 )
-from unicon.evaluation.drift import jsonsafe
+from unicon import jsonsafe
 from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
 
 log = logging.getLogger(__name__)

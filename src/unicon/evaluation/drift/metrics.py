@@ -49,7 +49,7 @@ reference script stops with an exception; (3) when scipy cannot estimate the cov
 exactly 3 points) the fit is kept with a ``warning``, as the reference keeps it (it only prints
 the warning); (4) the reference also fits the mean of the four curves against ``g = 1..n`` for a
 plot only; unicon does not. When no fit succeeds, ``SDR_avg`` and ``SDR_abc_mean`` are None with
-``SDR_avg_reason`` saying why (drift.json holds no bare NaN, :mod:`.jsonsafe`).
+``SDR_avg_reason`` saying why (drift.json holds no bare NaN, :mod:`unicon.jsonsafe`).
 
 **G.** Every average above runs over generations ``1..G``: runs compare only at equal G. The paper
 uses ``G = 20`` (:data:`PAPER_G`); the epoch-end callback's default 4 is a cheap training-time

@@ -62,7 +62,8 @@ from unicon.embedders.base import Embedder
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_objects, gather_records, rank_and_world, shard_indices, writes_outputs
-from unicon.evaluation.drift import jsonsafe, metrics, plots
+from unicon import jsonsafe
+from unicon.evaluation.drift import metrics, plots
 from unicon.evaluation.drift.geneval import Detector, score_images
 from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, PAPER_G, mapping_generations, modality
 from unicon.models.base import ImageGenerationConfig, UnifiedModel

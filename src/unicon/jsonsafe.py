@@ -1,4 +1,4 @@
-"""Strict JSON for the drift suite's results: no bare ``NaN`` / ``Infinity`` in any file it writes.
+"""Strict JSON for results files (drift.json, table2.json, ...): no bare ``NaN`` / ``Infinity``.
 
 Python's :func:`json.dumps` writes non-finite floats as the bare tokens ``NaN`` and ``Infinity``,
 which are not JSON (RFC 8259) and which strict readers (``jq``, JavaScript's ``JSON.parse``,
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-#: top-level keys of drift.json whose value is a headline number: a null one carries a reason
+#: top-level keys whose value is a headline number (drift.json's): a null one carries a reason
 HEADLINE = ("MCD_avg", "SDR_avg", "MGG", "MGG_micro")
 
 
