@@ -167,12 +167,25 @@ def test_a_choice_set_in_a_group_file_names_the_file(cfg_dir):
     assert str(e.value) == f"{loss_file}: loss.regularization='l1' is not one of: l2, kl"
 
 
+@pytest.mark.parametrize("override, message", [
+    ("loss.task_lambda.caption=1", "loss.task_lambda.caption=1.0 names no evaluation task: use one of vqa, localization, t2i"),
+    ("loss.task_lambda.t2i=-0.5", "loss.task_lambda.t2i=-0.5 must be a number >= 0"),
+    ("loss.task_lambda.t2i=nan", "loss.task_lambda.t2i=nan must be a number >= 0"),
+    ("loss.task_lambda.t2i=lots", "invalid key 'loss.task_lambda.t2i': Value 'lots' of type 'str' could not be converted to Float"),
+])
+def test_task_lambda_is_checked_at_compose_time_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=re.escape(f"command line: {message}")):
+        compose(["experiment=shapes_consistency", override])
+    assert dict(compose(["loss.task_lambda.t2i=0.25"]).loss.task_lambda) == {"t2i": 0.25}
+
+
 def test_the_schema_choices_are_the_values_the_code_implements():
     from unicon.data.mixture import TASKS as MIXTURE_TASKS
-    from unicon.losses.consistency import DIRECTIONS, LOSS_TYPES
+    from unicon.losses.consistency import DIRECTIONS, LOSS_TYPES, SOFT_RANKS
     from unicon.training.module import SCHEDULERS
 
     assert set(allowed("loss.type")) == set(LOSS_TYPES)
+    assert set(allowed("loss.soft_rank")) == set(SOFT_RANKS)
     assert set(allowed("loss.direction")) == set(DIRECTIONS)
     assert set(allowed("data.tasks")) == set(MIXTURE_TASKS)
     assert set(allowed("optim.scheduler")) == set(SCHEDULERS)
