@@ -48,7 +48,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
         [], 0 if torch.cuda.is_available() else 2),
     "unicon train resume=checkpoints/shapes_consistency/last.ckpt trainer.max_epochs=4": ([], 0),
     "unicon train experiment=shapes_reason": (["trainer.max_steps=2"], 0),
-    "unicon experiment table2 --seeds 0 1 2 --out results/table2": (
+    "unicon experiment table2 --seeds 0 1 2 3 4 --out results/table2": (
         ["--seeds", "0", "--methods", "K", "M", "--", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
          "eval.cococon.max_samples=4", "eval.drift.enabled=false", "eval.ureason.enabled=false"], 0),
     "unicon build-data shapes --out data/shapes_gap --caption-gap purple": (
@@ -56,7 +56,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
          "--num-drift-seeds", "2", "--num-reason-train", "4", "--quiet"], 0),
     "unicon train experiment=shapes_pretrain name=shapes_gap_pretrain data.root=data/shapes_gap": (
         ["trainer.max_steps=2", *ONE_PROCESS], 0),
-    "unicon experiment table2 --seeds 0 1 2 --out results/table2_gap -- data.root=data/shapes_gap init_from=checkpoints/shapes_gap_pretrain/export eval.cococon.probe_words=[purple]": (
+    "unicon experiment table2 --seeds 0 1 2 3 4 --methods K M --out results/table2_gap -- data.root=data/shapes_gap init_from=checkpoints/shapes_gap_pretrain/export eval.cococon.probe_words=[purple]": (
         ["trainer.max_epochs=1", "trainer.limit_train_batches=1", "eval.cococon.max_samples=4",
          "eval.cococon.generative=false"], 0),
     "unicon evaluate cococon --ckpt checkpoints/shapes_demo/export --data data/shapes/cococon_test.json --out outputs/cococon": (

@@ -322,7 +322,7 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
 def cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="unicon experiment table2",
-        description="CocoCon Table 2 rows K (continued pretraining), M (soft-rank Spearman) and hinge, "
+        description="CocoCon Table 2 rows K (continued pretraining), M (soft-rank Spearman), M_paper and hinge, "
                     "from one checkpoint across seeds, with paired 95% intervals against K.",
         epilog="example: unicon experiment table2 --seeds 0 1 2 --out results/table2 -- "
                "init_from=checkpoints/shapes_pretrain/export",
