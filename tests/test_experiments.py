@@ -44,10 +44,11 @@ def test_run_metrics_reads_the_last_cococon_row_and_names_a_run_without_one(tmp_
 def test_training_rho_rise_is_last_epoch_mean_minus_first_and_is_tabulated(tmp_path):
     f = tmp_path / "metrics.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in [
-        {"step": 10, "train/rho/vqa/ema": 0.1},
-        {"step": 149, "train/rho/vqa/epoch_mean": 0.40, "train/rho/t2i/epoch_mean": 0.50},
-        {"step": 299, "train/rho/vqa/epoch_mean": 0.55, "train/rho/t2i/epoch_mean": float("nan")},
-        {"step": 449, "train/rho/vqa/epoch_mean": 0.70, "train/rho/t2i/epoch_mean": 0.45},
+        {"step": 9, "epoch": 0, "train/rho/vqa/ema": 0.1, "train/rho/vqa/epoch_mean": 0.1},
+        {"step": 149, "epoch": 0, "train/rho/vqa/epoch_mean": 0.40, "train/rho/t2i/epoch_mean": 0.50},
+        {"step": 299, "epoch": 1, "train/rho/vqa/epoch_mean": 0.55, "train/rho/t2i/epoch_mean": float("nan")},
+        {"step": 439, "epoch": 2, "train/rho/vqa/epoch_mean": 0.60, "train/rho/t2i/epoch_mean": 0.40},
+        {"step": 449, "epoch": 2, "train/rho/vqa/epoch_mean": 0.70, "train/rho/t2i/epoch_mean": 0.45},
     ]) + "\n")
     got = table2.training_rho(f)
     assert got["vqa/first"] == 0.40 and got["vqa/last"] == 0.70 and got["vqa/rise"] == pytest.approx(0.30)

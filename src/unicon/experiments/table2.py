@@ -81,14 +81,15 @@ def training_rho(metrics_file: Path) -> dict[str, float]:
     """Each task's training-batch ρ (``train/rho/<task>/epoch_mean``, the epoch means of the hard-rank
     Spearman ρ between captioning and the task on the consistency steps' rows) at the first and the
     last epoch of the run: ``{"<task>/first", "<task>/last", "<task>/rise"}`` (rise = last − first)."""
-    series: dict[str, list[float]] = {}
+    by_epoch: dict[str, dict[Any, float]] = {}  # the epoch's last logged running mean = its mean
     for _, row in read_jsonl(metrics_file, what="metrics file"):
         for t in TASKS:
             value = row.get(f"train/rho/{t}/epoch_mean")
             if isinstance(value, (int, float)) and math.isfinite(value):
-                series.setdefault(t, []).append(float(value))
+                by_epoch.setdefault(t, {})[row.get("epoch", len(by_epoch.get(t, {})))] = float(value)
     out: dict[str, float] = {}
-    for t, values in series.items():
+    for t, epochs in by_epoch.items():
+        values = list(epochs.values())
         out.update({f"{t}/first": values[0], f"{t}/last": values[-1], f"{t}/rise": values[-1] - values[0]})
     return out
 

@@ -21,8 +21,8 @@ Each training step receives a contrast batch and a pretraining-mixture batch
   tasks (:func:`token_weighted_ce`). With ``loss.type=none`` only the gold candidates are trained
   on (λ = 0: the paper's "+ Cont. Pretrain" control sees exactly the same data). Each consistency
   step also logs the hard-rank Spearman ρ of ``s0``/``si`` and the mean |soft − hard rank|; per
-  task, the training-batch ρ is logged as its epoch mean over the task's rows
-  (``train/rho/<task>/epoch_mean``) and as a moving average over its last ~20 rows
+  task, the training-batch ρ is logged as the running mean of the current epoch over the task's rows
+  (``train/rho/<task>/epoch_mean``: at the epoch's last step, the epoch mean) and as a moving average over its last ~20 rows
   (``train/rho/<task>/ema``, every step), for K from a gradient-free scoring of every candidate:
   whether the objective moves what it optimises.
 * otherwise -- **standard update**: the token-weighted CE of the mixture batch's gold
@@ -156,6 +156,9 @@ class ConsistencyModule(L.LightningModule):
         self.counts = {"consistency_updates": 0, "standard_updates": 0, "skipped_no_contrast": 0,
                        "skipped_nonfinite": 0, "truncated": 0}
         self.rho_ema: dict[str, float] = {}  # each task's training-batch ρ, moving average (RHO_EMA_RATE)
+        # each task's (Σ ρ·rows, Σ rows) over the current epoch's consistency steps so far; logged every
+        # step as the epoch's running mean (no on_epoch aggregation: its state is not in checkpoints)
+        self.rho_epoch: dict[str, Any] = {}
 
     # ---- Algorithm 1 ----------------------------------------------------------------------
     def draw_update(self) -> bool:
@@ -367,12 +370,17 @@ class ConsistencyModule(L.LightningModule):
             for key, name in (("rho_hard", "train/rank_rho_hard"), ("soft_hard_gap", "train/soft_hard_gap")):
                 if key in out and math.isfinite(out[key]):
                     self.log(name, out[key], batch_size=bs)
+            if self.rho_epoch.get("epoch") != self.current_epoch:  # a new epoch (kept across a resume)
+                self.rho_epoch = {"epoch": self.current_epoch, "tasks": {}}
             for task, (rho, rows) in out.get("rho", {}).items():
-                self.log(f"train/rho/{task}/epoch_mean", rho, on_step=False, on_epoch=True, batch_size=rows)
+                total, count = self.rho_epoch["tasks"].get(task, (0.0, 0))
+                self.rho_epoch["tasks"][task] = (total + rho * rows, count + rows)
                 previous = self.rho_ema.get(task, rho)
                 self.rho_ema[task] = previous + (1 - (1 - RHO_EMA_RATE) ** rows) * (rho - previous)
         for task, value in self.rho_ema.items():
             self.log(f"train/rho/{task}/ema", value, batch_size=1)
+        for task, (total, count) in self.rho_epoch.get("tasks", {}).items():
+            self.log(f"train/rho/{task}/epoch_mean", total / count, batch_size=1)
         self._log_counts()
         return loss
 
@@ -435,9 +443,14 @@ class ConsistencyModule(L.LightningModule):
         checkpoint["gamma_rng_state"] = self.gamma_rng.get_state()
         checkpoint["unicon_counts"] = dict(self.counts)
         checkpoint["unicon_rho_ema"] = dict(self.rho_ema)
+        checkpoint["unicon_rho_epoch"] = {"epoch": self.rho_epoch.get("epoch"),
+                                          "tasks": {t: list(v) for t, v in self.rho_epoch.get("tasks", {}).items()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "gamma_rng_state" in checkpoint:
             self.gamma_rng.set_state(checkpoint["gamma_rng_state"])
         self.counts.update(checkpoint.get("unicon_counts", {}))
         self.rho_ema.update(checkpoint.get("unicon_rho_ema", {}))
+        stored = checkpoint.get("unicon_rho_epoch") or {}
+        if stored.get("epoch") is not None:
+            self.rho_epoch = {"epoch": stored["epoch"], "tasks": {t: tuple(v) for t, v in stored["tasks"].items()}}
