@@ -74,7 +74,9 @@ def _timed(step_fn, batches: list, warmup: int, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def run_bench(cfg, steps: int = 10, warmup: int = 2, sequences: int = 32, device: str | None = None) -> dict:
+def _training_setup(cfg, device: str | None):
+    """``(device, model, module, datamodule, trainable parameters)`` as a training run builds them:
+    the seeded model in training mode, its :class:`ConsistencyModule` and the fitted data."""
     from unicon.training.datamodule import ConsistencyDataModule
     from unicon.training.module import ConsistencyModule
     from unicon.training.run import build_training_model
@@ -82,10 +84,13 @@ def run_bench(cfg, steps: int = 10, warmup: int = 2, sequences: int = 32, device
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
     model = build_training_model(cfg).to(dev).train()
-    module = ConsistencyModule(model, cfg)
     dm = ConsistencyDataModule(cfg.data, seed=cfg.seed)
     dm.setup("fit")
-    params = [p for p in model.parameters() if p.requires_grad]
+    return dev, model, ConsistencyModule(model, cfg), dm, [p for p in model.parameters() if p.requires_grad]
+
+
+def run_bench(cfg, steps: int = 10, warmup: int = 2, sequences: int = 32, device: str | None = None) -> dict:
+    dev, model, module, dm, params = _training_setup(cfg, device)
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled="bf16" in str(cfg.trainer.precision))
 
@@ -189,17 +194,10 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
       anchor's scores detached) and through the anchor's alone (``grad_anchor_side``);
     * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale."""
     from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
-    from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
-    from unicon.training.module import ConsistencyModule, supported_tasks, token_weighted_ce
-    from unicon.training.run import build_training_model
+    from unicon.training.datamodule import collate_contrast
+    from unicon.training.module import supported_tasks, token_weighted_ce
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(cfg.seed)
-    model = build_training_model(cfg).to(dev).train()
-    module = ConsistencyModule(model, cfg)
-    dm = ConsistencyDataModule(cfg.data, seed=cfg.seed)
-    dm.setup("fit")
-    params = [p for p in model.parameters() if p.requires_grad]
+    _, _, module, dm, params = _training_setup(cfg, device)
     size, task_lambda = int(cfg.data.contrast_batch_size), dict(cfg.loss.task_lambda)
     report: dict[str, Any] = {"batches": batches, "contrast_batch_size": size, "init_from": cfg.init_from, "tasks": {}}
     for task in cfg.loss.tasks:
