@@ -254,6 +254,41 @@ def test_kill9_then_resume_equals_uninterrupted_run(world, tmp_path):
     assert "report:" in report.stdout
 
 
+def test_csv_resume_survives_a_header_rewrite_after_the_checkpoint(tmp_path):
+    """Lightning's CSV writer rewrites ``metrics.csv`` under a wider header when a key first appears
+    after a checkpoint; the resume keeps every row written before the checkpoint (it keeps lines,
+    not a byte prefix that the rewrite has moved) and drops the later rows and a cut last line."""
+    from types import SimpleNamespace
+
+    from unicon.loggers import KeepingCSVLogger, LogFilesCallback
+
+    def csv_logger():
+        return KeepingCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+
+    logger = csv_logger()
+    for step in range(3):
+        logger.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+    trainer = SimpleNamespace(is_global_zero=True)
+    checkpoint = {"global_step": 3}
+    LogFilesCallback([logger]).on_save_checkpoint(trainer, None, checkpoint)
+    before = (tmp_path / "csv" / "metrics.csv").read_text()
+    logger.log_metrics({"train/loss": 0.2, "train/rho/vqa/epoch_mean": 0.5}, step=3)  # a new key: rewrite
+    logger.log_metrics({"train/loss": 0.1}, step=4)
+    logger.save()
+    path = tmp_path / "csv" / "metrics.csv"
+    rewritten = path.read_text()
+    assert rewritten.splitlines()[0] != before.splitlines()[0]  # the rewrite moved every byte offset
+    with path.open("a") as f:
+        f.write("0,5,0.0")  # a row cut by the kill
+    callback = LogFilesCallback([csv_logger()])
+    callback.on_load_checkpoint(trainer, None, checkpoint)
+    assert callback.dropped["csv"] == 3
+    lines = path.read_text().splitlines()
+    assert lines[0] == rewritten.splitlines()[0]
+    assert [line.split(",") for line in lines[1:]] == [line.split(",") for line in rewritten.splitlines()[1:4]]
+    assert len(lines) == len(before.splitlines())
+
+
 def test_report_skips_and_counts_unreadable_lines(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -7,8 +7,10 @@
   ``unicon report`` and users read the numbers back without W&B. The file exists from the start.
 
 A resumed run continues the same files: :class:`LogFilesCallback` records in every checkpoint how
-many bytes of ``metrics.jsonl`` and ``csv/metrics.csv`` existed when it was written; on resume
-each file keeps those bytes plus the later rows of steps before the restored step (Lightning logs
+many bytes of ``metrics.jsonl`` and how many lines of ``csv/metrics.csv`` existed when it was
+written (lines, not bytes: Lightning's CSV writer rewrites the whole file under a wider header when
+a new key appears, which moves every byte offset but keeps the rows and their order). On resume
+each file keeps that prefix plus the later rows of steps before the restored step (Lightning logs
 a step's metrics just after an on-batch-end checkpoint), and loses the rows a killed run wrote
 after its checkpoint, including a partial last line. Nothing written before the checkpoint is lost.
 
@@ -161,15 +163,21 @@ class KeepingCSVLogger(CSVLogger):
         return self._experiment
 
 
+def _split_at_line(data: bytes, keep_bytes: int) -> tuple[bytes, list[bytes]]:
+    """``data[:keep_bytes]`` cut back to its last complete line, and the lines after it (a line the
+    cut fell inside belongs to the tail, where its step decides whether it stays)."""
+    head = data[:keep_bytes]
+    if head and not head.endswith(b"\n"):
+        head = head[: head.rfind(b"\n") + 1]
+    return head, [line for line in data[len(head) :].split(b"\n") if line.strip()]
+
+
 def _trim_jsonl(path: Path, keep_bytes: int, restored_step: int) -> int:
     """Keep the first ``keep_bytes`` of a JSONL file plus later complete rows whose step is below
     ``restored_step``; returns the number of rows dropped."""
-    data = path.read_bytes()
-    head, tail = data[:keep_bytes], data[keep_bytes:]
+    head, tail = _split_at_line(path.read_bytes(), keep_bytes)
     kept, dropped = [], 0
-    for line in tail.split(b"\n"):
-        if not line.strip():
-            continue
+    for line in tail:
         try:
             row = json.loads(line)
             ok = isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < restored_step
@@ -179,21 +187,20 @@ def _trim_jsonl(path: Path, keep_bytes: int, restored_step: int) -> int:
             kept.append(line + b"\n")
         else:
             dropped += 1
-    if not head.endswith(b"\n") and head:
-        head = head[: head.rfind(b"\n") + 1]
     _atomic_write(path, head + b"".join(kept))
     return dropped
 
 
-def _trim_csv(path: Path, keep_bytes: int, restored_step: int) -> int:
-    """:func:`_trim_jsonl` for Lightning's ``metrics.csv`` (column ``step``)."""
-    data = path.read_bytes()
-    head, tail = data[:keep_bytes], data[keep_bytes:]
-    if not head.endswith(b"\n") and head:
-        head = head[: head.rfind(b"\n") + 1]
-    header = next(csv.reader(io.StringIO(head.decode() or data.decode())), [])
-    kept, dropped = [], 0
-    for line in tail.split(b"\n"):
+def _trim_csv(path: Path, keep_lines: int, restored_step: int) -> int:
+    """:func:`_trim_jsonl` for Lightning's ``metrics.csv`` (column ``step``), keeping the first
+    ``keep_lines`` lines (the header included) rather than a byte prefix."""
+    lines = path.read_bytes().split(b"\n")
+    cut = 1 if lines[-1].strip() else 0  # whatever follows the last newline is a row cut by the kill
+    keep_lines = max(keep_lines, 1)  # the header stays, even for a checkpoint written before any row
+    head, tail = lines[:-1][:keep_lines], lines[:-1][keep_lines:]
+    header = next(csv.reader(io.StringIO(head[0].decode() if head else "")), [])
+    kept, dropped = [], cut
+    for line in tail:
         if not line.strip():
             continue
         row = next(csv.reader(io.StringIO(line.decode(errors="replace"))), [])
@@ -204,10 +211,10 @@ def _trim_csv(path: Path, keep_bytes: int, restored_step: int) -> int:
             except ValueError:
                 ok = False
         if ok:
-            kept.append(line + b"\n")
+            kept.append(line)
         else:
             dropped += 1
-    _atomic_write(path, head + b"".join(kept))
+    _atomic_write(path, b"".join(line + b"\n" for line in head + kept))
     return dropped
 
 
@@ -234,9 +241,12 @@ class LogFilesCallback(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         sizes = {}
         for key, (lg, path) in self.files.items():
-            if isinstance(lg, CSVLogger) and trainer.is_global_zero:
-                lg.save()  # flush the rows buffered so far, so the file holds every row before this point
-            sizes[key] = path.stat().st_size if path.is_file() else 0
+            if isinstance(lg, CSVLogger):
+                if trainer.is_global_zero:
+                    lg.save()  # flush the rows buffered so far, so the file holds every row before this point
+                sizes["csv_lines"] = path.read_bytes().count(b"\n") if path.is_file() else 0
+            else:
+                sizes[key] = path.stat().st_size if path.is_file() else 0
         checkpoint[self.KEY] = sizes
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
@@ -245,11 +255,16 @@ class LogFilesCallback(Callback):
             return
         step = int(checkpoint.get("global_step", 0))
         for key, (lg, path) in self.files.items():
-            if path.is_file() and key in sizes:
-                trim = _trim_jsonl if key == "jsonl" else _trim_csv
-                self.dropped[key] = trim(path, int(sizes[key]), step)
-                if self.dropped[key]:
-                    print(f"resume: dropped {self.dropped[key]} row(s) of {path} written after the checkpoint")
+            if not path.is_file():
+                continue
+            if key == "jsonl" and "jsonl" in sizes:
+                self.dropped[key] = _trim_jsonl(path, int(sizes["jsonl"]), step)
+            elif key == "csv" and "csv_lines" in sizes:
+                self.dropped[key] = _trim_csv(path, int(sizes["csv_lines"]), step)
+            else:
+                continue
+            if self.dropped[key]:
+                print(f"resume: dropped {self.dropped[key]} row(s) of {path} written after the checkpoint")
 
 
 def wandb_mode(configured: str | None = None) -> str:
