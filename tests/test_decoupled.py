@@ -1,7 +1,8 @@
 """The decoupled backend (a VLM + a diffusion pipeline) on tiny random-weight components.
 
-``configs/model/decoupled_tiny.yaml`` is pointed at a 1-layer LLaVA and a tiny Stable Diffusion 1.x
-built by ``tests/standins.py``. References are independent paths: one uncached transformers forward
+``configs/model/decoupled_tiny.yaml`` builds a 1-layer LLaVA and a tiny Stable Diffusion 1.x itself
+(``arch.random_tiny_parts``); most tests point it at the same parts saved once to a folder
+(``tests/standins.py``). References are independent paths: one uncached transformers forward
 over the whole (prompt, reply) sequence for text, one (image, caption) pair per call for images.
 """
 
@@ -41,7 +42,8 @@ def image_tol(value) -> float:
 
 def _config(root: Path, **arch) -> dict:
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / "decoupled_tiny.yaml"))
-    cfg["arch"].update(vlm_path=str(root / "vlm"), diffusion_path=str(root / "diffusion"), **arch)
+    cfg["arch"].update(random_tiny_parts=False, vlm_path=str(root / "vlm"), diffusion_path=str(root / "diffusion"),
+                       **arch)
     return cfg
 
 
@@ -218,6 +220,32 @@ def test_save_and_reload_round_trip(model, images, tmp_path):
     with torch.no_grad():
         assert torch.equal(reloaded.score_image([["a cat"]], images[:1]).nll, model.score_image([["a cat"]], images[:1]).nll)
         assert torch.equal(reloaded.score_text(images[:1], ["q"], [["a"]]).nll, model.score_text(images[:1], ["q"], [["a"]]).nll)
+
+
+def test_the_shipped_config_builds_its_own_parts(parts, images, tiny_shapes_world, capsys):
+    """``decoupled_tiny.yaml`` as shipped builds the same tiny parts as the saved fixture (same seed),
+    leaves the caller's RNG alone, refuses paths beside ``random_tiny_parts``, and ``unicon bench
+    scoring --model-config decoupled_tiny`` runs on it with batched = naive."""
+    from unicon.errors import UserError
+    from unicon.models.bench import cli as bench_scoring
+
+    shipped = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / "decoupled_tiny.yaml"))
+    state = torch.random.get_rng_state()
+    built = DecoupledUnifiedModel.from_config(shipped).eval()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    saved = DecoupledUnifiedModel.from_config(_config(parts)).eval()
+    for (name, a), b in zip(built.vlm.state_dict().items(), saved.vlm.state_dict().values()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert torch.equal(built.score_text(images[:1], ["q"], [["a", "b"]]).nll,
+                           saved.score_text(images[:1], ["q"], [["a", "b"]]).nll)
+    shipped["arch"]["vlm_path"] = str(parts / "vlm")
+    with pytest.raises(UserError, match="random_tiny_parts"):
+        DecoupledUnifiedModel.from_config(shipped)
+    assert bench_scoring(["--model-config", "decoupled_tiny", "--world", str(tiny_shapes_world),
+                          "--samples", "4", "--k", "3", "--batch-size", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["agree"] and result["samples"] == 4
 
 
 # ---- evaluation suites ------------------------------------------------------------------------

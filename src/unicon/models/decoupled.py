@@ -91,7 +91,7 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -127,6 +127,7 @@ class DecoupledConfig:
 
     vlm_path: str = ""  # AutoModelForImageTextToText + AutoProcessor directory
     diffusion_path: str = ""  # DiffusionPipeline directory
+    random_tiny_parts: bool = False  # build a random tiny LLaVA + SD 1.x instead (unicon.models.tiny_parts)
     caption_prompt: str = "Describe the image in one sentence."
     box_format: str | None = None  # a BOX_FORMATS key; None = by the VLM's model_type (else "thousandths")
     grounding_prompt: str | None = None  # with "{expression}"; None = the box format's own
@@ -276,6 +277,8 @@ class DecoupledUnifiedModel(UnifiedModel):
         from diffusers import DiffusionPipeline
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        if settings.random_tiny_parts:
+            return cls._load_random_tiny_parts(settings, dtype)
         weights_dtype = torch_dtype(dtype) if dtype else None
         for key in ("vlm_path", "diffusion_path"):
             path = getattr(settings, key)
@@ -303,6 +306,26 @@ class DecoupledUnifiedModel(UnifiedModel):
         return cls(vlm, processor, pipeline, settings)
 
     @classmethod
+    def _load_random_tiny_parts(cls, settings: DecoupledConfig, dtype: str | None) -> "DecoupledUnifiedModel":
+        """``random_tiny_parts``: build the tiny LLaVA and SD 1.x of :mod:`unicon.models.tiny_parts` at
+        ``image_size`` (default 32) in a temporary folder and load them as checkpoints are loaded."""
+        import tempfile
+
+        from unicon.models.tiny_parts import build_tiny_llava, build_tiny_stable_diffusion
+
+        if settings.vlm_path or settings.diffusion_path:
+            raise UserError("model.arch.random_tiny_parts builds both parts: leave vlm_path and diffusion_path "
+                            f"empty (got {settings.vlm_path!r}, {settings.diffusion_path!r})")
+        size = settings.image_size or 32
+        with tempfile.TemporaryDirectory(prefix="unicon-decoupled-tiny-") as tmp:
+            built = replace(settings, random_tiny_parts=False,
+                            vlm_path=str(build_tiny_llava(Path(tmp) / "vlm", size)),
+                            diffusion_path=str(build_tiny_stable_diffusion(Path(tmp) / "diffusion", size)))
+            model = cls.load(built, dtype=dtype)
+        model.settings = replace(settings, vlm_path="<random tiny LLaVA>", diffusion_path="<random tiny SD 1.x>")
+        return model
+
+    @classmethod
     def from_pretrained(cls, path: str, dtype: str | None = None, allow_pickle: bool = False,
                         trust_remote_code: bool = False, map_location: str | torch.device | None = None,
                         **_ignored) -> "DecoupledUnifiedModel":
@@ -326,7 +349,8 @@ class DecoupledUnifiedModel(UnifiedModel):
         self.vlm.save_pretrained(root / "vlm")
         self.processor.save_pretrained(root / "vlm")
         self.pipeline.save_pretrained(root / "diffusion")
-        settings = {k: v for k, v in asdict(self.settings).items() if k not in ("vlm_path", "diffusion_path")}
+        settings = {k: v for k, v in asdict(self.settings).items()
+                    if k not in ("vlm_path", "diffusion_path", "random_tiny_parts")}  # the saved parts are real folders
         (root / _MARKER_FILE).write_text(json.dumps({"backend": self.backend, "settings": settings}, indent=1))
 
     # ---- inputs -------------------------------------------------------------------------
