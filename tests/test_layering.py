@@ -11,10 +11,14 @@ functions (a lazy import is still an import). Two graphs must be acyclic:
 
 Then every module is imported first, in a fresh interpreter, in sorted and in reverse-sorted order:
 a hidden cycle (``importlib.import_module`` of a name, a module ``__getattr__``) fails there.
+
+Last, the product explains the code, not its history: no numbered session or issue in ``src/``,
+``configs/``, ``tests/``, ``README.md`` or ``docs/*.md``; dated history lives in ``docs/notebook/``.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +106,28 @@ def test_every_module_imports_in_a_fresh_interpreter(graph, order):
             "    importlib.import_module(name)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# "<session or issue> <number>", written so that this file's own text does not match it
+HISTORY = re.compile(r"(?i)\b(" + "|".join(("session", "issue")) + r")\s+[0-9]+")
+
+
+def history_files() -> list[Path]:
+    """The product's text files: src/, configs/, tests/, README.md and docs/*.md (not docs/notebook/)."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    for root in ("src", "configs", "tests"):
+        files += sorted(p for p in (REPO / root).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return files
+
+
+def test_no_history_outside_the_notebook():
+    hits = []
+    for path in history_files():
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:  # not a text file
+            continue
+        hits += [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+                 for n, line in enumerate(lines, 1) if HISTORY.search(line)]
+    assert not hits, ("history belongs in docs/notebook/ (a dated file); the code, configs and README "
+                      "say why, not when:\n" + "\n".join(hits))

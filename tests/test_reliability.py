@@ -1,4 +1,4 @@
-"""Reliability of training runs (issues "Reliability I/II"): each test reproduces one finding.
+"""Reliability of training runs: each test reproduces one finding.
 
 * pickle only by consent: a ``.ckpt`` carrying an ``os.system`` payload is refused and runs nothing;
 * one model truth: ``init_from`` + another ``model=`` is refused;

@@ -130,7 +130,7 @@ class DataConfig:
     task_weights: dict[str, float] = field(default_factory=dict)
     # fraction of text-to-image rows (t2i) trained with an empty prompt, drawn per row and step: the
     # unconditional model that classifier-free guidance (image_generation.guidance_scale) contrasts with
-    # (ShapesWorld, 0.1: guidance 2-3 gave T2I 0%; results/shapes_consistency.md)
+    # (ShapesWorld, 0.1: guidance 2-3 gave T2I 0%; docs/notebook/2026-11-27-shapes-consistency-notebook.md)
     t2i_prompt_dropout: float = bounded(0.0, 0.0, 1.0)
     # where mixture rows come from: "shapes" = <root>/mixture_train.jsonl; "coco" = the files below
     # (unicon.data.coco_mixture; configs/data/coco.yaml derives them from the three *_root keys)

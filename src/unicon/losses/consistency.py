@@ -76,8 +76,9 @@ one of the two tasks ranks the gold candidate (index 0) first, that task's score
 only the other task moves toward its order; where both or neither do, both move. Why: in a world
 where VQA knows a concept that captioning does not (``unicon build-data shapes --caption-gap``),
 the mutual loss reached agreement by moving the task that was right: on the probed samples M
-raised VQA C₁ while VQA accuracy fell from 84-95% to 58-82% (results/shapes_consistency.md). The
-gold label is the one the L_ce term of the same step already uses.
+raised VQA C₁ while VQA accuracy fell from 84-95% to 58-82%
+(docs/notebook/2026-11-27-shapes-consistency-notebook.md). The gold label is the one the L_ce term
+of the same step already uses.
 
 :func:`rank_diagnostics` reports, per consistency step, the hard-rank Spearman ρ between the
 two tasks and the mean |soft rank − hard rank| of the ranks the loss uses (near 0: the loss

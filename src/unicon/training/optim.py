@@ -46,8 +46,8 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
     Difference from torch: on the CPU the products run in float32 (on accelerators in bfloat16, as
     torch's Muon does everywhere). A CPU without bfloat16 matrix units (AVX-512 without AMX, e.g.
     Cascade Lake) emulates bfloat16 products: the ``shapes-tiny`` step's iterations took 160 ms there in
-    bfloat16 against 43 ms in float32 (issue 16, session 15). float32 is also the more exact of the
-    two; the quintic's coefficients do not rely on bfloat16's rounding."""
+    bfloat16 against 43 ms in float32. float32 is also the more exact of the two; the quintic's
+    coefficients do not rely on bfloat16's rounding."""
     a, b, c = coefficients
     x = updates.float() if updates.device.type == "cpu" else updates.bfloat16()
     tall = x.shape[-2] > x.shape[-1]
@@ -73,7 +73,7 @@ class ShapeBatchedMuon(torch.optim.Muon):
     of all same-shaped matrices run as one batched product (in float32 on the CPU: :func:`newton_schulz`).
     torch's loop runs 15 small matrix products per matrix: for the 39 matrices of ``shapes-tiny`` that
     was 40 ms of a ~340 ms CPU step (fused AdamW: 2 ms); batched by shape, the whole Muon + AdamW step
-    takes about 25 ms (results/shapes_consistency.md, "Session 14").
+    takes about 25 ms.
 
     ``share_across_ranks`` (data parallelism, where every rank holds the same weights, gradients and
     momenta after DDP's all-reduce): rank ``r`` of ``W`` orthogonalises matrices ``r, r + W, ...`` of

@@ -24,9 +24,9 @@ truncation can make gold and contrast identical and so produce ties.
 With ``generative`` the model also captions, answers, locates and (with a ShapesWorld root or FID
 weights) draws every sample; :mod:`.metrics` turns those outputs into accuracies.
 
-Probed concepts (``probe_words``, issue 17's knowledge gap): the samples whose gold answer names
-one of the words (:func:`.metrics.names_any`) are also aggregated on their own, under
-``results["probe"]`` / ``cococon/probe/...``.
+Probed concepts (``probe_words``, e.g. the concept that a knowledge-gap world hides from
+captioning): the samples whose gold answer names one of the words (:func:`.metrics.names_any`) are
+also aggregated on their own, under ``results["probe"]`` / ``cococon/probe/...``.
 
 Distributed evaluation (:mod:`unicon.evaluation.distributed`): :func:`evaluate_model` takes this
 rank's :func:`shard_indices`; each rank keeps one record per sample (NLL rows, generated caption

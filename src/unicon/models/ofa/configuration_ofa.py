@@ -243,11 +243,11 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=1024,
         max_position_embeddings=192,  # think-then-draw prompts reach ~140 tokens
         d_model=128,
-        # 2+2 layers (3+3 before session 11): the pretraining budget (8 minutes) is bound by steps, not
-        # by depth. A step of the two-rank recipe costs 0.395 s against 3+3's 0.59 s (0.34 s once DDP
-        # stopped broadcasting buffers), so 1,250 steps fit where 920 did, and the attribute binding
-        # behind localization emerges within them on every seed tried (results/shapes_consistency.md,
-        # "Session 11"; VQA's colour/shape binding on one seed of three)
+        # 2+2 layers, not 3+3: the pretraining budget (8 minutes) is bound by steps, not by depth. A
+        # step of the two-rank recipe costs 0.395 s against 3+3's 0.59 s (0.34 s without DDP's buffer
+        # broadcast), so 1,250 steps fit where 920 did, and the attribute binding behind localization
+        # emerges within them on every seed tried (VQA's colour/shape binding on one seed of three;
+        # docs/notebook/2026-11-27-shapes-consistency-notebook.md)
         encoder_layers=2,
         decoder_layers=2,
         encoder_attention_heads=4,
@@ -264,15 +264,14 @@ OFA_PRESETS: dict[str, dict[str, Any]] = {
         # N(0, 1) token embeddings (= output projection) instead of N(0, init_std): trained from
         # scratch, the model then leaves the language-prior plateau (VQA loss ~0.6 nats/token,
         # answers from the question alone) in a few hundred steps; with 0.1 it stayed there for
-        # 1,600 steps (issue 16; /results/shapes_consistency.md)
+        # 1,600 steps (docs/notebook/2026-11-27-shapes-consistency-notebook.md)
         token_embedding_init_std=1.0,
         token_bucket_size=256,
         # a 5x5 position window around the 4x4 grid of 16-px cells (64 px images, 4x4 image codes; the
         # fifth row and column keep the decoder's filler position, the step after the last code, off
         # the cells: make_decoder_image_position_idx). OFA's 42 (a 42x42 window) left 1,748 of the 1,765
         # image position rows and 6,840 of each layer's 6,892 relative-position rows untouched: 26% of
-        # the parameters that DDP all-reduces and the optimizer steps every step, and a 25 MB bucket
-        # table (issue 16, session 15)
+        # the parameters that DDP all-reduces and the optimizer steps every step, and a 25 MB bucket table
         image_bucket_size=5,
         code_image_size=32,
         patch_image_size=64,
