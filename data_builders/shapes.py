@@ -63,7 +63,7 @@ from unicon.worlds.shapes_text import (
     number_word,
     answer_question,
     plural,
-    question_type,
+    question_category,
     realize_pattern,
     referring_expressions,
 )
@@ -284,7 +284,7 @@ def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
         qtype = types[(index + k) % len(types)]
         pool = [q for q in questions[qtype] if ok(q)]
         q = pool[rng.integers(len(pool))]
-        rows.append(row("vqa", k, q, answer_question(q, scene, cfg), question_type(q)))
+        rows.append(row("vqa", k, q, answer_question(q, scene, cfg), question_category(q)))
     refs = [(e, i) for i, o in enumerate(scene.objects) for e in referring_expressions(o, scene)]
     for k in range(min(args["grounding_per_scene"], len(refs))):
         e, i = refs[rng.integers(len(refs))]

@@ -52,7 +52,8 @@ QUESTION_TYPES = ("what color is the", "what shape is the", "how many", "is ther
                   "is the")
 
 
-def question_type(question: str) -> str:
+def vqa_question_type(question: str) -> str:
+    """VQAv2's ``question_type`` of a ShapesWorld question: the longest of :data:`QUESTION_TYPES` it starts with."""
     q = " ".join(question.lower().split())
     for prefix in QUESTION_TYPES:
         if q.startswith(prefix + " "):
@@ -150,7 +151,7 @@ def export_world(world_dir: str | Path, out_dir: str | Path | None = None, split
                                     f"{answer_question(q, scene, cfg)!r}, its files say {a!r}")
                 qid = image_id * 1000 + k
                 questions.append({"image_id": image_id, "question": q, "question_id": qid})
-                vqa.append({"question_id": qid, "image_id": image_id, "question_type": question_type(q),
+                vqa.append({"question_id": qid, "image_id": image_id, "question_type": vqa_question_type(q),
                             "answer_type": answer_type(a), "multiple_choice_answer": a,
                             "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": j + 1}
                                         for j in range(10)]})

@@ -383,7 +383,7 @@ def scene_boxes(scene: Scene, cfg: WorldConfig, seed: int | None = None) -> list
 # ---------------------------------------------------------------------------------------------
 # Parsing (the symbolic detector)
 # ---------------------------------------------------------------------------------------------
-class Detection(TypedDict):
+class ShapeDetection(TypedDict):
     """One detected object, in the dict format the GenEval rules consume."""
 
     box: list[int]  # [x, y, w, h] pixels
@@ -462,10 +462,10 @@ def parse(image, cfg: WorldConfig, tolerance: float | None = None) -> Scene:
     return Scene(tuple(o for o, _ in parse_cells(image, cfg, tolerance)))
 
 
-def detect(image, cfg: WorldConfig, tolerance: float | None = None) -> list[Detection]:
+def detect(image, cfg: WorldConfig, tolerance: float | None = None) -> list[ShapeDetection]:
     """Objects with pixel boxes, shape label, colour and ``score=1.0`` (the detector is exact)."""
     return [
-        Detection(box=object_box(o, cfg, off), label=o.shape, color=o.color, score=1.0)
+        ShapeDetection(box=object_box(o, cfg, off), label=o.shape, color=o.color, score=1.0)
         for o, off in parse_cells(image, cfg, tolerance)
     ]
 
@@ -638,7 +638,7 @@ def load_world(root: str | Path) -> World:
 
 
 __all__ = [
-    "WorldConfig", "ShapeObject", "Scene", "Detection", "NotAShapesWorldImage", "ShapesTokenizer", "World",
+    "WorldConfig", "ShapeObject", "Scene", "ShapeDetection", "NotAShapesWorldImage", "ShapesTokenizer", "World",
     "render", "parse", "parse_cells", "detect", "object_box", "scene_boxes", "scene_to_codes", "codes_to_scene",
     "relation_holds", "relations_between", "load_world", "shape_coverage", "shapes_image_tokenizer", "RELATIONS", "SPLITS", "UREASON_CATEGORIES",
 ]

@@ -392,7 +392,10 @@ def _parse_question(question: str) -> tuple[str, re.Match]:
     raise ValueError(f"not a ShapesWorld question: {question!r}")
 
 
-def question_type(question: str) -> str:
+def question_category(question: str) -> str:
+    """The grammar category of a ShapesWorld question (the first element of its parse; e.g. a count or
+    a relation question). Not VQAv2's ``question_type``, a question prefix: see
+    :func:`unicon.data.shapes_coco.vqa_question_type`."""
     return _parse_question(question)[0]
 
 

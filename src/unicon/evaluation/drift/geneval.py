@@ -121,7 +121,7 @@ class Detection:
             return d
         if isinstance(d, Mapping):
             get = d.get
-        elif all(hasattr(d, k) for k in ("box", "label", "score")):  # e.g. unicon.worlds.shapes.Detection
+        elif all(hasattr(d, k) for k in ("box", "label", "score")):  # e.g. unicon.worlds.shapes.ShapeDetection
             get = lambda k, default=None: getattr(d, k, default)  # noqa: E731
         else:
             raise ValueError(f"{where}: expected a dict with box/label/score, got {type(d).__name__}")
