@@ -31,10 +31,15 @@ test: $(STAMP)
 
 # The demo: build ShapesWorld (seconds), pretrain the tiny OFA once (minutes; reused afterwards),
 # then consistency training with epoch-end CocoCon / drift / UReason evaluation.
+# Each stage prints one line with its wall time.
 demo: $(STAMP)
-	@test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes
-	@test -f checkpoints/shapes_pretrain/export/config.json || $(VENV)/bin/unicon train experiment=shapes_pretrain
-	$(VENV)/bin/unicon train experiment=shapes_demo overwrite=true $(ARGS)
+	@t0=$$(date +%s); test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes && \
+	  echo "demo: world ready ($$(( $$(date +%s) - t0 )) s)"
+	@t0=$$(date +%s); test -f checkpoints/shapes_pretrain/export/config.json || \
+	  $(VENV)/bin/unicon train experiment=shapes_pretrain && echo "demo: pretrained model ready ($$(( $$(date +%s) - t0 )) s)"
+	@t0=$$(date +%s); echo "$(VENV)/bin/unicon train experiment=shapes_demo overwrite=true $(ARGS)"; \
+	  $(VENV)/bin/unicon train experiment=shapes_demo overwrite=true $(ARGS) && \
+	  echo "demo: consistency training with epoch-end evaluation ($$(( $$(date +%s) - t0 )) s)"
 
 clean-env:
 	rm -rf $(VENV)
