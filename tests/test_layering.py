@@ -95,6 +95,58 @@ def test_no_package_import_cycles(graph):
         f"  {via[a, b]}" for a, b in zip(cycle, cycle[1:]))
 
 
+#: The layers, lowest first: a package may import packages of its own layer or below, never above.
+#: ``evaluation`` sits under ``training``: a training run calls the suites at epoch end (their
+#: callbacks), while a suite never needs the training code and runs on any checkpoint by itself.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("unicon", "unicon.errors", "unicon.jsonsafe", "unicon.progress", "unicon.core", "unicon.config"),
+    ("unicon.worlds",),
+    ("unicon.data",),
+    ("unicon.embedders",),
+    ("unicon.models",),
+    ("unicon.losses",),
+    ("unicon.loggers", "unicon.report"),
+    ("unicon.evaluation",),
+    ("unicon.training",),
+    ("unicon.experiments", "data_builders"),
+    ("unicon.cli",),
+)
+#: Backends: modules of ``unicon.models`` that implement one model family each; none imports another.
+BACKENDS = ("unicon.models.ofa", "unicon.models.janus", "unicon.models.decoupled")
+
+
+def layer_of(package: str) -> int:
+    for i, members in enumerate(LAYERS):
+        if package in members:
+            return i
+    raise AssertionError(f"package {package} is in no layer of tests/test_layering.py: LAYERS; place it there")
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for every module edge whose target's package sits in a higher layer than its source's."""
+    return sorted(f"{module} -> {target}" for module, targets in edges.items() for target in targets
+                  if layer_of(package_of(target)) > layer_of(package_of(module)))
+
+
+def test_upward_imports_are_found():
+    edges = {"unicon.models.base": {"unicon.training.run", "unicon.data.mixture"}}
+    assert upward_imports(edges) == ["unicon.models.base -> unicon.training.run"]
+
+
+def test_layers_import_downward_only(graph):
+    bad = upward_imports(module_edges(graph))
+    assert not bad, "imports from a lower layer into a higher one (see LAYERS):\n" + "\n".join(bad)
+
+
+def test_no_backend_imports_another(graph):
+    def backend(module: str) -> str | None:
+        return next((b for b in BACKENDS if module == b or module.startswith(b + ".")), None)
+
+    bad = sorted(f"{m} -> {t}" for m, targets in module_edges(graph).items() for t in targets
+                 if backend(m) and backend(t) and backend(m) != backend(t))
+    assert not bad, "one backend imports another; move the shared code to a neutral module:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("order", ["sorted", "reversed"])
 def test_every_module_imports_in_a_fresh_interpreter(graph, order):
     modules = sorted(graph.modules)
