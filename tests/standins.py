@@ -1,6 +1,6 @@
-"""Tiny stand-ins for the real checkpoints the README's commands name, built locally in seconds.
+"""Tiny stand-ins for the real checkpoints the documented commands name, built locally in seconds.
 
-The README documents commands on real models (``checkpoints/pretrained/Janus-Pro-1B``, an OWLv2
+The README and docs/ document commands on real models (``checkpoints/pretrained/Janus-Pro-1B``, an OWLv2
 detector, a CLIP model, a Qwen-VL judge). Tests run those exact commands with each path pointing
 at a random-weight model of the same family and layout, saved with ``save_pretrained``:
 the code path is the real one, only the sizes differ.

@@ -448,13 +448,14 @@ def test_bench_build_cococon(capsys):
 
 
 def test_readme_commands(world, tmp_path, monkeypatch, capsys):
-    """The README's CocoCon-builder commands, as test_readme_commands runs them, in a small sandbox."""
+    """The CocoCon-builder commands of docs/evaluation.md, as test_readme_commands runs them, in a small
+    sandbox."""
     import test_readme_commands as readme
 
     proj = tmp_path / "project"
     shutil.copytree(world, proj / "data" / "shapes", ignore=shutil.ignore_patterns("coco"))
     commands = [c for c in readme.RUNS if "shapes_coco" in c or "build-data cococon" in c or "build-cococon" in c]
-    assert len(commands) == 4 and set(commands) <= set(readme.readme_commands())
+    assert len(commands) == 4 and set(commands) <= set(readme.documented_commands())
     outputs = {c: readme.run(c, proj, monkeypatch, capsys) for c in commands}
     verify = json.loads(outputs[next(c for c in commands if " verify " in c)])
     assert verify["sources"]["vocab"]["valid_rate"] >= 0.95 and verify["pivot_recall"]["recall"] >= 0.9

@@ -1,12 +1,15 @@
-"""Every command of the README runs, as written, in a sandbox project folder.
+"""Every command of the README and of the reference pages (``docs/*.md``) runs, as written, in a
+sandbox project folder.
 
-The sandbox has the README's relative layout (``data/shapes``, ``checkpoints/...``,
-``../shared`` beside it). Real checkpoints and absolute paths the README names are stand-ins of
+The sandbox has the documented relative layout (``data/shapes``, ``checkpoints/...``,
+``../shared`` beside it). Real checkpoints and absolute paths the commands name are stand-ins of
 the same format (``tests/standins.py``): a tiny ShapesWorld, tiny trained exports, the OFA
 reference fixture, random tiny Janus / OWLv2 / Qwen2-VL models. A command may get *extra*
 arguments appended that only make it small (fewer steps, samples or generations); it is never
-edited otherwise. A README command missing from ``RUNS`` fails the test: every documented command
-is run by some test.
+edited otherwise. A documented command missing from ``RUNS`` fails the test: every documented
+command is run by some test. A command shown on several pages (the README's tour repeats some of
+``docs/commands.md``) is one entry of ``RUNS`` and runs once; ``RUNS``' order is the run order.
+``docs/notebook/`` (dated notes) is not documentation of the current commands and is not read.
 
 ``make test`` is what CI runs; ``make demo`` has its own test below (the sandbox's world and
 pretrained export exist, so it goes straight to the shortened demo run).
@@ -35,7 +38,7 @@ SHARED = Path(os.environ.get("UNICON_SHARED_DIR", REPO.parent / "shared"))
 #: The recipe's own layout runs through the CLI in test_competence.
 ONE_PROCESS = ("trainer.devices=1", "trainer.strategy=auto")
 
-# README command -> (extra arguments that only shrink it, expected exit code)
+# documented command -> (extra arguments that only shrink it, expected exit code)
 RUNS: dict[str, tuple[list[str], int]] = {
     "unicon build-data shapes --out data/shapes": (
         ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
@@ -97,11 +100,15 @@ RUNS: dict[str, tuple[list[str], int]] = {
 NOT_HERE = {"make demo", "make test"}  # make test is CI itself; make demo: test_make_demo below
 
 
-def readme_commands() -> list[str]:
-    """Commands in the README's bash blocks (comments stripped, in order)."""
-    text = (REPO / "README.md").read_text()
+#: the pages whose bash blocks are documented commands: the README, then docs/*.md in name order
+#: (not docs/notebook/)
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def page_commands(page: Path) -> list[str]:
+    """Commands in one page's bash blocks (comments stripped, in order)."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
         for line in block.splitlines():
             command = re.split(r"\s+#", line, maxsplit=1)[0].rstrip()
             if command.startswith(("unicon ", "python ", "make ")):
@@ -109,9 +116,17 @@ def readme_commands() -> list[str]:
     return out
 
 
-def test_every_readme_command_has_a_run():
-    commands = readme_commands()
-    assert set(commands) - NOT_HERE == set(RUNS), "README commands without a test run (or stale entries)"
+def documented_commands() -> list[str]:
+    """Commands of the README and docs/*.md, page by page (a command shown on two pages twice)."""
+    return [command for page in PAGES for command in page_commands(page)]
+
+
+def test_every_documented_command_has_a_run():
+    commands = documented_commands()
+    assert set(commands) - NOT_HERE == set(RUNS), "documented commands without a test run (or stale entries)"
+    for page in PAGES:
+        shown = page_commands(page)
+        assert len(shown) == len(set(shown)), f"{page.name} shows a command twice"
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +150,7 @@ def sandbox(tmp_path_factory) -> Path:
 
 
 def absolute(command: str, proj: Path) -> str:
-    """The README's absolute paths (``/data``, ``/models``) moved under the sandbox's parent."""
+    """The documented absolute paths (``/data``, ``/models``) moved under the sandbox's parent."""
     return re.sub(r"(?<=[ :])/(data|models)/", lambda m: f"{proj.parent}/{m.group(1)}/", command)
 
 

@@ -148,7 +148,7 @@ class UnifiedModel(nn.Module, abc.ABC):
     def score_text(
         self, images: ImageBatch | None, prompts: Sequence[str], candidates: Sequence[Sequence[str]]
     ) -> Scores:
-        """NLL of each candidate text given (image, prompt). [B] x [B][K] -> [B, K].
+        """NLL of each candidate text given (image, prompt): ``[B] x [B][K] -> [B, K]``.
 
         ``images=None`` scores text-only continuations with exactly the prompt format of
         :meth:`reason` (think-then-draw traces: the training target of :meth:`reason`).
@@ -158,7 +158,7 @@ class UnifiedModel(nn.Module, abc.ABC):
     def score_boxes(
         self, images: ImageBatch, expressions: Sequence[Sequence[str]], boxes: Sequence[Box]
     ) -> Scores:
-        """NLL of the fixed box ``boxes[b]`` given (image, expression k). [B][K] -> [B, K].
+        """NLL of the fixed box ``boxes[b]`` given (image, expression k): ``[B][K] -> [B, K]``.
 
         ``boxes[b]`` is in pixels of ``images[b]`` (``image_sizes`` must be known:
         PIL inputs carry them; tensor inputs are assumed already at model size).
@@ -167,7 +167,7 @@ class UnifiedModel(nn.Module, abc.ABC):
     @abc.abstractmethod
     def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch,
                     contexts: Sequence[str] | None = None) -> Scores:
-        """NLL of the image's own tokens given each prompt k. [B][K] x [B] -> [B, K].
+        """NLL of the image's own tokens given each prompt k: ``[B][K] x [B] -> [B, K]``.
 
         ``contexts[b]``, when given, follows every prompt of row b, exactly as ``context`` does in
         :meth:`generate_image` (UReason's ``[P, R]``); cut it with :meth:`fit_context` first."""
