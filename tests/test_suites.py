@@ -19,6 +19,7 @@ from unicon.evaluation import suites
 from unicon.evaluation.cli_common import Flag, add_config_args, config_argv, config_from_args
 from unicon.evaluation.cococon import cli as cococon_cli
 from unicon.evaluation.drift import cli as drift_cli
+from unicon.evaluation.shapes import cli as shapes_cli
 from unicon.evaluation.ureason import cli as ureason_cli
 
 #: suite -> (its section class, its parser, its FLAGS, fields without a flag, required arguments)
@@ -26,6 +27,7 @@ GENERATED = {
     "cococon": (config.CocoConEvalConfig, cococon_cli.parser, cococon_cli.FLAGS, (), ["--data", "d"]),
     "drift": (config.DriftEvalConfig, drift_cli.build_parser, drift_cli.FLAGS, drift_cli.SKIP, []),
     "ureason": (config.UReasonEvalConfig, ureason_cli.build_parser, ureason_cli.FLAGS, (), ["--data", "d"]),
+    "shapes": (config.ShapesEvalConfig, shapes_cli.parser, shapes_cli.FLAGS, (), []),
 }
 
 
@@ -162,7 +164,9 @@ def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkey
 
     monkeypatch.setattr(run, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
     registered = [(s.section, s.callback_class().__name__) for s in suites.suites().values() if s.callback]
-    assert [section for section, _ in registered] == ["cococon", "drift", "ureason"]
-    assert run.make_eval_callbacks(compose(["eval=shapes"])) == registered
+    assert [section for section, _ in registered] == ["cococon", "drift", "ureason", "shapes"]
+    assert run.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == registered
+    assert run.make_eval_callbacks(compose(["eval=shapes"])) == [r for r in registered if r[0] != "shapes"]
     assert run.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
-        [r for r in registered if r[0] != "drift"]
+        [r for r in registered if r[0] not in ("drift", "shapes")]
+    assert run.make_eval_callbacks(compose(["eval=shapes_tasks"])) == [r for r in registered if r[0] == "shapes"]

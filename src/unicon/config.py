@@ -82,6 +82,7 @@ PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-tru
 MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
 OPTIMIZERS = ("adamw", "muon")  # optim.name (unicon.training.optim.build_optimizer)
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
+SHAPES_EVAL_TASKS = ("vqa", "caption", "grounding", "t2i")  # the tasks of `unicon evaluate shapes`
 
 
 @dataclass
@@ -255,11 +256,26 @@ class UReasonEvalConfig:
 
 
 @dataclass
+class ShapesEvalConfig:
+    # off unless an eval group turns it on (configs/eval/shapes_tasks.yaml), so that run configs stored
+    # before this section existed (a resumed checkpoint) keep their epoch-end work
+    enabled: bool = False
+    every_n_epochs: int = bounded(1, 1)
+    data: Optional[str] = None  # ShapesWorld root; default data.root
+    split: str = choice("test", ("train", "val", "test"))
+    max_samples: int = bounded(16, 1)  # examples per task (the first ones of the split)
+    batch_size: int = bounded(32, 1)
+    tasks: list[str] = choice(list(SHAPES_EVAL_TASKS), SHAPES_EVAL_TASKS, each=True)
+    examples: int = bounded(6, 0)  # examples per task in the picture (shapes_eval.png)
+
+
+@dataclass
 class EvalConfig:
     fail_on_error: bool = False  # an exception inside an epoch-end evaluation kills the run
     cococon: CocoConEvalConfig = field(default_factory=CocoConEvalConfig)
     drift: DriftEvalConfig = field(default_factory=DriftEvalConfig)
     ureason: UReasonEvalConfig = field(default_factory=UReasonEvalConfig)
+    shapes: ShapesEvalConfig = field(default_factory=ShapesEvalConfig)
 
 
 @dataclass
@@ -591,7 +607,8 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
                 fail(key, *problem)
 
     walk(RunConfig, cfg, "")
-    for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders"):
+    for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders",
+                "eval.shapes.tasks"):
         items = list(OmegaConf.select(cfg, key))
         if len(set(items)) != len(items):
             fail(key, items, "lists a value twice")

@@ -1,7 +1,7 @@
 """Epoch-end evaluation: the shared callback base and logging of scalars and tables.
 
-Each suite (``cococon``, ``drift``, ``ureason``) subclasses :class:`EvalCallback` in its own
-module and implements only ``evaluate(trainer, model) -> {metric: value}``. The base decides
+Each suite (``cococon``, ``drift``, ``ureason``, ``shapes``) subclasses :class:`EvalCallback` in its
+own module and implements only ``evaluate(trainer, model) -> {metric: value}``. The base decides
 *when* to run (every ``every_n_epochs`` training epochs), puts the model in eval mode under
 ``torch.no_grad``, times the run, isolates failures (an exception is logged and reported as
 ``<suite>/failed = 1`` unless ``fail_on_error``), and sends the scalars to every logger of the
