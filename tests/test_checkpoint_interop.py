@@ -374,7 +374,7 @@ def test_lora_export_holds_a_peft_adapter_folder_that_peft_loads(tiny_shapes_wor
     from unicon.config import compose
     from unicon.models import build_model, load_model
     from unicon.models.lora import apply_lora
-    from unicon.training.checkpoints import export_model
+    from unicon.models.checkpoints import export_model
 
     cfg = compose(["model=ofa_shapes_tiny", f"data.root={tiny_shapes_world}", "model.lora.enabled=true",
                    "model.lora.r=4", "model.lora.alpha=8", *TINY])

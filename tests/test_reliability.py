@@ -338,12 +338,12 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("override,expected", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
 def test_bad_value_fails_at_compose_time_with_one_line(override, expected, capsys, tmp_path, monkeypatch):
-    import unicon.models
+    import unicon.models.factory
 
     def never(*a, **k):  # compose-time validation: no model may be built
         raise AssertionError("a model was built before the config was validated")
 
-    monkeypatch.setattr(unicon.models, "build_model", never)
+    monkeypatch.setattr(unicon.models.factory, "build_model", never)
     code = unicon_main(["train", override, f"output_dir={tmp_path}"])
     line = one_line_error(capsys, code)
     assert expected in line and "command line" in line, line

@@ -101,14 +101,14 @@ def test_bf16_mixed_trains_m_and_k_with_fused_adamw_and_clipping(tiny_shapes_wor
 
 
 def test_nonfinite_guard_under_bf16_mixed(tmp_path, monkeypatch):
-    import unicon.models
+    import unicon.models.factory
     from test_training import TinyUnified, make_world, run_cfg
 
     from unicon.training.module import NonFiniteLossError
     from unicon.training.run import train
 
     world = make_world(tmp_path / "world")
-    monkeypatch.setattr(unicon.models, "build_model", lambda c, world_root=None: TinyUnified(nan=True))
+    monkeypatch.setattr(unicon.models.factory, "build_model", lambda c, world_root=None: TinyUnified(nan=True))
     with pytest.raises(NonFiniteLossError, match=r"global step 0 \(batch 0"):
         train(run_cfg(world, tmp_path, "trainer.max_steps=1", "trainer.precision=bf16-mixed"))
 

@@ -262,9 +262,9 @@ def world(tmp_path):
 @pytest.fixture()
 def double(monkeypatch):
     """Route build_model to the test double."""
-    import unicon.models
+    import unicon.models.factory
 
-    monkeypatch.setattr(unicon.models, "build_model", lambda model_cfg, world_root=None: TinyUnified())
+    monkeypatch.setattr(unicon.models.factory, "build_model", lambda model_cfg, world_root=None: TinyUnified())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,9 +564,9 @@ def test_train_writes_checkpoint_config_export_and_resumes_exactly(world, tmp_pa
 
 
 def test_nonfinite_loss_stops_with_step_and_ids_or_is_skipped(world, tmp_path, monkeypatch):
-    import unicon.models
+    import unicon.models.factory
 
-    monkeypatch.setattr(unicon.models, "build_model", lambda c, w=None: TinyUnified(nan=True))
+    monkeypatch.setattr(unicon.models.factory, "build_model", lambda c, w=None: TinyUnified(nan=True))
     with pytest.raises(NonFiniteLossError, match=r"global step 0 \(batch 0, \w+ update, example ids \["):
         train(run_cfg(world, tmp_path, "trainer.max_steps=1"))
     out = train(run_cfg(world, tmp_path, "name=skip", "trainer.max_steps=2", "trainer.max_epochs=1",
@@ -575,7 +575,7 @@ def test_nonfinite_loss_stops_with_step_and_ids_or_is_skipped(world, tmp_path, m
 
 
 def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatch):
-    import unicon.models
+    import unicon.models.factory
 
     class WithProj(TinyUnified):
         def __init__(self):
@@ -585,7 +585,7 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
         def _context(self, pooled, prompts):
             return self.fc1(super()._context(pooled, prompts))
 
-    monkeypatch.setattr(unicon.models, "build_model", lambda c, w=None: WithProj())
+    monkeypatch.setattr(unicon.models.factory, "build_model", lambda c, w=None: WithProj())
     cfg = run_cfg(world, tmp_path, "trainer.max_steps=2", "model.lora.enabled=true", "model.lora.r=2",
                   "model.lora.target_modules=[fc1]")
     model = build_training_model(cfg)
@@ -608,7 +608,7 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
     expected = before["fc1.base_layer.weight"] + (16 / 2) * lora_b @ lora_a
     torch.testing.assert_close(sd["fc1.weight"], expected)
     # the .ckpt of a LoRA run loads through the one checkpoint loader, adapters re-applied
-    monkeypatch.setattr(unicon.models, "build_model", lambda c, world_root=None: WithProj())
+    monkeypatch.setattr(unicon.models.factory, "build_model", lambda c, world_root=None: WithProj())
     reloaded, _ = unicon.models.load_lightning_checkpoint(out["ckpt_path"])
     torch.testing.assert_close(reloaded.state_dict()["fc1.lora_B.default.weight"], lora_b)
 
@@ -777,7 +777,7 @@ def test_real_tiny_ofa_trains_exports_and_reloads(tiny_shapes_world, tmp_path):
 
 
 def test_gradient_checkpointing_reaches_the_hf_backbone(tiny_shapes_world):
-    from unicon.training.run import enable_gradient_checkpointing
+    from unicon.models.factory import enable_gradient_checkpointing
 
     model = build_model(compose(["model=ofa_shapes_tiny"]).model, tiny_shapes_world)
     enable_gradient_checkpointing(model)

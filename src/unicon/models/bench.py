@@ -56,7 +56,8 @@ def load_contrast_sets(path: Path, images_root: Path, k: int, limit: int) -> lis
 
 
 def _load(args) -> "object":
-    from unicon.models import build_model, load_model
+    from unicon.models.checkpoints import load_model
+    from unicon.models.factory import build_model
 
     if args.ckpt:
         return load_model(args.ckpt, world_root=args.world)

@@ -111,8 +111,8 @@ from unicon.models.base import (
     check_candidates,
     pad_scores,
 )
-from unicon.models.janus import format_box as format_thousandths_box
-from unicon.models.janus import parse_box as parse_thousandths_box
+from unicon.models.boxes import format_box as format_thousandths_box
+from unicon.models.boxes import parse_box as parse_thousandths_box
 from unicon.models.registry import register_backend
 
 logger = logging.getLogger(__name__)

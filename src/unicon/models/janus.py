@@ -64,7 +64,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import re
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -82,6 +81,7 @@ from unicon.models.base import (
     UnifiedModel,
     check_candidates,
 )
+from unicon.models.boxes import format_box, parse_box
 from unicon.models.lora import inject_lora, merge_lora
 from unicon.models.registry import register_backend
 
@@ -118,8 +118,6 @@ GROUNDING_PROMPT = (
     'Which region does the text "{expression}" describe? '
     "Answer with a box [x1, y1, x2, y2] in coordinates normalised to 0-1000."
 )
-_NUM = r"\s*(-?\d+(?:\.\d+)?)\s*"
-_BOX_RE = re.compile(r"\[" + ",".join([_NUM] * 4) + r"\]")
 _SENTINEL = "\u2063UNICON_TEXT\u2063"
 _MARKER_FILE = "unicon_model.json"
 _LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,26 +125,6 @@ _LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 class NotAJanusCheckpoint(UserError, ValueError):
     """``from_pretrained`` was pointed at something that is not a transformers Janus checkpoint."""
-
-
-def format_box(box: Box, width: float, height: float) -> str:
-    """``[x, y, w, h]`` pixels -> ``"[x1, y1, x2, y2]"`` integers in 0..1000 of (width, height)."""
-    if len(box) != 4:
-        raise ValueError(f"box {list(box)} must have 4 numbers [x, y, w, h]")
-    x, y, w, h = (float(v) for v in box)
-    corners = (x / width, y / height, (x + w) / width, (y + h) / height)
-    return "[" + ", ".join(str(int(round(1000 * min(max(c, 0.0), 1.0)))) for c in corners) + "]"
-
-
-def parse_box(text: str, width: float, height: float) -> list[float] | None:
-    """Inverse of :func:`format_box`: first ``[x1, y1, x2, y2]`` in ``text`` -> ``[x, y, w, h]`` pixels."""
-    m = _BOX_RE.search(text)
-    if m is None:
-        return None
-    x1, y1, x2, y2 = (float(g) / 1000.0 for g in m.groups())
-    x1, x2 = sorted((x1, x2))
-    y1, y2 = sorted((y1, y2))
-    return [x1 * width, y1 * height, (x2 - x1) * width, (y2 - y1) * height]
 
 
 def build_byte_tokenizer(model_max_length: int = 4096):

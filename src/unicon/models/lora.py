@@ -11,7 +11,10 @@ The adapters are injected in place (parameter names stay ``<layer>.base_layer.we
 ``<layer>.lora_A/B.default.weight``, so checkpoints keep their keys). :func:`inject_lora` keeps
 PEFT's ``LoraModel`` tuner that did the injection in the model's ``__dict__`` (not as a submodule,
 so it is no part of ``state_dict``), and :func:`merge_lora` unloads through it with PEFT's own
-``merge_and_unload`` / ``unload``.
+``merge_and_unload`` / ``unload``; :func:`has_lora` says whether a model holds adapters.
+
+It may import torch and PEFT, nothing of unicon: writing adapters to disk (PEFT's format) and
+exporting a LoRA model belong to :mod:`unicon.models.checkpoints`.
 """
 
 from __future__ import annotations
@@ -83,3 +86,10 @@ def merge_lora(model: torch.nn.Module, merge: bool = True) -> None:
         tuner.unload()
     for p in model.parameters():
         p.requires_grad_(True)
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds PEFT LoRA layers (those of :func:`apply_lora` / :func:`inject_lora`)."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())

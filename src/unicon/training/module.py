@@ -64,7 +64,7 @@ from omegaconf import DictConfig, OmegaConf
 from unicon.config import EVAL_TASKS
 from unicon.data.mixture import TASKS as MIXTURE_TASKS
 from unicon.losses.consistency import consistency_loss, rank_diagnostics
-from unicon.models import world_vocabulary
+from unicon.models.factory import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
 from unicon.training.optim import build_optimizer, decay_groups
 

@@ -6,9 +6,9 @@
    is refused unless this run resumes it or ``overwrite=true`` deletes it), seed everything
    (``cfg.seed``) and write the resolved ``config.yaml`` there (the same config goes into every
    checkpoint);
-2. build the model (``unicon.models.build_model``; ``init_from`` loads a checkpoint with
-   ``unicon.models.load_model`` instead, and a ``model:`` section that describes another network
-   than that checkpoint is refused), turn on gradient checkpointing and LoRA if asked;
+2. build the model, or load it from ``resume`` / ``init_from`` (a ``model:`` section that
+   describes another network than that checkpoint is refused), and turn on gradient checkpointing
+   and LoRA if asked: one call, ``unicon.models.checkpoints.load_for_training``;
 3. wrap it in :class:`~unicon.training.module.ConsistencyModule` (Algorithm 1) with the
    :class:`~unicon.training.datamodule.ConsistencyDataModule`;
 4. ``Trainer.fit`` with the strategy of ``trainer.strategy`` (``auto``, ``ddp``, ``fsdp``,
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import inspect
 import os
 import shutil
 import signal
@@ -133,7 +132,7 @@ def compose_run(overrides: list[str], announce: bool = True):
 
 
 def _compose(overrides: list[str], announce: bool):
-    from unicon.models import read_training_checkpoint
+    from unicon.models.checkpoints import read_training_checkpoint
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if not resume or not resume[-1] or resume[-1] in ("null", "None"):
@@ -173,7 +172,7 @@ def requeue_checkpoint(overrides: list[str]) -> Path | None:
     checkpoint folders alike. None when there is none (the job was requeued before its first
     checkpoint). Unreadable candidates (a save cut by a kill; a DeepSpeed folder without its
     ``complete.json``) are skipped with a message."""
-    from unicon.models import is_deepspeed_checkpoint, read_training_checkpoint
+    from unicon.models.checkpoints import is_deepspeed_checkpoint, read_training_checkpoint
 
     cfg = _compose(overrides, announce=False)  # with resume=: the run folder of the stored config
     run_dir = _run_dir(cfg)
@@ -404,61 +403,10 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
 
 def build_training_model(cfg: DictConfig):
     """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
-    gradient checkpointing and LoRA applied."""
-    from unicon.models import (apply_model_options, build_model, check_same_architecture, checkpoint_network,
-                               is_deepspeed_checkpoint, load_lightning_checkpoint, load_model, recorded_model_section,
-                               resumable_deepspeed_state)
-    from unicon.models.lora import apply_lora
-    from unicon.training.checkpoints import has_lora
+    gradient checkpointing and LoRA applied (:func:`unicon.models.checkpoints.load_for_training`)."""
+    from unicon.models.checkpoints import load_for_training
 
-    allow_pickle = bool(cfg.model.allow_pickle)
-    if cfg.resume and is_deepspeed_checkpoint(cfg.resume):
-        # the network the folder's stored config and vocabulary describe; DeepSpeed's engine loads
-        # every rank's partition of the weights itself, so none is gathered here
-        model, stored = checkpoint_network(resumable_deepspeed_state(cfg.resume, allow_pickle), cfg.resume)
-        check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), cfg.resume)
-        model = apply_model_options(model, cfg.model).train()
-    elif cfg.resume:  # the network the checkpoint holds (its weights are restored by Lightning afterwards)
-        model, stored = load_lightning_checkpoint(cfg.resume, allow_pickle=allow_pickle)
-        check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), cfg.resume)
-        model = apply_model_options(model, cfg.model).train()
-    elif cfg.init_from:
-        if not Path(cfg.init_from).exists():
-            raise UserError(f"init_from: {cfg.init_from} does not exist")
-        source = Path(cfg.init_from)
-        recorded = recorded_model_section(source, allow_pickle=allow_pickle) if source.is_dir() else None
-        check_same_architecture(cfg.model, recorded, source)  # before the (possibly large) load
-        if source.is_file():
-            model, stored = load_lightning_checkpoint(source, world_root=cfg.data.root, allow_pickle=allow_pickle)
-            check_same_architecture(cfg.model, OmegaConf.to_container(stored.model), source)
-        else:
-            model = load_model(source, world_root=cfg.data.root, allow_pickle=allow_pickle)
-            check_same_architecture(cfg.model, recorded, source, backend=getattr(model, "backend", None))
-        model = apply_model_options(model, cfg.model).train()
-    else:
-        model = build_model(cfg.model, cfg.data.root)
-    if cfg.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    if cfg.model.lora.enabled and not has_lora(model):
-        try:
-            apply_lora(model, cfg.model.lora)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-    return model
-
-
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """The backend's ``gradient_checkpointing_enable``, or that of its HF backbone (OFA keeps it inside)."""
-    for module in model.modules():
-        enable = getattr(module, "gradient_checkpointing_enable", None)
-        if callable(enable) and getattr(module, "supports_gradient_checkpointing", True):
-            if "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters:  # HF PreTrainedModel
-                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                enable()
-            return
-    raise UserError(f"model.gradient_checkpointing: the {getattr(model, 'backend', type(model).__name__)} "
-                    "backend has no gradient_checkpointing_enable()")
+    return load_for_training(cfg)
 
 
 def make_eval_callbacks(cfg: DictConfig) -> list:
@@ -567,7 +515,7 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
                         "False on this machine; use trainer=cpu")
     check_strategy(cfg.trainer.strategy, cfg.data.batch_size)  # fail early (DeepSpeed without CUDA)
     if cfg.resume:
-        from unicon.models import read_training_checkpoint
+        from unicon.models.checkpoints import read_training_checkpoint
 
         read_training_checkpoint(cfg.resume, allow_pickle=cfg.model.allow_pickle, mmap=True)  # readable, ours
     from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -597,7 +545,7 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
-    from unicon.training.checkpoints import export_model
+    from unicon.models.checkpoints import export_model
     from unicon.data.coco_mixture import image_resize_for
     from unicon.training.datamodule import ConsistencyDataModule
     from unicon.loggers import LogFilesCallback, log_run_artifacts, log_run_config, make_loggers, wandb_run_dir
@@ -681,20 +629,19 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
 def export_deepspeed_run(last_checkpoint: str, global_step: int, export_dir: Path, cfg: DictConfig) -> None:
     """A DeepSpeed run's export, from its last checkpoint folder (written by every rank at the final
     step): Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` gathers the fp32 master
-    weights from all ZeRO-2/3 partitions (:func:`unicon.models.read_deepspeed_checkpoint`), then
-    :func:`~unicon.training.checkpoints.export_checkpoint` writes ``save_pretrained`` (LoRA merged
+    weights from all ZeRO-2/3 partitions (:func:`unicon.models.checkpoints.read_deepspeed_checkpoint`),
+    then :func:`~unicon.models.checkpoints.export_checkpoint` writes ``save_pretrained`` (LoRA merged
     per ``model.lora.merge_on_export``). Under ZeRO-3 no rank holds the whole model in memory, and
     under mixed precision the fp32 master weights are the trained ones, so the checkpoint is the
     source for both stages."""
-    from unicon.models import deepspeed_client_state
-    from unicon.training.checkpoints import export_checkpoint
+    from unicon.models.checkpoints import deepspeed_client_state, export_checkpoint
 
     if not last_checkpoint:
         raise RuntimeError("DeepSpeed run: no checkpoint was written, nothing to export from")
     saved = int(deepspeed_client_state(last_checkpoint, allow_pickle=bool(cfg.model.allow_pickle))["global_step"])
     if saved != global_step:
         raise RuntimeError(f"DeepSpeed run: the last checkpoint {last_checkpoint} is at step {saved}, the run ended at "
-                           f"step {global_step}; export it with unicon.training.checkpoints.export_checkpoint")
+                           f"step {global_step}; export it with unicon.models.checkpoints.export_checkpoint")
     export_checkpoint(last_checkpoint, export_dir, merge=cfg.model.lora.merge_on_export,
                       allow_pickle=bool(cfg.model.allow_pickle))
     print(f"export: {export_dir} (converted from the DeepSpeed checkpoint {last_checkpoint})")

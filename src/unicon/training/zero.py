@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-from unicon.models import DEEPSPEED_COMPLETE_FILE
+from unicon.models.checkpoints import DEEPSPEED_COMPLETE_FILE
 
 
 class ZeroStrategy(DeepSpeedStrategy):
