@@ -227,7 +227,7 @@ def test_the_shipped_config_builds_its_own_parts(parts, images, tiny_shapes_worl
     leaves the caller's RNG alone, refuses paths beside ``random_tiny_parts``, and ``unicon bench
     scoring --model-config decoupled_tiny`` runs on it with batched = naive."""
     from unicon.errors import UserError
-    from unicon.models.bench import cli as bench_scoring
+    from unicon.bench.scoring import cli as bench_scoring
 
     shipped = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / "decoupled_tiny.yaml"))
     state = torch.random.get_rng_state()

@@ -21,7 +21,8 @@ from unicon.data.drift_seeds import (
 )
 from unicon.data.geneval import GenEvalFormatError, load_geneval, parse_row
 from unicon.embedders.base import Embedder, EmbedderNotFound
-from unicon.evaluation.drift import bench, metrics, runner
+from unicon.bench import chains as bench
+from unicon.evaluation.drift import metrics, runner
 from unicon.evaluation.drift import cli as drift_cli
 from unicon.evaluation.drift.callback import DriftCallback
 from unicon.errors import UserError

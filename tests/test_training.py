@@ -798,7 +798,7 @@ def test_pretraining_does_not_load_contrast_sets(world, tmp_path, double):
 
 
 def test_bench_pretrain_reports_consistent_figures(tiny_shapes_world, tmp_path):
-    from unicon.training.bench import run_pretrain_bench
+    from unicon.bench.training import run_pretrain_bench
 
     cfg = compose(["experiment=shapes_pretrain", f"data.root={tiny_shapes_world}", "data.batch_size=4",
                    f"output_dir={tmp_path}"])
@@ -920,7 +920,7 @@ def test_ddp_broadcasts_buffers_only_for_models_with_running_statistics():
 
 def test_bench_train_loop_reports_the_loop_beside_the_bare_step(world, tmp_path, double, capsys):
     """``unicon bench train --loop``: both throughputs, measured on the same examples, and their ratio."""
-    from unicon.training.bench import cli as bench_cli
+    from unicon.bench.training import cli as bench_cli
 
     overrides = [f"data.root={world}", f"output_dir={tmp_path / 'unused'}", "trainer=cpu", "logger=csv", "eval=none",
                  "data.batch_size=4", "data.contrast_batch_size=4", "loss.gamma=0.5", "trainer.enable_progress_bar=false",
@@ -942,7 +942,7 @@ def test_bench_train_loop_reports_the_loop_beside_the_bare_step(world, tmp_path,
 def test_bench_rank_regime_reports_each_tasks_scores_and_gradients(world, tmp_path, double, capsys):
     """``unicon bench train --rank-regime``: per task, the spread of the ranked scores, the soft-rank
     regime of each variant and the gradient L_const sends through each side, all finite."""
-    from unicon.training.bench import RANK_VARIANTS, cli as bench_cli
+    from unicon.bench.training import RANK_VARIANTS, cli as bench_cli
 
     overrides = [f"data.root={world}", f"output_dir={tmp_path / 'unused'}", "trainer=cpu", "logger=csv", "eval=none",
                  "data.contrast_batch_size=2"]

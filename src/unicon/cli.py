@@ -10,10 +10,10 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon build-data cococon`` ``data_builders.cococon.main``
 ``unicon experiment table2`` ``unicon.experiments.table2.cli``
 ``unicon report``          ``unicon.report.cli``
-``unicon bench scoring``   ``unicon.models.bench.cli``
-``unicon bench train``     ``unicon.training.bench.cli``
-``unicon bench pretrain``  ``unicon.training.bench.pretrain_cli``
-``unicon bench chains``    ``unicon.evaluation.drift.bench.bench_cli``
+``unicon bench scoring``   ``unicon.bench.scoring.cli``
+``unicon bench train``     ``unicon.bench.training.cli``
+``unicon bench pretrain``  ``unicon.bench.training.pretrain_cli``
+``unicon bench chains``    ``unicon.bench.chains.bench_cli``
 ``unicon bench build-cococon`` ``data_builders.cococon.bench_main``
 =========================  ==============================================
 
@@ -47,10 +47,10 @@ COMMANDS: dict = {
     },
     "report": ("unicon.report", "cli", "summarise a run directory (metrics.jsonl + evaluation outputs)"),
     "bench": {
-        "scoring": ("unicon.models.bench", "cli", "batched vs naive likelihood scoring (samples/s)"),
-        "train": ("unicon.training.bench", "cli", "consistency vs standard update throughput"),
-        "pretrain": ("unicon.training.bench", "pretrain_cli", "pretraining examples/s, FLOPs, share of a matmul peak"),
-        "chains": ("unicon.evaluation.drift.bench", "bench_cli", "batched vs one-at-a-time drift chains"),
+        "scoring": ("unicon.bench.scoring", "cli", "batched vs naive likelihood scoring (samples/s)"),
+        "train": ("unicon.bench.training", "cli", "consistency vs standard update throughput"),
+        "pretrain": ("unicon.bench.training", "pretrain_cli", "pretraining examples/s, FLOPs, share of a matmul peak"),
+        "chains": ("unicon.bench.chains", "bench_cli", "batched vs one-at-a-time drift chains"),
         "build-cococon": ("data_builders.cococon", "bench_main", "CocoCon builder pairs/s and peak memory"),
     },
 }
