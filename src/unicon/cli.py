@@ -29,6 +29,7 @@ import importlib
 import os
 import sys
 
+from unicon import __version__
 from unicon.config import ConfigError
 from unicon.errors import UserError
 from unicon.evaluation.preemption import Preempted
@@ -77,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
             print(_usage(table, prefix))
             return 0 if argv else 2
         if argv[0] in ("-V", "--version") and table is COMMANDS:
-            from unicon import __version__
-
             print(f"unicon {__version__}")
             return 0
         name, argv = argv[0], argv[1:]

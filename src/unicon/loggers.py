@@ -86,6 +86,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
+import unicon
 from unicon.core import weights_fingerprint
 from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
@@ -455,8 +456,6 @@ def git_state() -> dict[str, Any]:
     """``{"git.commit": sha, "git.dirty": bool}`` of the checkout the unicon package is imported
     from (its ``__init__.py`` must be tracked there); ``{}`` for an installed package, without git,
     or when git fails."""
-    import unicon
-
     pkg = Path(unicon.__file__).resolve().parent
 
     def git(*args: str) -> subprocess.CompletedProcess:

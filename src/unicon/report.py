@@ -536,7 +536,7 @@ def _section_config(run_dir: Path) -> str:
         return '<p class="empty">No config.yaml in this folder (a standalone evaluation keeps its arguments in W&amp;B).</p>'
     from omegaconf import OmegaConf
 
-    from unicon.loggers import flatten_config
+    from unicon.loggers import flatten_config  # lazy: pulls in Lightning, not needed by unicon report
 
     try:
         flat = flatten_config(OmegaConf.load(path))

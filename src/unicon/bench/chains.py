@@ -20,18 +20,24 @@ from typing import Any, Sequence
 
 import torch
 
+from unicon.config import compose
+from unicon.data.drift_seeds import load_seeds
 from unicon.errors import UserError
 from unicon.evaluation.drift.cli import add_chain_args
 from unicon import jsonsafe
 from unicon.evaluation.drift.metrics import CHAINS
 from unicon.evaluation.drift.runner import run_chains
+from unicon.models import build_model, load_model
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
+from unicon.models.ofa.configuration_ofa import preset_config
+from unicon.models.ofa.modeling_ofa import OFAModel
+from unicon.models.ofa.tokenization import BOS_ID, OFATokenizer
+from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
 
 
 def _load_model(ckpt: str) -> UnifiedModel:
     if not Path(ckpt).exists():
         raise UserError(f"checkpoint not found: {ckpt}")
-    from unicon.models import load_model
 
     return load_model(ckpt)
 
@@ -65,8 +71,6 @@ def _time_last_code(model, text: str, num_codes: int, codebook_size: int, repeat
     ``num_codes``-token prefix (the work each path does per code at the end of an image). The
     prefix codes are random: timing does not depend on their values."""
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-
-    from unicon.models.ofa.tokenization import BOS_ID
 
     lo = model.tokenizer.code_offset
     codes = torch.randint(codebook_size, (1, num_codes - 1), generator=torch.Generator().manual_seed(0))
@@ -102,8 +106,6 @@ def bench_t2i_cache(model: UnifiedModel, source: str, prompts: Sequence[str], ba
       of the codes drawn; only the first ``base_codes`` codes are timed (``0`` skips it), plus the
       single decoder pass for the grid's last code (``last_code``) both ways.
     """
-    from unicon.models.ofa.unified import OFAUnifiedModel
-
     result: dict[str, Any] = {}
     if isinstance(model, OFAUnifiedModel) and model.image_tokenizer is not None:
         h, w = model.image_tokenizer.grid_size
@@ -117,12 +119,6 @@ def bench_t2i_cache(model: UnifiedModel, source: str, prompts: Sequence[str], ba
         why = f"{type(model).__name__} is not an OFA model with an image tokenizer"
         result["chain_model"] = {"source": source, "skipped": why}
     if base_codes > 0:
-        from unicon.config import compose
-        from unicon.models.ofa.configuration_ofa import preset_config
-        from unicon.models.ofa.modeling_ofa import OFAModel
-        from unicon.models.ofa.tokenization import OFATokenizer
-        from unicon.models.ofa.unified import OFAWrapperConfig
-
         preset = compose(["model=ofa_base"]).model.preset
         config = preset_config(preset, code_image_size=256)  # OFA's image generation: 256 px / 8 = 32x32
         grid = config.code_image_size // 8
@@ -170,15 +166,10 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(generations=2, num_chains=8)
     args = p.parse_args(argv)
 
-    from unicon.data.drift_seeds import load_seeds
-
     seeds = load_seeds(args.seeds or Path(args.world))[: args.num_chains]
     if args.ckpt:
         model = _load_model(args.ckpt)
     else:
-        from unicon.config import compose
-        from unicon.models import build_model
-
         cfg = compose([f"model={args.model}", f"data.root={args.world}"])
         model = build_model(cfg.model, world_root=args.world)
     model.eval()

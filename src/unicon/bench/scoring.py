@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from unicon.config import ModelConfig, config_dir
 from unicon.errors import UserError
 
 
@@ -56,14 +57,12 @@ def load_contrast_sets(path: Path, images_root: Path, k: int, limit: int) -> lis
 
 
 def _load(args) -> "object":
-    from unicon.models.checkpoints import load_model
-    from unicon.models.factory import build_model
+    from unicon.models.checkpoints import load_model  # lazy: pulls in every model backend (transformers)
+    from unicon.models.factory import build_model  # lazy: pulls in every model backend (transformers)
 
     if args.ckpt:
         return load_model(args.ckpt, world_root=args.world)
     from omegaconf import OmegaConf
-
-    from unicon.config import ModelConfig, config_dir
 
     path = Path(args.model_config)
     if not path.is_file():

@@ -36,17 +36,20 @@ from typing import Any
 import torch
 
 from unicon.config import ConfigError, compose
+from unicon.data.coco_mixture import image_resize_for
+from unicon.data.mixture import collate_mixture
 from unicon.errors import UserError
+from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
+from unicon.training.optim import build_optimizer
+from unicon.training.run import build_training_model, train
 
 
 def _take_mixture(dataset, n: int, start: int = 0) -> dict[str, Any]:
-    from unicon.data.mixture import collate_mixture
-
     return collate_mixture([dataset[(start + i) % len(dataset)] for i in range(n)])
 
 
 def _take_contrast(dataset, sequences: int, start: int = 0) -> tuple[dict[str, Any], int]:
-    from unicon.training.datamodule import collate_contrast
+    from unicon.training.datamodule import collate_contrast  # lazy: pulls in Lightning
 
     examples, total, i = [], 0, start
     while total < sequences and i - start < 10 * len(dataset):
@@ -77,9 +80,8 @@ def _timed(step_fn, batches: list, warmup: int, device: torch.device) -> float:
 def _training_setup(cfg, device: str | None):
     """``(device, model, module, datamodule, trainable parameters)`` as a training run builds them:
     the seeded model in training mode, its :class:`ConsistencyModule` and the fitted data."""
-    from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.training.module import ConsistencyModule
-    from unicon.training.run import build_training_model
+    from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
+    from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
@@ -193,9 +195,8 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
       sends to the model's parameters through the task's scores alone (``grad_task_side``, the
       anchor's scores detached) and through the anchor's alone (``grad_anchor_side``);
     * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale."""
-    from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
-    from unicon.training.datamodule import collate_contrast
-    from unicon.training.module import supported_tasks, token_weighted_ce
+    from unicon.training.datamodule import collate_contrast  # lazy: pulls in Lightning
+    from unicon.training.module import supported_tasks, token_weighted_ce  # lazy: pulls in Lightning
 
     _, _, module, dm, params = _training_setup(cfg, device)
     size, task_lambda = int(cfg.data.contrast_batch_size), dict(cfg.loss.task_lambda)
@@ -289,11 +290,8 @@ def _bare_step(cfg, device: torch.device):
     before timing: the bare step does not load data)."""
     from transformers import get_scheduler
 
-    from unicon.data.coco_mixture import image_resize_for
-    from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.training.module import SCHEDULERS, ConsistencyModule
-    from unicon.training.optim import build_optimizer
-    from unicon.training.run import build_training_model
+    from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
+    from unicon.training.module import SCHEDULERS, ConsistencyModule  # lazy: pulls in Lightning
 
     torch.manual_seed(cfg.seed)
     model = build_training_model(cfg).to(device).train()
@@ -343,8 +341,6 @@ def run_loop_bench(cfg, steps: int = 20, warmup: int = 3, rounds: int = 2, devic
     import contextlib
     import io
     import tempfile
-
-    from unicon.training.run import train
 
     if warmup < 1:
         raise UserError("bench train --loop: need --warmup >= 1 (the loop's clock starts at the end of a step)")
@@ -419,11 +415,8 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     DDP's bucketed all-reduce without its overlap with the backward pass) before AdamW."""
     import torch.distributed as dist
 
-    from unicon.data.mixture import collate_mixture
-    from unicon.training.datamodule import ConsistencyDataModule
-    from unicon.training.module import ConsistencyModule
-    from unicon.training.optim import build_optimizer
-    from unicon.training.run import build_training_model
+    from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
+    from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
 
     if cfg.trainer.cpu_threads:
         torch.set_num_threads(int(cfg.trainer.cpu_threads))

@@ -46,6 +46,16 @@ import numpy as np
 from unicon.data.coco_format import write_json
 from unicon.data.jsonl import read_json, read_jsonl
 from unicon.errors import UserError
+from unicon.worlds.shapes import SPLITS, Scene, load_world, scene_boxes
+from unicon.worlds.shapes_text import (
+    NUMBER_WORDS,
+    CaptionParseError,
+    answer_question,
+    parse_caption,
+    referring_expressions,
+    resolve_expression,
+    spec_matches,
+)
 
 # VQAv2 question_type prefixes for the world's question grammar (longest first)
 QUESTION_TYPES = ("what color is the", "what shape is the", "how many", "is there an", "is there a", "where is the",
@@ -62,21 +72,15 @@ def vqa_question_type(question: str) -> str:
 
 
 def answer_type(answer: str) -> str:
-    from unicon.worlds.shapes_text import NUMBER_WORDS
-
     return "yes/no" if answer in ("yes", "no") else "number" if answer in NUMBER_WORDS else "other"
 
 
 def image_seed(seed: int, split: str, index: int) -> int:
     """The render seed of scene ``index`` of ``split`` (as in ``data_builders/shapes.py``)."""
-    from unicon.worlds.shapes import SPLITS
-
     return int(np.random.SeedSequence([seed, SPLITS.index(split), index]).generate_state(1)[0])
 
 
 def _load(world_dir: str | Path):
-    from unicon.worlds.shapes import load_world
-
     try:
         return load_world(world_dir)
     except (FileNotFoundError, ValueError) as e:
@@ -122,9 +126,6 @@ def _split_scenes(world, split: str) -> dict[int, dict[str, Any]]:
 
 def export_world(world_dir: str | Path, out_dir: str | Path | None = None, splits=None) -> dict[str, Any]:
     """Write the COCO-format files of ``splits`` (default: all) of the world; returns counts."""
-    from unicon.worlds.shapes import SPLITS, Scene, scene_boxes
-    from unicon.worlds.shapes_text import answer_question, referring_expressions
-
     world = _load(world_dir)
     cfg = world.config
     out = Path(out_dir) if out_dir is not None else world.root / "coco"
@@ -179,8 +180,6 @@ def export_world(world_dir: str | Path, out_dir: str | Path | None = None, split
 
 
 def _check_boxes(seen, scene, boxes, cfg, image_id: int) -> None:
-    from unicon.worlds.shapes_text import resolve_expression
-
     for expr, box, where in seen:
         obj = resolve_expression(expr, scene, cfg)
         if list(boxes[scene.objects.index(obj)]) != [int(v) for v in box]:
@@ -193,9 +192,6 @@ def _check_boxes(seen, scene, boxes, cfg, image_id: int) -> None:
 # ---------------------------------------------------------------------------------------------
 def verify_contrasts(cococon_path: str | Path, world_dir: str | Path, split: str) -> dict[str, Any]:
     """Classify every contrast caption of ``cococon_path`` against its scene (module docstring)."""
-    from unicon.worlds.shapes_text import CaptionParseError, parse_caption, spec_matches
-    from unicon.worlds.shapes import Scene
-
     world = _load(world_dir)
     cfg = world.config
     scenes = {i: Scene.from_dict(e["scene"]) for i, e in _split_scenes(world, split).items()}
@@ -246,8 +242,6 @@ def verify_contrasts(cococon_path: str | Path, world_dir: str | Path, split: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from unicon.worlds.shapes import SPLITS
-
     p = argparse.ArgumentParser(prog="python -m unicon.data.shapes_coco", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a built world's splits in COCO / VQAv2 / RefCOCO formats")

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from PIL import Image
 
+from unicon.data.mixture import read_mixture
 from unicon.embedders.base import Embedder, EmbedderNotFound, normalize
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,6 @@ def _caption_pairs(world_root: Path, split: str) -> list[tuple[Path, str]]:
     if not path.is_file():
         raise EmbedderNotFound(f"ShapesWorld split file not found at {path.resolve()}: "
                                f"run `unicon build-data shapes --out {world_root}`")
-    from unicon.data.mixture import read_mixture
 
     pairs, seen = [], set()
     for row in read_mixture(path, tasks=("caption",)):

@@ -11,6 +11,10 @@ import logging
 from typing import Sequence
 
 from unicon.embedders.base import Embedder, EmbedderNotFound
+from unicon.embedders.clip import ClipEmbedder
+from unicon.embedders.dino import HINT, DinoEmbedder
+from unicon.embedders.scene import SceneEmbedder
+from unicon.embedders.sentence import SentenceEmbedder
 from unicon.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -34,24 +38,17 @@ def load_embedders(names: Sequence[str], clip: str | None = None, dino: str | No
             if name == "scene":
                 if world_config is None:
                     raise UserError("the scene embedder needs a ShapesWorld (its world.json config)")
-                from unicon.embedders.scene import SceneEmbedder
 
                 out["scene"] = SceneEmbedder(world_config)
             elif name == "clip":
-                from unicon.embedders.clip import ClipEmbedder
-
                 if clip is None:
                     raise EmbedderNotFound("no CLIP model given: pass --clip DIR (or eval.drift.clip=DIR); "
                                            "for ShapesWorld train one with `python -m unicon.embedders.clip "
                                            "--train-shapes data/shapes --out checkpoints/shapes_clip`")
                 out["clip"] = ClipEmbedder(clip)
             elif name in ("text", "sentence"):
-                from unicon.embedders.sentence import SentenceEmbedder
-
                 out["text"] = SentenceEmbedder(sentence)
             elif name == "dino":
-                from unicon.embedders.dino import HINT, DinoEmbedder
-
                 if dino is None:
                     raise EmbedderNotFound(f"no DINO model given (--dino DIR): {HINT}")
                 out["dino"] = DinoEmbedder(dino)

@@ -21,6 +21,8 @@ import torch
 from PIL import Image
 
 from unicon.embedders.base import Embedder, normalize
+from unicon.worlds.shapes import NotAShapesWorldImage, parse
+from unicon.worlds.shapes_text import CaptionParseError, parse_caption
 
 
 class SceneEmbedder(Embedder):
@@ -45,8 +47,6 @@ class SceneEmbedder(Embedder):
         return v
 
     def caption_vector(self, text: str) -> torch.Tensor:
-        from unicon.worlds.shapes_text import CaptionParseError, parse_caption
-
         v = torch.zeros(self.dim)
         try:
             spec = parse_caption(text, self.cfg)
@@ -65,8 +65,6 @@ class SceneEmbedder(Embedder):
         return normalize(torch.stack([self.caption_vector(t) for t in texts]))
 
     def embed_image(self, images: Sequence[Image.Image]) -> torch.Tensor:
-        from unicon.worlds.shapes import NotAShapesWorldImage, parse
-
         rows = []
         for im in images:
             try:

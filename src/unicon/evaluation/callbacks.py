@@ -47,6 +47,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
 
 from unicon.evaluation import preemption
+from unicon.loggers import environment_info, flatten_config
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ def log_figures(loggers: Sequence[Logger], suite: str, out_dir: str | Path, name
 def log_eval_config(loggers: Sequence[Logger], args: argparse.Namespace, fingerprint: str | None) -> None:
     """The config of a standalone ``unicon evaluate`` run: its arguments (``args.<name>``), the
     weights fingerprint (``weights.fingerprint``) and the environment (git commit, versions)."""
-    from unicon.loggers import environment_info, flatten_config
-
     params = {**flatten_config({"args": vars(args)}), **environment_info()}
     if fingerprint:
         params["weights.fingerprint"] = fingerprint

@@ -13,6 +13,15 @@ from a suite's eval dataclass (:func:`add_config_args`); ``--shard``/``--merge``
 * ``--logger`` defaults to the training default (``LoggerConfig.type``), for every suite;
 * commands that draw images expose the sampling recipe (:func:`add_image_generation_args`): each
   flag overrides the model's own ``image_generation_config``, and the result is recorded.
+
+Why :func:`add_config_args` is hand-written rather than jsonargparse (not installed; Lightning
+only needs it for ``LightningCLI``): it is about 80 lines on plain argparse, so the suites keep
+their argparse parsers and ``--help`` text. The flags come from the same eval dataclasses as the run
+config, and a value is checked by the same :func:`unicon.config.field_problem` as at compose time,
+so ``unicon evaluate`` and ``eval.<suite>`` accept the same values and a bad one is one line naming
+the flag; per-field renames, default changes and comma-separated list flags (:class:`Flag`) keep
+the flag names users know. jsonargparse would need custom types for the ``choice``/``bounded``
+metadata and its own error messages for that.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import torch
 
 from unicon.config import LoggerConfig, field_problem
 from unicon.errors import UserError
+from unicon.evaluation.distributed import Shard, merged_run, sharded_run
+from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
 #: eval-section fields that only the epoch-end callbacks use
 EPOCH_END_ONLY = ("enabled", "every_n_epochs")
@@ -188,7 +199,6 @@ def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), mini
         raise UserError(f"--device {device}: CUDA is not available on this machine (torch.cuda.is_available() "
                         "is False); use --device cpu")
     if getattr(args, "shard", None):  # a bad --shard i/n fails before --out is created
-        from unicon.evaluation.distributed import Shard
 
         Shard.parse(args.shard)
     return prepare_out(args.out)
@@ -212,7 +222,7 @@ def prepare_out(out: str | Path) -> Path:
 
 def load_model_for(args: argparse.Namespace):
     """The model of ``--ckpt`` on ``--device``, in eval mode."""
-    from unicon.models import load_model
+    from unicon.models import load_model  # lazy: tests patch unicon.models.load_model at its source
 
     if not Path(args.ckpt).exists():
         raise UserError(f"--ckpt {args.ckpt} does not exist")
@@ -273,8 +283,6 @@ class RecordedModel:
     it, and no weights; every model call raises. A merge job needs no GPU and no memory for the model."""
 
     def __new__(cls, recorded: Mapping[str, Any]):
-        from unicon.models.base import ImageGenerationConfig, UnifiedModel
-
         class Recorded(UnifiedModel):
             backend = "recorded"
 
@@ -309,7 +317,7 @@ class ShardState:
         """``(model, weights fingerprint)``: the model of ``--ckpt`` (``loader(args)``, default
         :func:`load_model_for`; one run, a shard: which records it for the merge), or in a merge the
         shards' :class:`RecordedModel` (all shards must agree)."""
-        from unicon.core import weights_fingerprint
+        from unicon.core import weights_fingerprint  # lazy: tests patch it at its source, unicon.core
 
         if self.mode != "merge":
             model = (loader or load_model_for)(args)
@@ -341,8 +349,6 @@ class ShardState:
 @contextmanager
 def sharding(args: argparse.Namespace, out: Path) -> Iterator[ShardState]:
     """Run the block as one run, as ``--shard I/N`` or as ``--merge`` of ``OUT/shards``."""
-    from unicon.evaluation.distributed import Shard, merged_run, sharded_run
-
     key = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_IN_SHARD_KEY}
     root = out / "shards"
     if getattr(args, "shard", None):

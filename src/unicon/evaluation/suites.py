@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from unicon.config import compose
 from unicon.errors import UserError
 
 SUITE_ENTRY_POINTS = "unicon.suites"
@@ -112,8 +113,6 @@ def evaluate_cli(argv: Sequence[str] | None = None) -> int:
 
 def all_cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate all --ckpt X --out DIR eval=<group> [key=value ...]``."""
-    from unicon.config import compose
-
     p = argparse.ArgumentParser(
         prog="unicon evaluate all",
         description="Run the evaluation suites that a training run's eval group enables (configs/eval/<group>.yaml), "

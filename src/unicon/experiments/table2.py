@@ -270,6 +270,7 @@ def claim_run_folder(run_dir: Path, claim: Path) -> None:
 def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], overrides: Sequence[str],
                    train_fn=None) -> dict[str, Any]:
     """Train (or reuse) every (method, seed) run, then write table2.json / .md / .png under ``out``."""
+    # lazy: pulls in torch, not needed by unicon experiment table2 --help or a table of finished runs
     from unicon.training.run import compose_run, train_from_overrides
 
     train_fn = train_fn or train_from_overrides

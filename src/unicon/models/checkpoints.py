@@ -39,11 +39,13 @@ from typing import Any
 
 import torch
 
+from unicon.config import ConfigError, from_container
 from unicon.core import config_dict
+from unicon.data.jsonl import read_json
 from unicon.errors import UserError
 from unicon.models import factory
 from unicon.models.base import UnifiedModel
-from unicon.models.lora import apply_lora, has_lora, merge_lora
+from unicon.models.lora import _TUNER_ATTRIBUTE, apply_lora, has_lora, merge_lora
 from unicon.models.registry import backend_class, backend_for_model_type
 
 logger = logging.getLogger(__name__)
@@ -242,8 +244,6 @@ def _load_directory(p: Path, **kwargs) -> UnifiedModel:
 
 
 def _json_object(path: Path) -> dict:
-    from unicon.data.jsonl import read_json
-
     data = read_json(path, what="model metadata")
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object")
@@ -306,8 +306,6 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
 
 def checkpoint_config(ckpt: dict, p: str | Path):
     """The validated run config stored in a training checkpoint."""
-    from unicon.config import ConfigError, from_container
-
     try:
         return from_container(ckpt["unicon_config"], source=f"{p} (stored config)")
     except ConfigError as e:
@@ -527,8 +525,6 @@ def save_lora_adapter(model: torch.nn.Module, out_dir: str | Path, base_model_na
 
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
-
-    from unicon.models.lora import _TUNER_ATTRIBUTE
 
     tuner = model.__dict__.get(_TUNER_ATTRIBUTE)
     if tuner is None:

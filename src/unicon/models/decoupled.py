@@ -114,6 +114,7 @@ from unicon.models.base import (
 from unicon.models.boxes import format_box as format_thousandths_box
 from unicon.models.boxes import parse_box as parse_thousandths_box
 from unicon.models.registry import register_backend
+from unicon.models.tiny_parts import build_tiny_llava, build_tiny_stable_diffusion
 
 logger = logging.getLogger(__name__)
 
@@ -310,8 +311,6 @@ class DecoupledUnifiedModel(UnifiedModel):
         """``random_tiny_parts``: build the tiny LLaVA and SD 1.x of :mod:`unicon.models.tiny_parts` at
         ``image_size`` (default 32) in a temporary folder and load them as checkpoints are loaded."""
         import tempfile
-
-        from unicon.models.tiny_parts import build_tiny_llava, build_tiny_stable_diffusion
 
         if settings.vlm_path or settings.diffusion_path:
             raise UserError("model.arch.random_tiny_parts builds both parts: leave vlm_path and diffusion_path "

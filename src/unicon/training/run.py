@@ -47,7 +47,12 @@ from omegaconf import DictConfig
 from omegaconf import OmegaConf
 
 from unicon.config import GROUPS, ConfigError, compose, compose_resume, config_dir, to_yaml
+from unicon.data.coco_mixture import image_resize_for
+from unicon.data.jsonl import read_json
 from unicon.errors import UserError
+from unicon.evaluation.preemption import Preempted
+from unicon.evaluation.suites import suites
+from unicon.report import write_report
 
 EXAMPLES = """\
 examples:
@@ -104,7 +109,6 @@ def cli(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from unicon.report import write_report
 
     result = train(cfg)
     print(f"checkpoint: {result['ckpt_path']}")
@@ -132,6 +136,7 @@ def compose_run(overrides: list[str], announce: bool = True):
 
 
 def _compose(overrides: list[str], announce: bool):
+    # lazy: pulls in every model backend (transformers), not needed by unicon train --help
     from unicon.models.checkpoints import read_training_checkpoint
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
@@ -172,6 +177,7 @@ def requeue_checkpoint(overrides: list[str]) -> Path | None:
     checkpoint folders alike. None when there is none (the job was requeued before its first
     checkpoint). Unreadable candidates (a save cut by a kill; a DeepSpeed folder without its
     ``complete.json``) are skipped with a message."""
+    # lazy: pulls in every model backend (transformers), not needed by unicon train --help
     from unicon.models.checkpoints import is_deepspeed_checkpoint, read_training_checkpoint
 
     cfg = _compose(overrides, announce=False)  # with resume=: the run folder of the stored config
@@ -278,8 +284,6 @@ class SlurmRequeue:
 
     def _stop_if_saved(self) -> None:
         if self.checkpoint is not None:
-            from unicon.evaluation.preemption import Preempted
-
             raise Preempted(self.signum, checkpoint=str(self.checkpoint))
 
     def requeue(self, is_global_zero: bool) -> None:
@@ -312,8 +316,6 @@ def deepspeed_config(name: str, micro_batch_size: int) -> dict:
     ``micro_batch_size`` (``data.batch_size``: the mixture rows one rank's step takes; DeepSpeed
     uses it for ``train_batch_size = micro x accumulation x ranks`` and its throughput logs). The
     key belongs to the data config, so a strategy file that sets it is refused."""
-    from unicon.data.jsonl import read_json
-
     path = config_dir() / "strategy" / f"{name}.json"
     if not path.is_file():
         raise UserError(f"no DeepSpeed config {path}")
@@ -386,7 +388,7 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
     set of used parameters for every step, which mixed-task batches break."""
     config = check_strategy(name, micro_batch_size)
     if config is not None:
-        from unicon.training.zero import ZeroStrategy
+        from unicon.training.zero import ZeroStrategy  # lazy: pulls in Lightning's DeepSpeed strategy
 
         return ZeroStrategy(config=config)
     if name in ("ddp", "ddp_spawn"):
@@ -404,6 +406,7 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
 def build_training_model(cfg: DictConfig):
     """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
     gradient checkpointing and LoRA applied (:func:`unicon.models.checkpoints.load_for_training`)."""
+    # lazy: pulls in every model backend (transformers), not needed by unicon train --help
     from unicon.models.checkpoints import load_for_training
 
     return load_for_training(cfg)
@@ -412,8 +415,6 @@ def build_training_model(cfg: DictConfig):
 def make_eval_callbacks(cfg: DictConfig) -> list:
     """Epoch-end evaluation callbacks of the enabled suites. A suite that cannot be built fails the
     run here, before training starts (never silently skipped)."""
-    from unicon.evaluation.suites import suites
-
     callbacks = []
     for s in suites().values():  # the suite registry names each suite's eval.<section> and callback
         if s.section is None or s.callback is None or s.section not in cfg.eval or not cfg.eval[s.section].enabled:
@@ -515,13 +516,12 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
                         "False on this machine; use trainer=cpu")
     check_strategy(cfg.trainer.strategy, cfg.data.batch_size)  # fail early (DeepSpeed without CUDA)
     if cfg.resume:
+        # lazy: pulls in every model backend (transformers), not needed by unicon train --help
         from unicon.models.checkpoints import read_training_checkpoint
 
         read_training_checkpoint(cfg.resume, allow_pickle=cfg.model.allow_pickle, mmap=True)  # readable, ours
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-    from unicon.evaluation.preemption import Preempted
 
     requeue = SlurmRequeue(_run_dir(cfg)) if SLURMEnvironment.detect() else None
     if requeue is not None:
@@ -545,11 +545,11 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
-    from unicon.models.checkpoints import export_model
-    from unicon.data.coco_mixture import image_resize_for
-    from unicon.training.datamodule import ConsistencyDataModule
+    from unicon.models.checkpoints import export_model  # lazy: pulls in every model backend (transformers)
+    from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
+    # lazy: pulls in Lightning, not needed by unicon train --help
     from unicon.loggers import LogFilesCallback, log_run_artifacts, log_run_config, make_loggers, wandb_run_dir
-    from unicon.training.module import ConsistencyModule
+    from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
 
     tcfg = cfg.trainer
     run_dir = _run_dir(cfg)
@@ -634,6 +634,7 @@ def export_deepspeed_run(last_checkpoint: str, global_step: int, export_dir: Pat
     per ``model.lora.merge_on_export``). Under ZeRO-3 no rank holds the whole model in memory, and
     under mixed precision the fp32 master weights are the trained ones, so the checkpoint is the
     source for both stages."""
+    # lazy: pulls in every model backend (transformers), not needed by unicon train --help
     from unicon.models.checkpoints import deepspeed_client_state, export_checkpoint
 
     if not last_checkpoint:

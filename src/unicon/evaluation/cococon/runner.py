@@ -72,6 +72,8 @@ from unicon.evaluation.cococon.metrics import (
 from unicon.evaluation.cococon.plots import plot_results
 from unicon.evaluation.distributed import gather_objects, gather_records, metric_sync_kwargs, padding_repeats, shard_indices
 from unicon.progress import track
+from unicon.worlds.shapes import NotAShapesWorldImage, load_world, parse
+from unicon.worlds.shapes_text import caption_matches
 
 
 def normalize_text(text: str) -> str:
@@ -157,14 +159,9 @@ class SceneChecker:
     """Exact T2I check on ShapesWorld: parse the generated image, test the gold caption on it."""
 
     def __init__(self, world_root: Path):
-        from unicon.worlds.shapes import load_world
-
         self.cfg = load_world(world_root).config
 
     def __call__(self, image, caption: str) -> float:
-        from unicon.worlds.shapes import NotAShapesWorldImage, parse
-        from unicon.worlds.shapes_text import caption_matches
-
         try:
             scene = parse(image, self.cfg)
         except NotAShapesWorldImage:
@@ -254,7 +251,8 @@ class CocoConEvaluator:
                 out["t2i_match"] = [self.scene_checker(im, s.caption) for im, s in zip(generated, samples)]
             kept = [b for b, s in enumerate(samples) if s.index not in repeats]
             if self.fid is not None and kept:
-                from unicon.models.base import pil_to_tensor  # unicon.models imports every backend
+                # lazy: unicon.models.base runs unicon.models/__init__ (every backend); only FID needs it
+                from unicon.models.base import pil_to_tensor
 
                 size = images[0].size
                 real = pil_to_tensor([images[b].resize(size) for b in kept]).to(self.fid.device)

@@ -13,14 +13,16 @@ import logging
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from unicon.data.drift_seeds import DriftSeed
+from unicon.data.drift_seeds import DriftSeed, balanced, geneval_seeds, load_seeds
 from unicon.embedders.base import Embedder
+from unicon.embedders.factory import load_embedders
 from unicon.errors import UserError
 from unicon.evaluation.callbacks import EvalCallback
-from unicon.evaluation.drift.geneval import Detector
+from unicon.evaluation.drift.geneval import Detector, ShapesDetector
 from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
 from unicon.evaluation.drift.plots import log_plots
 from unicon.evaluation.drift.runner import chains_for, evaluate_drift
+from unicon.worlds.shapes import load_world
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +57,10 @@ class DriftCallback(EvalCallback):
         ``drift_seeds.jsonl``). MGG (``eval.drift.geneval``): ``num_chains`` prompts of
         ``geneval_prompts`` (default: the world's ``geneval_metadata.jsonl``) spread over the tasks,
         scored by the ShapesWorld detector. Embedders missing on disk are skipped with a warning."""
-        from unicon.data.drift_seeds import balanced, geneval_seeds, load_seeds
-        from unicon.embedders.factory import load_embedders
-
         c = cfg.eval.drift
         root = Path(cfg.data.root)
         world = None
         if (root / "world.json").is_file():
-            from unicon.worlds.shapes import load_world
-
             world = load_world(root)
         seeds_file = c.seeds or (world.drift_seeds_path if world else None)
         if seeds_file is None:
@@ -81,7 +78,6 @@ class DriftCallback(EvalCallback):
                 raise UserError(f"eval.drift.geneval: MGG at epoch end needs the ShapesWorld detector, and data.root "
                                 f"{root} is not a ShapesWorld; set eval.drift.geneval=false (MGG of other data: "
                                 "`unicon evaluate drift --detector owlv2:<dir>`)")
-            from unicon.evaluation.drift.geneval import ShapesDetector
 
             gseeds = balanced(geneval_seeds(prompts, long=c.long_prompts, tasks=None), c.num_chains)
             detector = ShapesDetector(world.config)

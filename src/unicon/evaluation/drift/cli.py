@@ -23,8 +23,14 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from unicon.config import DriftEvalConfig, LoggerConfig
+from unicon.data.drift_seeds import balanced, geneval_seeds, is_geneval_file, load_seeds, nd400_seeds
+from unicon.data.geneval import geneval_r_path
+from unicon.embedders.factory import load_embedders
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
+from unicon.evaluation.drift.plots import log_plots
+from unicon.evaluation.drift.runner import chains_for, evaluate_drift
 from unicon.evaluation.suites import register_suite
 from unicon.evaluation.callbacks import log_eval_config, log_metrics
 from unicon.evaluation.cli_common import (
@@ -33,6 +39,8 @@ from unicon.evaluation.cli_common import (
 )
 from unicon import jsonsafe
 from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
+from unicon.loggers import make_loggers
+from unicon.worlds.shapes import load_world
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +132,6 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate drift --ckpt ... --seeds ... --generations 20 --out DIR``."""
     args = build_parser().parse_args(argv)
-    from unicon.data.drift_seeds import balanced, geneval_seeds, is_geneval_file, load_seeds, nd400_seeds
-    from unicon.embedders.factory import load_embedders
-    from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
-    from unicon.evaluation.drift.plots import log_plots
-    from unicon.evaluation.drift.runner import chains_for, evaluate_drift
 
     config_from_args(args, DriftEvalConfig, FLAGS, skip=SKIP)  # ranges and choices, naming the flag
     out = check_common_args(args, ("nd_n", "geneval_limit"))
@@ -136,8 +139,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
     world = None
     if Path(args.world, "world.json").is_file():
-        from unicon.worlds.shapes import load_world
-
         world = load_world(args.world)
     if args.nocaps or args.docci:
         if not all([args.nocaps, args.nocaps_images, args.docci, args.docci_images]):
@@ -174,7 +175,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
         gpath = str(world.geneval_path)
     long = args.long
     if gpath is None and world is None:  # real data: the paper's GenEval-R prompts (long rewrites)
-        from unicon.data.geneval import geneval_r_path
 
         gpath, long = str(geneval_r_path()), True
     if gpath and gpath != "none":
@@ -208,8 +208,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
         print(f"drift: shard {args.shard} done; merge with --merge once every shard is done")
         return 0
     if args.logger != "none":
-        from unicon.loggers import make_loggers
-
         loggers = make_loggers(LoggerConfig(type=args.logger, tags=["drift"]), out, name=f"drift-{out.name}")
         log_eval_config(loggers, args, model_id["fingerprint"])
         log_metrics(loggers, drift_metrics(report), step=0)

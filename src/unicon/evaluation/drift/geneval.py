@@ -84,6 +84,7 @@ from PIL import Image
 
 from unicon.data.geneval import TASKS, GenEvalPrompt
 from unicon.errors import UserError
+from unicon.worlds.shapes import NotAShapesWorldImage, detect
 
 log = logging.getLogger(__name__)
 
@@ -545,8 +546,6 @@ class ShapesDetector(Detector):
         self.source = "ShapesWorld world.json"
 
     def detect(self, images: Sequence[Image.Image], class_names: Sequence[str]) -> list[list[Detection]]:
-        from unicon.worlds.shapes import NotAShapesWorldImage, detect
-
         out = []
         for im in images:
             try:

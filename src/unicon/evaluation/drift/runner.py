@@ -66,6 +66,7 @@ from unicon import jsonsafe
 from unicon.evaluation.drift import metrics, plots
 from unicon.evaluation.drift.geneval import Detector, score_images
 from unicon.evaluation.drift.metrics import CHAINS, MAPPINGS, PAPER_G, mapping_generations, modality
+from unicon.loggers import environment_info
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 
@@ -585,8 +586,6 @@ def evaluate_drift(
     chain folder's ``run.json``, and a resume under other weights is refused; ``geneval_file``
     names the GenEval metadata file the MGG prompts come from. ``drift.json`` also records the
     image-generation settings and the environment (git commit, package versions)."""
-    from unicon.loggers import environment_info
-
     out = Path(out)
     if geneval_seeds:
         if detector is None:

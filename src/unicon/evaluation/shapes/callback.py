@@ -17,6 +17,7 @@ from typing import Sequence
 from unicon.config import ShapesEvalConfig
 from unicon.evaluation.callbacks import EvalCallback, log_figures
 from unicon.evaluation.shapes.metrics import TASKS, logged_scalars
+from unicon.evaluation.shapes.plots import plot_examples
 from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
 
 #: the picture logged as ``shapes/fig/<name>``
@@ -60,8 +61,6 @@ class ShapesCallback(EvalCallback):
                                          self.tasks, examples=examples, num_examples=self.examples,
                                          device=trainer.strategy.root_device)
         if trainer.is_global_zero:
-            from unicon.evaluation.shapes.plots import plot_examples
-
             out = self.output_dir(trainer)
             result = {"metrics": metrics, "world": str(self.world.resolve()), "split": self.split,
                       "limit": self.max_samples, "epoch": trainer.current_epoch + 1}

@@ -25,8 +25,9 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from unicon.config import ShapesEvalConfig
+from unicon.config import LoggerConfig, ShapesEvalConfig
 from unicon.evaluation import preemption
+from unicon.evaluation.callbacks import log_metrics
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -38,7 +39,11 @@ from unicon.evaluation.cli_common import (
     image_generation_config,
     load_model_for,
 )
+from unicon.evaluation.shapes.metrics import logged_scalars
+from unicon.evaluation.shapes.plots import plot_examples
+from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
 from unicon.evaluation.suites import register_suite
+from unicon.loggers import environment_info, make_loggers
 
 #: how ``eval.shapes``'s fields appear here: the old flag names, and the standalone defaults
 FLAGS = {
@@ -73,17 +78,12 @@ def argv_from_config(cfg) -> list[str]:
 @register_suite("shapes", "ShapesWorld task accuracies (VQA, caption, loc, T2I)", section="shapes",
                 argv=argv_from_config, callback="unicon.evaluation.shapes.callback:ShapesCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
-    from unicon.evaluation.shapes.metrics import logged_scalars
-    from unicon.evaluation.shapes.plots import plot_examples
-    from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
-
     args = parser().parse_args(argv)
     cfg = config_from_args(args, ShapesEvalConfig, FLAGS)
     out = check_common_args(args)
     world = Path(cfg.data)
     check_world(world, cfg.split)
-    from unicon.core import weights_fingerprint
-    from unicon.loggers import environment_info
+    from unicon.core import weights_fingerprint  # lazy: tests patch it at its source, unicon.core
 
     model = load_model_for(args)
     image_config = image_generation_config(model, args)
@@ -99,10 +99,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if examples and cfg.examples:
         plot_examples(examples, out / "shapes_eval.png", cfg.examples)
     if args.logger != "none":
-        from unicon.config import LoggerConfig
-        from unicon.evaluation.callbacks import log_metrics
-        from unicon.loggers import make_loggers
-
         loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}")
         log_metrics(loggers, logged_scalars(metrics), step=0)
         for lg in loggers:

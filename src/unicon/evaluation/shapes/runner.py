@@ -42,16 +42,23 @@ from typing import Sequence
 import torch
 from PIL import Image
 
+from unicon.data.mixture import read_mixture
 from unicon.errors import UserError
 from unicon.evaluation.distributed import metric_sync_kwargs, owned_indices, shard_indices
 from unicon.evaluation.shapes.metrics import METRICS, TASKS, RelationFlip, report
 from unicon.progress import track
+from unicon.worlds.shapes import Scene, load_world
+from unicon.worlds.shapes_text import (
+    CaptionParseError,
+    answer_question,
+    count_question_form,
+    flip_relation_question,
+    parse_caption,
+)
 
 
 def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
     """Rows of ``mixture_<split>.jsonl`` grouped by task (always has the four :data:`TASKS` keys)."""
-    from unicon.data.mixture import read_mixture
-
     rows: dict[str, list[dict]] = {t: [] for t in TASKS}
     for row in read_mixture(Path(world_root) / f"mixture_{split}.jsonl", tasks=TASKS):
         rows[row["task"]].append(row)
@@ -71,8 +78,6 @@ def check_world(world: str | Path, split: str, what: str = "--world") -> None:
 
 def row_scene(row: dict):
     """The row's scene as a ``Scene`` (rows store it as a dict)."""
-    from unicon.worlds.shapes import Scene
-
     s = row["scene"]
     return Scene.from_dict(s) if isinstance(s, dict) and hasattr(Scene, "from_dict") else s
 
@@ -81,8 +86,6 @@ def slice_names(task: str, row: dict, world, where: str) -> list[str]:
     """The slices a row of ``task`` counts in (see the module docstring). A count question the
     grammar does not know, or a T2I prompt outside the caption grammar, is a ``ValueError`` naming
     ``where`` (the mixture file) and the row."""
-    from unicon.worlds.shapes_text import CaptionParseError, count_question_form, parse_caption
-
     sc = row_scene(row) if isinstance(row.get("scene"), dict) else None
     names = []
     if sc is not None:
@@ -110,8 +113,6 @@ def _ask_flipped(model, rows: Sequence[dict], images, cfg) -> list[tuple[int, st
     """Ask each yes/no relation question of ``rows`` whose answer the opposite relation reverses
     again with the opposite relation; per such question (its position in ``rows``, the model's
     answer to the flipped question, the flipped question's gold answer)."""
-    from unicon.worlds.shapes_text import answer_question, flip_relation_question
-
     asked = []  # (index in rows, flipped question, its answer)
     for i, r in enumerate(rows):
         q = flip_relation_question(r["text"])
@@ -147,8 +148,6 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     prompt, prediction, target, correct). ``image_config`` (an ``ImageGenerationConfig``; default the
     model's own) draws the t2i images. ``device`` holds the metric states (the process group's
     device: CUDA under NCCL)."""
-    from unicon.worlds.shapes import load_world
-
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task {unknown[0]!r}; choose from {TASKS}")

@@ -47,6 +47,7 @@ from unicon.evaluation.ureason.judges import (
 )
 from unicon.evaluation.ureason.plots import FIGURES
 from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
+from unicon.loggers import environment_info, make_loggers
 
 
 #: how ``eval.ureason``'s fields appear here (the standalone defaults that differ are marked)
@@ -107,7 +108,6 @@ def argv_from_config(cfg) -> list[str]:
                 argv=argv_from_config, callback="unicon.evaluation.ureason.callback:UReasonCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from unicon.loggers import environment_info, make_loggers
 
     cfg = config_from_args(args, UReasonEvalConfig, FLAGS)
     out = check_common_args(args, ("judge_max_new_tokens",))

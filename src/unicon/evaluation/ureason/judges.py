@@ -44,6 +44,9 @@ from unicon.core import DTYPES
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
+from unicon.worlds.shapes import WorldConfig, load_world
+from unicon.worlds.shapes_text import CaptionParseError, parse_caption
+from unicon.worlds.shapes_verify import check_criterion
 
 # Paper, appendix F, Fig. 19 (the paper text is flattened; line breaks are restored at the
 # sentence/step boundaries, the wording is verbatim).
@@ -364,8 +367,6 @@ def refined_prompt_implies(text: str, pattern: dict, cfg=None) -> bool:
     """
     from collections import Counter
 
-    from unicon.worlds.shapes_text import CaptionParseError, parse_caption
-
     try:
         spec = parse_caption(text, cfg)
     except CaptionParseError:
@@ -405,14 +406,10 @@ class ShapesJudge(Judge):
     judges_reasoning = True
 
     def __init__(self, cfg=None):
-        from unicon.worlds.shapes import WorldConfig  # imported lazily: only ShapesWorld runs need it
-
         self.cfg = cfg or WorldConfig()
 
     @classmethod
     def from_world(cls, root: str | None) -> "ShapesJudge":
-        from unicon.worlds.shapes import load_world
-
         return cls(load_world(root).config if root else None)
 
     @staticmethod
@@ -422,8 +419,6 @@ class ShapesJudge(Judge):
         return inst.target_scene
 
     def judge_images(self, instances, images):
-        from unicon.worlds.shapes_verify import check_criterion
-
         if len(instances) != len(images):
             raise ValueError(f"{len(instances)} instances but {len(images)} images")
         out = []
