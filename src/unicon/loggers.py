@@ -164,31 +164,39 @@ class KeepingCSVLogger(CSVLogger):
         return self._experiment
 
 
-def _split_at_line(data: bytes, keep_bytes: int) -> tuple[bytes, list[bytes]]:
-    """``data[:keep_bytes]`` cut back to its last complete line, and the lines after it (a line the
-    cut fell inside belongs to the tail, where its step decides whether it stays)."""
-    head = data[:keep_bytes]
-    if head and not head.endswith(b"\n"):
-        head = head[: head.rfind(b"\n") + 1]
-    return head, [line for line in data[len(head) :].split(b"\n") if line.strip()]
+def _rows_before(lines: list[bytes], step_of, restored_step: int) -> tuple[list[bytes], int]:
+    """The complete rows among ``lines`` whose step (``step_of(line)``: an int, or None for a row
+    that cannot be read, e.g. one cut by a kill) is below ``restored_step``, and how many were dropped."""
+    kept, dropped = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        step = step_of(line)
+        if step is not None and step < restored_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    return kept, dropped
+
+
+def _jsonl_step(line: bytes) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
 def _trim_jsonl(path: Path, keep_bytes: int, restored_step: int) -> int:
-    """Keep the first ``keep_bytes`` of a JSONL file plus later complete rows whose step is below
-    ``restored_step``; returns the number of rows dropped."""
-    head, tail = _split_at_line(path.read_bytes(), keep_bytes)
-    kept, dropped = [], 0
-    for line in tail:
-        try:
-            row = json.loads(line)
-            ok = isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < restored_step
-        except ValueError:  # a line cut by the kill
-            ok = False
-        if ok:
-            kept.append(line + b"\n")
-        else:
-            dropped += 1
-    _atomic_write(path, head + b"".join(kept))
+    """Keep the first ``keep_bytes`` of a JSONL file (cut back to a complete line; a line the cut
+    fell inside is judged with the rest) plus later rows whose step is below ``restored_step``;
+    returns the number of rows dropped."""
+    data = path.read_bytes()
+    head = data[:keep_bytes]
+    if head and not head.endswith(b"\n"):
+        head = head[: head.rfind(b"\n") + 1]
+    kept, dropped = _rows_before(data[len(head):].split(b"\n"), _jsonl_step, restored_step)
+    _atomic_write(path, head + b"".join(line + b"\n" for line in kept))
     return dropped
 
 
@@ -200,23 +208,19 @@ def _trim_csv(path: Path, keep_lines: int, restored_step: int) -> int:
     keep_lines = max(keep_lines, 1)  # the header stays, even for a checkpoint written before any row
     head, tail = lines[:-1][:keep_lines], lines[:-1][keep_lines:]
     header = next(csv.reader(io.StringIO(head[0].decode() if head else "")), [])
-    kept, dropped = [], cut
-    for line in tail:
-        if not line.strip():
-            continue
+
+    def step_of(line: bytes) -> int | None:
         row = next(csv.reader(io.StringIO(line.decode(errors="replace"))), [])
-        ok = len(row) == len(header) and "step" in header
-        if ok:
-            try:
-                ok = int(float(row[header.index("step")])) < restored_step
-            except ValueError:
-                ok = False
-        if ok:
-            kept.append(line)
-        else:
-            dropped += 1
+        if len(row) != len(header) or "step" not in header:
+            return None
+        try:
+            return int(float(row[header.index("step")]))
+        except ValueError:
+            return None
+
+    kept, dropped = _rows_before(tail, step_of, restored_step)
     _atomic_write(path, b"".join(line + b"\n" for line in head + kept))
-    return dropped
+    return dropped + cut
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
