@@ -16,12 +16,21 @@ Writes (see the team brief for the schemas)::
     geneval_metadata.jsonl          GenEval schema with ShapesWorld classes and colours
     ureason/direct_<cat>.jsonl      UReason direct prompts (+ target_scene, trace)
     ureason/<cat>.jsonl             UReason think-then-refine prompts (+ target_scene, trace)
+    edit_<split>.jsonl              image-edit rows, task "edit" (unicon.worlds.shapes_edit): image = source
+                                    png, text = instruction, target_image = the exact edited scene's png
+                                    (images/edit/<split>/), source_scene / target_scene; --edits-per-scene
+    realunify/ueg.jsonl, geu.jsonl  RealUnify analogues from the test split (unicon.worlds.shapes_realunify;
+                                    GEU images in realunify/images/<category>/); --realunify-per-category
 
 Default sizes (6000 / 500 / 500 scenes, ~9 mixture rows per scene, 6000 reasoning rows) give a
 tiny OFA enough data to learn all four tasks; the default world builds in seconds. Everything is
 a function of ``--seed``: each scene's image and text use their own RNG seeded with
 ``(seed, split, index)``, so the output does not depend on ``--workers``. Large worlds are
 rendered by a process pool, streamed to disk, and never held in memory.
+
+The edit and RealUnify files are written last, from their own RNG streams, so the other files of a
+world do not depend on them (the BPE tokenizer is trained without their text), and ``world.json``
+records their options only when they differ from the defaults.
 
 Splits are disjoint by scene. ``--held-out`` colour-shape compositions never appear in any
 training image or training text (they are listed in ``world.json``); val/test contain them.
@@ -31,11 +40,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -52,6 +63,8 @@ from unicon.worlds.shapes import (
     render,
     scene_boxes,
 )
+from unicon.worlds.shapes_edit import EDIT_KINDS, add_clutter, edit_row, route_marker, sample_edit
+from unicon.worlds.shapes_realunify import GEU_CATEGORIES, geu_items, ueg_rows
 from unicon.worlds.shapes_reasoning import make_reasoning_item
 from unicon.worlds.shapes_text import (
     CATEGORIES,
@@ -72,6 +85,10 @@ SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>"]
 GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 UREASON_ID_RANK = {"code": 1, "attribute": 2, "spatial": 3, "arithmetic": 4}  # as in the real release
 QTYPES = ("color", "shape", "count", "exist", "relation")
+EDITS_PER_SCENE = 0.5
+REALUNIFY_PER_CATEGORY = 100
+#: RNG stream constants of the edit rows and the RealUnify files (beside 11..23 of the other files)
+EDIT_STREAM, REALUNIFY_STREAM = 41, 43
 # The OFA task prompts (owned by OFAUnifiedModel) are added to the BPE corpus so that their words
 # are whole tokens too.
 TASK_PROMPTS = (" what does the image describe?", ' which region does the text " X " describe?',
@@ -123,6 +140,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--caption-gap-keep", type=float, default=0.05,
                    help="fraction of the train caption rows naming --caption-gap that are kept")
     t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
+    t.add_argument("--edits-per-scene", type=float, default=EDITS_PER_SCENE,
+                   help="image-edit rows (edit_<split>.jsonl) per scene of every split, on average (0.5: every "
+                        "other scene has one; 2: every scene two); kinds take turns (0 = none)")
+    t.add_argument("--realunify-per-category", type=int, default=REALUNIFY_PER_CATEGORY,
+                   help="RealUnify items per UEG/GEU category (realunify/*.jsonl, from the test split; 0 = none)")
     t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
     t.add_argument("--num-drift-seeds", type=int, default=64)
     t.add_argument("--vocab-size", type=int, default=1000)
@@ -139,7 +161,8 @@ def validate(args: argparse.Namespace, cfg: WorldConfig) -> None:
     if args.num_train < 1 or args.num_val < 0 or args.num_test < 0:
         raise ValueError("--num-train must be >= 1 and --num-val/--num-test >= 0")
     for name in ("captions_per_scene", "vqa_per_scene", "grounding_per_scene", "t2i_per_scene",
-                 "num_reason_train", "num_ureason", "geneval_per_tag", "num_drift_seeds"):
+                 "num_reason_train", "num_ureason", "geneval_per_tag", "num_drift_seeds", "edits_per_scene",
+                 "realunify_per_category"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if not 1 <= args.min_contrast_sets <= args.max_contrast_sets <= 5:
@@ -579,6 +602,9 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
                      ({"id": it["id"], "prompt": it["think_prompt"], "expect_en": it["expect_en"], **base,
                        "target_scene": it["target_scene"], "trace": it["trace"]} for it in items))
     vocab = train_tokenizer(_world_texts(out), args.vocab_size, out / "tokenizer.json")
+    # new files last, from their own RNG streams: everything above is unchanged by them
+    edit_counts = write_edits(cfg, args, out, scenes, held_out, width, offsets)
+    realunify_counts = write_realunify(cfg, args, out, scenes["test"])
     info = {
         "name": "shapes",
         "format_version": 1,
@@ -596,10 +622,102 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
         "drift_seeds": len(drift),
         "vocab_size": vocab,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
-        "build": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "quiet", "workers")},
+        "build": {k: v for k, v in vars(args).items()
+                  if k not in ("out", "overwrite", "quiet", "workers") and not _default_new_option(k, v)},
     }
+    if not (_default_new_option("edits_per_scene", args.edits_per_scene)
+            and _default_new_option("realunify_per_category", args.realunify_per_category)):
+        info["edit_rows"], info["realunify_rows"] = edit_counts, realunify_counts
     (out / "world.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _default_new_option(key: str, value: Any) -> bool:
+    """Is ``key`` an option added after format_version 1 and left at its default? Such options stay out
+    of ``world.json``, so that a default build's world.json is the same as before they existed."""
+    return (key, value) in (("edits_per_scene", EDITS_PER_SCENE), ("realunify_per_category", REALUNIFY_PER_CATEGORY))
+
+
+def write_edits(cfg: WorldConfig, args: argparse.Namespace, out: Path, scenes: dict[str, list[Scene]],
+                held_out, width: int, offsets: dict[str, int]) -> dict[str, int]:
+    """``edit_<split>.jsonl`` for every split: ``--edits-per-scene`` = r rows per scene on average (scene i
+    has ``floor((i + 1) r) - floor(i r)``), the kinds taking turns row by row (a kind that does not
+    apply gives way to a random one that does; ``highlight``
+    and ``route`` first try the scene with 3-6 clutter objects added). Train rows never show a held-out
+    composition; the route marker kind is the same in every split. The source png is the scene's own
+    image when the edit keeps the scene as its source, the target png the scene's image when the edit's
+    target is the scene (``restore``); other pngs go to ``images/edit/<split>/``. Each scene's rows use
+    the RNG ``(seed, EDIT_STREAM, split, index)``. Returns rows per split."""
+    marker = route_marker(cfg, held_out)
+    counts = {}
+    for split in SPLITS:
+        n = 0
+        forbidden = held_out if split == "train" else []
+        rate = Fraction(args.edits_per_scene).limit_denominator(1000)
+        if rate:
+            (out / "images" / "edit" / split).mkdir(parents=True, exist_ok=True)
+        turn = 0
+        with open(out / f"edit_{split}.jsonl", "w") as f:
+            for index, scene in enumerate(scenes[split] if rate else []):
+                rows_here = math.floor((index + 1) * rate) - math.floor(index * rate)
+                if not rows_here:
+                    continue
+                name = scene_name(offsets[split] + index, width)
+                own = f"images/{split}/{name}.png"
+                rng = np.random.default_rng([args.seed, EDIT_STREAM, SPLITS.index(split), index])
+                for k in range(rows_here):
+                    first = EDIT_KINDS[turn % len(EDIT_KINDS)]
+                    turn += 1
+                    others = [EDIT_KINDS[i] for i in rng.permutation(len(EDIT_KINDS)) if EDIT_KINDS[i] != first]
+                    edit = None
+                    for kind in [first] + others:
+                        if kind in ("highlight", "route"):
+                            busy = add_clutter(scene, rng, cfg, int(rng.integers(3, 7)), forbidden, avoid_kinds=[marker])
+                            edit = sample_edit(kind, busy, rng, cfg, forbidden, marker)
+                        if edit is None:
+                            edit = sample_edit(kind, scene, rng, cfg, forbidden, marker)
+                        if edit is not None:
+                            break
+                    if edit is None:
+                        continue
+                    paths = []
+                    for role, which in (("source", edit.source), ("target", edit.target)):
+                        if which == scene:
+                            paths.append(own)
+                            continue
+                        rel = f"images/edit/{split}/{name}-{k}-{role}.png"
+                        seed = int(np.random.SeedSequence([args.seed, EDIT_STREAM, SPLITS.index(split), index, k,
+                                                           role == "target"]).generate_state(1)[0])
+                        render(which, cfg, seed=seed).save(out / rel)
+                        paths.append(rel)
+                    f.write(json.dumps(edit_row(edit, f"{split}-{name}-edit-{k}", *paths)) + "\n")
+                    n += 1
+        counts[split] = n
+    return counts
+
+
+def write_realunify(cfg: WorldConfig, args: argparse.Namespace, out: Path, test_scenes: list[Scene]) -> dict[str, int]:
+    """``realunify/ueg.jsonl`` and ``realunify/geu.jsonl`` (GEU images in ``realunify/images/<category>/``),
+    ``--realunify-per-category`` items per category (GEU items drawn from the test scenes; fewer when the
+    test split is too small for that many distinct items). Returns rows per file."""
+    n = args.realunify_per_category
+    if n <= 0:
+        return {"ueg": 0, "geu": 0}
+    root = out / "realunify"
+    for cat in GEU_CATEGORIES:
+        (root / "images" / cat).mkdir(parents=True, exist_ok=True)
+    ueg = ueg_rows(cfg, n, args.seed)
+    _write_jsonl(root / "ueg.jsonl", ueg)
+    geu = []
+    for row, scene in geu_items(cfg, test_scenes, n, args.seed):
+        rel = f"realunify/images/{row['category']}/{row['id']}.png"
+        seed = int(np.random.SeedSequence([args.seed, REALUNIFY_STREAM, GEU_CATEGORIES.index(row["category"]),
+                                           len(geu)]).generate_state(1)[0])
+        render(scene, cfg, seed=seed).save(out / rel)
+        geu.append({"id": row["id"], "category": row["category"], "image": rel,
+                    **{k: v for k, v in row.items() if k not in ("id", "category")}})
+    _write_jsonl(root / "geu.jsonl", geu)
+    return {"ueg": len(ueg), "geu": len(geu)}
 
 
 def _progress(quiet: bool):

@@ -355,6 +355,15 @@ def _fake_model_class():
             words = [w for w in re.findall(r"[a-z]+", text.lower()) if w in FAKE_COLORS]
             return words[-1] if words else None
 
+        supports_editing = True
+
+        def edit_image(self, images, instructions, config=None):
+            """The identity edit: each image back unchanged (RGB)."""
+            if len(images) != len(instructions):
+                raise ValueError(f"{len(images)} images and {len(instructions)} instructions")
+            self._call("edit_image", len(images))
+            return [im.convert("RGB") for im in images]
+
         def generate_image(self, prompts, context=None, config=None):
             self._call("generate_image", len(prompts))
             self.image_calls.append((list(prompts), None if context is None else list(context)))

@@ -180,14 +180,14 @@ def test_task_lambda_is_checked_at_compose_time_naming_the_key(override, message
 
 
 def test_the_schema_choices_are_the_values_the_code_implements():
-    from unicon.data.mixture import TASKS as MIXTURE_TASKS
+    from unicon.data.mixture import TRAINABLE_TASKS
     from unicon.losses.consistency import DIRECTIONS, LOSS_TYPES, SOFT_RANKS
     from unicon.training.module import SCHEDULERS
 
     assert set(allowed("loss.type")) == set(LOSS_TYPES)
     assert set(allowed("loss.soft_rank")) == set(SOFT_RANKS)
     assert set(allowed("loss.direction")) == set(DIRECTIONS)
-    assert set(allowed("data.tasks")) == set(MIXTURE_TASKS)
+    assert set(allowed("data.tasks")) == set(TRAINABLE_TASKS)
     assert set(allowed("optim.scheduler")) == set(SCHEDULERS)
     assert set(allowed("trainer.strategy")) == set(STRATEGIES)
     deepspeed = {s for s in STRATEGIES if s.startswith("deepspeed")}

@@ -76,6 +76,10 @@ RUNS: dict[str, tuple[list[str], int]] = {
         ["--max-samples", "2", "--max-new-tokens", "8", "--judge-max-new-tokens", "4", "--logger", "none"], 0),
     "unicon evaluate shapes  --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/shapes": (
         ["--limit", "4", "--logger", "none"], 0),
+    "unicon evaluate shapes  --ckpt checkpoints/shapes_demo/export --world data/shapes --tasks edit --out outputs/shapes-edit": (
+        ["--limit", "2", "--logger", "none"], 0),
+    "unicon evaluate realunify --ckpt checkpoints/shapes_demo/export --data data/shapes --out outputs/realunify": (
+        ["--limit", "1", "--logger", "none"], 0),
     "unicon evaluate all     --ckpt checkpoints/shapes_demo/export --out outputs/all eval=shapes": (
         ["eval.cococon.max_samples=4", "eval.drift.num_chains=2", "eval.drift.generations=1",
          "eval.drift.embedders=[scene]", "eval.ureason.max_samples=2"], 0),

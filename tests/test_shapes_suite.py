@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 import standins
-from unicon.evaluation.shapes.metrics import (CaptionMatch, LocalizationAccuracy, RelationFlip, T2IMatch,
-                                              VQAAccuracy, logged_scalars, report)
+from unicon.evaluation.shapes.metrics import (CaptionMatch, EditMatch, LocalizationAccuracy, RelationFlip,
+                                              T2IMatch, VQAAccuracy, logged_scalars, report)
 from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, render
 from unicon.worlds.shapes_text import describe_scene
 
@@ -124,6 +124,49 @@ def test_relation_flip_by_hand():
     # kept: 2nd, 4th -> 2/5; both right: 1st, 3rd -> 2/5
     assert _one_process()["flip"] == {"vqa_relation_flip/answer_kept": 2 / 5, "vqa_relation_flip/both_right": 2 / 5,
                                       "vqa_relation_flip/answer_kept_n": 5.0}
+
+
+def test_edit_match_and_its_miss_causes_by_hand():
+    """Edits recolour the circle of TWO (-> RECOLOURED): right; left as it was; another scene; not an
+    image of the world; right. Slices are the edit kinds."""
+    metric = EditMatch(["recolor", "remove"], CFG)
+    pair = (TWO, RECOLOURED)
+    metric.update([render(RECOLOURED, CFG), render(TWO, CFG), render(ONE, CFG),
+                   Image.new("RGB", (64, 64), MAGENTA), render(ONE, CFG)],
+                  [pair, pair, pair, pair, (TWO, ONE)],
+                  [["recolor"], ["recolor"], ["recolor"], ["recolor"], ["remove"]])
+    assert metric.compute() == {
+        "edit_match": 2 / 5, "edit_match_n": 5.0,
+        "edit_match/recolor": 1 / 4, "edit_match/recolor_n": 4.0,
+        "edit_match/remove": 1 / 1, "edit_match/remove_n": 1.0,
+        "edit_error/not_an_image": 1 / 5, "edit_error/unchanged": 1 / 5, "edit_error/wrong_scene": 1 / 5,
+    }
+    assert logged_scalars({"edit_match": 0.4})["shapes/edit/edit_match"] == 0.4
+
+
+def test_the_edit_task_is_refused_for_a_model_that_does_not_edit(tiny_shapes_world):
+    from unicon.errors import UserError
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
+
+    model = _fake_model(tiny_shapes_world)
+    model.supports_editing = False
+    with pytest.raises(UserError, match="task edit needs a model that edits images; the .* backend"):
+        shapes_task_accuracies(model, tiny_shapes_world, "test", limit=2, tasks=["edit"])
+
+
+def test_the_runner_reads_the_worlds_edit_rows_and_counts_them_by_kind(tiny_shapes_world):
+    """The stand-in's identity edit leaves every source as it was: every edit row is a miss of cause
+    ``unchanged`` (no kind's target equals its source), sliced by the rows' kinds."""
+    from unicon.data.mixture import read_edits
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
+
+    rows = read_edits(tiny_shapes_world / "edit_test.jsonl")
+    got = shapes_task_accuracies(_fake_model(tiny_shapes_world), tiny_shapes_world, "test", limit=None, tasks=["edit"])
+    assert got["edit_match"] == 0.0 and got["edit_match_n"] == len(rows) > 0
+    assert got["edit_error/unchanged"] == 1.0
+    kinds = {r["kind"] for r in rows}
+    assert {k.split("/")[1] for k in got if k.startswith("edit_match/") and not k.endswith("_n")} == kinds
+    assert sum(got[f"edit_match/{k}_n"] for k in kinds) == len(rows)
 
 
 def test_no_example_reports_nothing_and_an_unknown_slice_is_an_error():

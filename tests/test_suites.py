@@ -19,6 +19,7 @@ from unicon.evaluation import suites
 from unicon.evaluation.cli_common import Flag, add_config_args, config_argv, config_from_args
 from unicon.evaluation.cococon import cli as cococon_cli
 from unicon.evaluation.drift import cli as drift_cli
+from unicon.evaluation.realunify import cli as realunify_cli
 from unicon.evaluation.shapes import cli as shapes_cli
 from unicon.evaluation.ureason import cli as ureason_cli
 
@@ -28,6 +29,7 @@ GENERATED = {
     "drift": (config.DriftEvalConfig, drift_cli.build_parser, drift_cli.FLAGS, drift_cli.SKIP, []),
     "ureason": (config.UReasonEvalConfig, ureason_cli.build_parser, ureason_cli.FLAGS, (), ["--data", "d"]),
     "shapes": (config.ShapesEvalConfig, shapes_cli.parser, shapes_cli.FLAGS, (), []),
+    "realunify": (config.RealUnifyEvalConfig, realunify_cli.build_parser, realunify_cli.FLAGS, (), ["--data", "d"]),
 }
 
 
@@ -164,9 +166,12 @@ def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkey
 
     monkeypatch.setattr(run, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
     registered = [(s.section, s.callback_class().__name__) for s in suites.suites().values() if s.callback]
-    assert [section for section, _ in registered] == ["cococon", "drift", "ureason", "shapes"]
-    assert run.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == registered
-    assert run.make_eval_callbacks(compose(["eval=shapes"])) == [r for r in registered if r[0] != "shapes"]
+    assert [section for section, _ in registered] == ["cococon", "drift", "ureason", "shapes", "realunify"]
+    assert run.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == \
+        [r for r in registered if r[0] != "realunify"]
+    assert run.make_eval_callbacks(compose(["eval=realunify"])) == [r for r in registered if r[0] == "realunify"]
+    assert run.make_eval_callbacks(compose(["eval=shapes"])) == \
+        [r for r in registered if r[0] not in ("shapes", "realunify")]
     assert run.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
-        [r for r in registered if r[0] not in ("drift", "shapes")]
+        [r for r in registered if r[0] not in ("drift", "shapes", "realunify")]
     assert run.make_eval_callbacks(compose(["eval=shapes_tasks"])) == [r for r in registered if r[0] == "shapes"]

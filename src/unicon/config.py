@@ -88,10 +88,12 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, *, l
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
               "deepspeed_zero3", "deepspeed_zero3_offload")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
-MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
+MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i", "edit")  # data.tasks
 OPTIMIZERS = ("adamw", "muon")  # optim.name (unicon.training.optim.build_optimizer)
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
-SHAPES_EVAL_TASKS = ("vqa", "caption", "grounding", "t2i")  # the tasks of `unicon evaluate shapes`
+SHAPES_EVAL_TASKS = ("vqa", "caption", "grounding", "t2i", "edit")  # the tasks of `unicon evaluate shapes`
+SHAPES_DEFAULT_TASKS = ("vqa", "caption", "grounding", "t2i")  # its default: edit only for models that edit
+REALUNIFY_SETTINGS = ("direct", "stepwise")  # the settings of `unicon evaluate realunify`
 
 
 @dataclass
@@ -131,7 +133,8 @@ class DataConfig:
     max_contrast: int = bounded(5, 1)
     num_workers: int = bounded(0, 0)
     image_cache_mb: float = bounded(256.0, 0.0)  # decoded mixture images kept per process (0: decode every time)
-    tasks: list[str] = choice(list(MIXTURE_TASKS), MIXTURE_TASKS, each=True)
+    # edit (image editing) rows come from the world's edit_<split>.jsonl; not trained on by default
+    tasks: list[str] = choice([t for t in MIXTURE_TASKS if t != "edit"], MIXTURE_TASKS, each=True)
     # "by_task": every mixture batch holds one task (one encoder/decoder call per step instead of
     # one per task; training.datamodule.TaskGroupedSampler); "mixed": batches mix tasks
     # "auto": by_task under DeepSpeed (ZeRO needs every rank's step to use the same parameters), else mixed
@@ -274,8 +277,25 @@ class ShapesEvalConfig:
     split: str = choice("test", ("train", "val", "test"))
     max_samples: int = bounded(16, 1)  # examples per task (the first ones of the split)
     batch_size: int = bounded(32, 1)
-    tasks: list[str] = choice(list(SHAPES_EVAL_TASKS), SHAPES_EVAL_TASKS, each=True)
+    tasks: list[str] = choice(list(SHAPES_DEFAULT_TASKS), SHAPES_EVAL_TASKS, each=True)
     examples: int = bounded(6, 0)  # examples per task in the picture (shapes_eval.png)
+
+
+@dataclass
+class RealUnifyEvalConfig:
+    # off unless an eval group turns it on (configs/eval/realunify.yaml), so that run configs stored
+    # before this section existed (a resumed checkpoint) keep their epoch-end work
+    enabled: bool = False
+    every_n_epochs: int = bounded(1, 1)
+    data: Optional[str] = None  # ShapesWorld root, GEU .parquet (or a folder of them), UEG .jsonl; default data.root
+    judge: str = "exact"  # exact (ShapesWorld) | vlm:<local model directory>
+    settings: list[str] = choice(list(REALUNIFY_SETTINGS), REALUNIFY_SETTINGS, each=True)
+    # GEU stepwise edit prompt: the paper's Tables 10-13, or the row's own edit_instruction (ShapesWorld)
+    edit_prompt: str = choice("paper", ("paper", "row"))
+    max_samples: Optional[int] = bounded(4, 1)  # instances per category (the first ones of each)
+    max_new_tokens: int = bounded(64, 1)  # the stepwise UEG prompt refinement (Table 9)
+    batch_size: int = bounded(8, 1)
+    table_rows: int = bounded(8, 0)  # samples in the W&B table (direct and stepwise images side by side)
 
 
 @dataclass
@@ -285,6 +305,7 @@ class EvalConfig:
     drift: DriftEvalConfig = field(default_factory=DriftEvalConfig)
     ureason: UReasonEvalConfig = field(default_factory=UReasonEvalConfig)
     shapes: ShapesEvalConfig = field(default_factory=ShapesEvalConfig)
+    realunify: RealUnifyEvalConfig = field(default_factory=RealUnifyEvalConfig)
 
 
 @dataclass
@@ -617,7 +638,7 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
 
     walk(RunConfig, cfg, "")
     for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders",
-                "eval.shapes.tasks"):
+                "eval.shapes.tasks", "eval.realunify.settings"):
         items = list(OmegaConf.select(cfg, key))
         if len(set(items)) != len(items):
             fail(key, items, "lists a value twice")

@@ -19,6 +19,8 @@ every image inlined as a ``data:`` URI, no script and no network reference -- wi
   strips (each chain's images across generations with its captions);
 * ``ureason``: the three settings' accuracies per category and, per sample, the three settings'
   images side by side with their verdicts;
+* ``realunify``: the direct and stepwise accuracies per category, axis and overall with their
+  difference, and, per sample, the direct and stepwise images side by side with their outcome;
 * ``config``: the resolved run config (``config.yaml``), flattened to dotted keys.
 
 A suite's section reads ``<run_dir>/eval/<suite>/epoch-<n>/`` (epoch-end evaluation) or, for the
@@ -55,6 +57,8 @@ HEADLINE = (
     "ureason/acc_s1",
     "ureason/acc_s2",
     "ureason/acc_s3",
+    "realunify/acc_direct",
+    "realunify/acc_stepwise",
 )
 
 #: the sections of report.html, in page order: ``(id, title)``
@@ -64,6 +68,7 @@ SECTIONS = (
     ("cococon", "CocoCon"),
     ("drift", "Semantic drift"),
     ("ureason", "UReason"),
+    ("realunify", "RealUnify"),
     ("config", "Run config"),
 )
 #: the figures each suite writes into its output folder (``<name>.png``), as logged to W&B
@@ -72,7 +77,8 @@ SUITE_FIGURES = {
     "drift": ("drift_curves", "mgg_heatmap", "strips"),
 }
 #: the summary file that marks a suite's output folder
-SUITE_FILES = {"cococon": "results.json", "drift": "drift.json", "ureason": "ureason.json"}
+SUITE_FILES = {"cococon": "results.json", "drift": "drift.json", "ureason": "ureason.json",
+               "realunify": "realunify.json"}
 #: how many sample rows (CocoCon, UReason) and chain strips the page shows per evaluation
 MAX_ROWS = 12
 
@@ -530,6 +536,62 @@ def _section_ureason(run_dir: Path) -> str:
     return html_ + _earlier(evals, _ureason_eval)
 
 
+def _realunify_eval(label: str, out: Path) -> str:
+    summary = _read_json(out / SUITE_FILES["realunify"]) or {}
+    metrics = summary.get("metrics") or {}
+    cats = [k.split("/", 1)[1] for k in metrics if k.startswith("n/")]
+    groups = [*cats, *(a for a in ("ueg", "geu") if f"acc_direct/{a}" in metrics or f"acc_stepwise/{a}" in metrics),
+              ""]
+    rows = [[f"<td>{_e(g.upper() if g in ('ueg', 'geu') else g or 'overall')}</td>",
+             *(_td(metrics.get(f"{k}/{g}" if g else k)) for k in
+               ("acc_direct", "acc_stepwise", "delta", "q_acc_direct", "q_acc_stepwise", "edit_acc"))]
+            for g in groups]
+    html_ = _table(["category (accuracy %)", "direct", "stepwise", "Δ stepwise − direct", "per-question direct",
+                    "per-question stepwise", "edit acc"], rows, "realunify-acc")
+    if cats:
+        html_ += '<div class="figures">' + _figure_file(
+            out / "settings_by_category.png", "realunify/fig/settings_by_category",
+            f"direct and stepwise accuracy per category ({label or 'evaluation'})") + "</div>"
+    unparseable = ", ".join(f"{k} {_num(v)}" for k, v in metrics.items() if k.startswith("unparseable_"))
+    html_ += (f'<p class="note">judge: {_e(summary.get("judge"))}; settings: {_e(", ".join(summary.get("settings") or []))}; '
+              f'N = {_num(metrics.get("n"))}; unparseable replies (failures): {_e(unparseable or "0")}</p>')
+    samples = _read_jsonl(out / "samples.jsonl")[:MAX_ROWS]
+    if samples:
+        body = []
+        for s in samples:
+            text = s.get("prompt") if s.get("axis") == "ueg" else s.get("question")
+            cells = [_td(s.get("category")), _td(text)]
+            for k in ("direct", "stepwise"):
+                path = s.get(f"image_{k}") or (s.get("image") if s.get("axis") == "geu" and k == "direct" else None)
+                correct = s.get(f"correct_{k}")
+                img = _img(out / path, k, "thumb", f"realunify/{k}", THUMB_SIDE) if path \
+                    else f'<span class="empty">{_e(s.get(f"image_error_{k}") or "no image")}</span>'
+                answer = s.get(f"pred_{k}") if s.get("axis") == "geu" else None
+                verdict = "not run" if correct is None else ("right" if correct else "wrong")
+                note = f"{verdict}" + (f" ({answer or 'unparseable'})" if correct is not None and s.get("axis") == "geu"
+                                       else "")
+                cells.append(f'<td>{img}<div class="{"ok" if correct else "bad"}">{_e(note)}</div></td>')
+            body.append(cells)
+        html_ += "<h3>Direct and stepwise side by side</h3>" + _table(
+            ["category", "prompt / question", "direct", "stepwise"], body, "realunify-side")
+    return html_
+
+
+def _section_realunify(run_dir: Path) -> str:
+    evals = suite_outputs(run_dir, "realunify")
+    if not evals:
+        return _not_evaluated("realunify")
+    trend = []
+    for label, out in evals:
+        m = (_read_json(out / SUITE_FILES["realunify"]) or {}).get("metrics") or {}
+        trend.append([f"<td>{_e(label or '-')}</td>", *(_td(m.get(k)) for k in
+                                                          ("acc_direct", "acc_stepwise", "delta", "acc_direct/ueg",
+                                                           "acc_stepwise/ueg", "acc_direct/geu", "acc_stepwise/geu"))])
+    html_ = _table(["evaluation", "acc direct", "acc stepwise", "Δ", "UEG direct", "UEG stepwise", "GEU direct",
+                    "GEU stepwise"], trend, "realunify-trend")
+    return html_ + _earlier(evals, _realunify_eval)
+
+
 def _section_config(run_dir: Path) -> str:
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -557,6 +619,7 @@ def render_html(run_dir: Path, series: dict | None = None) -> str:
         "cococon": _section_cococon(run_dir),
         "drift": _section_drift(run_dir),
         "ureason": _section_ureason(run_dir),
+        "realunify": _section_realunify(run_dir),
         "config": _section_config(run_dir),
     }
     nav = "".join(f'<a href="#{sid}">{_e(title)}</a>' for sid, title in SECTIONS)

@@ -17,6 +17,17 @@ write the trace ``R`` (ending in ``refined prompt: ...``) from the prompt alone,
 setting 2 gives ``generate_image``. Every task but ``reason`` needs an image. Which tasks a run
 trains on is ``data.tasks``.
 
+``edit`` rows (:data:`EDIT_TASK`) live in the world's ``edit_<split>.jsonl``, not in the mixture file
+(:mod:`unicon.worlds.shapes_edit`)::
+
+    {"id", "task": "edit", "kind", "image": <source png>, "text": <instruction>,
+     "target_image": <target png>, "source_scene", "target_scene"}
+
+:class:`MixtureDataset` reads them only when ``tasks`` lists ``edit`` (after the mixture rows, so the
+other rows keep their indices); an edit example has ``image`` = the source, ``target`` = the target
+image (both PIL, decoded lazily through the same cache) and ``text`` = the instruction. Without
+``edit`` in ``tasks`` nothing is read and the rows are exactly the mixture file's.
+
 :class:`MixtureDataset` reads and validates the rows once (a bad row is a ``ValueError``
 naming ``file:line`` and the key); its base :class:`MixtureRowsDataset` (also the dataset of the
 COCO mixture, :mod:`unicon.data.coco_mixture`) opens images lazily in ``__getitem__`` so that
@@ -45,6 +56,9 @@ log = logging.getLogger(__name__)
 
 TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
 IMAGE_FREE_TASKS = ("reason",)
+#: image editing: rows of ``edit_<split>.jsonl`` (module docstring); a task of data.tasks besides TASKS
+EDIT_TASK = "edit"
+TRAINABLE_TASKS = TASKS + (EDIT_TASK,)
 
 
 class MixtureFormatError(UserError, ValueError):
@@ -95,6 +109,31 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
     absent = [t for t in tasks if t not in found]
     if absent:
         log.warning("%s has no rows of task(s) %s listed in data.tasks; training on the others", path, absent)
+    return rows
+
+
+def read_edits(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of an ``edit_<split>.jsonl`` file, validated (a bad row is a :class:`MixtureFormatError`
+    naming ``file:line`` and the key)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MixtureFormatError(f"no image-edit file {path} (data.tasks lists edit; build the world with "
+                                 "`unicon build-data shapes`, --edits-per-scene >= 1)")
+    rows = []
+    for n, row in read_jsonl(path, MixtureFormatError, "image-edit file"):
+        for key in ("id", "task"):
+            if key not in row:
+                raise _row_error(path, n, f"missing key {key!r}")
+        if row["task"] != EDIT_TASK:
+            raise _row_error(path, n, f"key 'task' is {row['task']!r}; an image-edit file holds task {EDIT_TASK!r} only")
+        for key in ("image", "target_image"):
+            if not (isinstance(row.get(key), str) and row[key]):
+                raise _row_error(path, n, f"task edit needs {key!r} (a path relative to {path.parent})")
+        if not (isinstance(row.get("text"), str) and row["text"]):
+            raise _row_error(path, n, "task edit needs a non-empty string 'text' (the instruction)")
+        rows.append(row)
+    if not rows:
+        raise MixtureFormatError(f"{path}: no image-edit rows (data.tasks lists edit)")
     return rows
 
 
@@ -151,8 +190,9 @@ class MixtureRowsDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _image(self, row: dict[str, Any]) -> tuple[Image.Image, tuple[int, int]]:
-        key = row["image"]
+    def _image(self, row: dict[str, Any], field: str = "image") -> tuple[Image.Image, tuple[int, int]]:
+        """The row's image ``row[field]`` (as the model receives it) and the file's image size, cached."""
+        key = row[field]
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -180,6 +220,8 @@ class MixtureRowsDataset(Dataset):
             image, file_size = self._image(row)
             if row["task"] == "grounding" and image.size != file_size:
                 target = scale_box(target, file_size, image.size)
+            elif row["task"] == EDIT_TASK:
+                target = self._image(row, "target_image")[0]
         return {
             "id": str(row["id"]),
             "task": row["task"],
@@ -191,17 +233,26 @@ class MixtureRowsDataset(Dataset):
 
 
 class MixtureDataset(MixtureRowsDataset):
-    """Examples of a ShapesWorld's ``<root>/mixture_<split>.jsonl`` (images relative to the world root)."""
+    """Examples of a ShapesWorld's ``<root>/mixture_<split>.jsonl`` (images relative to the world root),
+    followed by those of ``<root>/edit_<split>.jsonl`` when ``tasks`` lists ``edit``."""
 
     def __init__(self, root: str | Path, split: str = "train", tasks: Sequence[str] = TASKS,
                  image_cache_mb: float = 256.0):
         self.root = Path(root)
         self.path = self.root / f"mixture_{split}.jsonl"
-        super().__init__(read_mixture(self.path, tasks), self.root, str(self.path), image_cache_mb)
+        if EDIT_TASK not in tasks:
+            super().__init__(read_mixture(self.path, tasks), self.root, str(self.path), image_cache_mb)
+            return
+        self.edit_path = self.root / f"edit_{split}.jsonl"
+        others = [t for t in tasks if t != EDIT_TASK]
+        rows = read_mixture(self.path, others) if others else []
+        super().__init__(rows + read_edits(self.edit_path), self.root, f"{self.path} + {self.edit_path.name}",
+                         image_cache_mb)
 
 
 def collate_mixture(examples: list[dict[str, Any]]) -> dict[str, Any]:
-    """List of examples -> column lists (images stay PIL, None for ``reason`` rows; the module groups tasks)."""
+    """List of examples -> column lists (images stay PIL, None for ``reason`` rows; an ``edit`` row's
+    target is its target image, PIL; the module groups tasks)."""
     return {
         "ids": [e["id"] for e in examples],
         "tasks": [e["task"] for e in examples],

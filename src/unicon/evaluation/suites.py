@@ -29,7 +29,7 @@ from unicon.errors import UserError
 SUITE_ENTRY_POINTS = "unicon.suites"
 #: the modules whose import registers the in-tree suites
 IN_TREE = ("unicon.evaluation.cococon.cli", "unicon.evaluation.drift.cli", "unicon.evaluation.ureason.cli",
-           "unicon.evaluation.shapes.cli")
+           "unicon.evaluation.shapes.cli", "unicon.evaluation.realunify.cli")
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,10 @@ class TextGeneration:
     num_tokens: int = 0
 
 
+class EditingNotSupported(NotImplementedError):
+    """The backend does not edit images (``UnifiedModel.supports_editing`` is False)."""
+
+
 @dataclass
 class ImageGenerationConfig:
     """Options shared by every backend's ``generate_image``.
@@ -103,6 +107,9 @@ class ImageGenerationConfig:
 
 class UnifiedModel(nn.Module, abc.ABC):
     """A model that scores and generates both text (I2T) and images (T2I)."""
+
+    #: True on backends that implement :meth:`edit_image` and :meth:`score_edit`
+    supports_editing: bool = False
 
     #: human-readable backend name, e.g. ``"ofa"`` or ``"janus"``
     backend: str = "abstract"
@@ -205,6 +212,20 @@ class UnifiedModel(nn.Module, abc.ABC):
         exceed the model's input first cut it with :meth:`fit_context`. ``config`` None means
         :attr:`image_generation_config`.
         """
+
+    def edit_image(self, images: ImageBatch, instructions: Sequence[str],
+                   config: ImageGenerationConfig | None = None) -> list[Image.Image]:
+        """Image + instruction -> one edited image per row, through the same image tokens and
+        sampling recipe as :meth:`generate_image` (``config`` None means
+        :attr:`image_generation_config`); a length mismatch is a ``ValueError`` naming both lengths.
+        Backends that edit set :attr:`supports_editing`; the default refuses."""
+        raise EditingNotSupported(f"the {self.backend} backend does not edit images (edit_image)")
+
+    def score_edit(self, images: ImageBatch, instructions: Sequence[str], targets: ImageBatch) -> Scores:
+        """``[B, 1]`` NLL of ``targets[b]`` (its image tokens) given ``images[b]`` and
+        ``instructions[b]`` in :meth:`edit_image`'s input format: the training loss of image-edit rows.
+        The default refuses."""
+        raise EditingNotSupported(f"the {self.backend} backend does not edit images (score_edit)")
 
     def best_of_candidates(self, prompts: Sequence[str], context: Sequence[str] | None,
                            config: ImageGenerationConfig) -> list[Image.Image]:

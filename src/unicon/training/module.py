@@ -28,7 +28,8 @@ Each training step receives a contrast batch and a pretraining-mixture batch
 * otherwise -- **standard update**: the token-weighted CE of the mixture batch's gold
   targets (each task through its ``score_*`` method with one candidate; think-then-draw
   ``reason`` rows through ``score_text(None, prompt, [trace])``, their ``reason_t2i`` rows through
-  ``score_image([prompt], image, contexts=[trace])`` after ``fit_context``).
+  ``score_image([prompt], image, contexts=[trace])`` after ``fit_context``, and image-edit rows
+  through ``score_edit(source, instruction, target)``).
 
 Bad input: contrast samples with no contrast candidate are skipped and counted
 (``train/skipped_no_contrast``); a batch left empty falls back to a standard update. A
@@ -62,7 +63,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from unicon.config import EVAL_TASKS
-from unicon.data.mixture import TASKS as MIXTURE_TASKS
+from unicon.data.mixture import TRAINABLE_TASKS
 from unicon.losses.consistency import consistency_loss, rank_diagnostics
 from unicon.models.factory import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
@@ -78,9 +79,10 @@ SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with
 
 #: Mixture tasks scored by one encoder/decoder call per standard step: caption and VQA rows are
 #: both "image + prompt -> text" (the caption prompt is the model's own), so they share one call.
-SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",), ("reason_t2i",))
-if sorted(t for g in SCORING_GROUPS for t in g) != sorted(MIXTURE_TASKS):  # pragma: no cover
-    raise ImportError(f"SCORING_GROUPS {SCORING_GROUPS} must cover the mixture tasks {MIXTURE_TASKS}")
+#: ``edit`` rows (source image + instruction -> target image) go through ``UnifiedModel.score_edit``.
+SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",), ("reason_t2i",), ("edit",))
+if sorted(t for g in SCORING_GROUPS for t in g) != sorted(TRAINABLE_TASKS):  # pragma: no cover
+    raise ImportError(f"SCORING_GROUPS {SCORING_GROUPS} must cover the trainable tasks {TRAINABLE_TASKS}")
 
 
 def token_weighted_ce(sums: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
@@ -286,6 +288,8 @@ class ConsistencyModule(L.LightningModule):
             elif group[0] == "reason_t2i":  # [P, R] -> image, R cut from the left to fit (UReason setting 2)
                 contexts, _ = self.model.fit_context(texts, [batch["contexts"][b] for b in rows])
                 sc = self.model.score_image([[t] for t in texts], imgs, contexts=contexts)
+            elif group[0] == "edit":  # source image + instruction -> the target image's codes
+                sc = self.model.score_edit(imgs, texts, targets)
             else:
                 prompts = [[self._t2i_prompt(t, batch["ids"][b])] for t, b in zip(texts, rows)]
                 sc = self.model.score_image(prompts, imgs)

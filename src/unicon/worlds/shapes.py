@@ -571,6 +571,7 @@ class ShapesTokenizer(ImageTokenizer):
 # ---------------------------------------------------------------------------------------------
 SPLITS = ("train", "val", "test")
 UREASON_CATEGORIES = ("arithmetic", "attribute", "spatial", "code")
+REALUNIFY_AXES = ("ueg", "geu")
 
 
 @dataclass
@@ -602,6 +603,16 @@ class World:
     @property
     def geneval_path(self) -> Path:
         return self.root / "geneval_metadata.jsonl"
+
+    def edit_path(self, split: str) -> Path:
+        """``edit_<split>.jsonl``: the split's image-edit rows (:mod:`unicon.worlds.shapes_edit`)."""
+        return self._split_file("edit_{}.jsonl", split)
+
+    def realunify_path(self, axis: str) -> Path:
+        """``realunify/<axis>.jsonl`` for ``axis`` in ``ueg`` / ``geu`` (:mod:`unicon.worlds.shapes_realunify`)."""
+        if axis not in REALUNIFY_AXES:
+            raise ValueError(f"unknown RealUnify axis {axis!r}; expected one of {REALUNIFY_AXES}")
+        return self.root / "realunify" / f"{axis}.jsonl"
 
     def ureason_path(self, category: str, direct: bool = False) -> Path:
         if category not in UREASON_CATEGORIES:
@@ -641,4 +652,5 @@ __all__ = [
     "WorldConfig", "ShapeObject", "Scene", "ShapeDetection", "NotAShapesWorldImage", "ShapesTokenizer", "World",
     "render", "parse", "parse_cells", "detect", "object_box", "scene_boxes", "scene_to_codes", "codes_to_scene",
     "relation_holds", "relations_between", "load_world", "shape_coverage", "shapes_image_tokenizer", "RELATIONS", "SPLITS", "UREASON_CATEGORIES",
+    "REALUNIFY_AXES",
 ]

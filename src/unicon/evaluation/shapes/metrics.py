@@ -19,8 +19,8 @@ and the generation tasks, whose misses have causes ``m_i`` (None when right), al
     <task>_error/k = (1/N) sum_i 1[m_i = k]   for every cause k, so <key> + sum_k <task>_error/k = 1
 
 :class:`VQAAccuracy` (``vqa_accuracy``), :class:`CaptionMatch` (``caption_match``),
-:class:`LocalizationAccuracy` (``loc_iou50``, and ``loc_miou``), :class:`T2IMatch` (``t2i_match``)
-and :class:`RelationFlip` (``vqa_relation_flip/*``) say what ``c_i`` is. A metric that saw no
+:class:`LocalizationAccuracy` (``loc_iou50``, and ``loc_miou``), :class:`T2IMatch` (``t2i_match``),
+:class:`EditMatch` (``edit_match``, by edit kind) and :class:`RelationFlip` (``vqa_relation_flip/*``) say what ``c_i`` is. A metric that saw no
 example reports nothing. :func:`report` joins what they compute into the dict ``shapes_eval.json``
 holds; :func:`logged_scalars` names its entries for the loggers (``shapes/<task>/<key>``).
 """
@@ -202,6 +202,28 @@ class T2IMatch(TaskAccuracy):
         return drawing_miss(target, prediction, self.config)
 
 
+class EditMatch(TaskAccuracy):
+    """``edit_match = (1/N) sum_i 1[parse(edited_i) = target_i]``: the scene parsed from the edited
+    image is exactly the edit's target scene (:mod:`unicon.worlds.shapes_edit`; every kind's target
+    is determined by the source and the instruction). ``edit_error/k = (1/N) sum_i 1[e_i = k]`` for
+    ``k`` in ``not_an_image`` (the parser refuses the image), ``unchanged`` (the image is the source
+    scene: the instruction was ignored) and ``wrong_scene`` (any other scene).
+    ``update(edited images, (source scene, target scene) pairs, slices)``; the slices are the kinds."""
+
+    task, key = "edit", "edit_match"
+    causes = ("not_an_image", "unchanged", "wrong_scene")
+
+    def miss(self, prediction, target) -> str | None:
+        source, wanted = target
+        try:
+            drawn = parse(prediction, self.config)
+        except NotAShapesWorldImage:
+            return "not_an_image"
+        if drawn == wanted:
+            return None
+        return "unchanged" if drawn == source else "wrong_scene"
+
+
 class RelationFlip(Metric):
     """Relation questions asked again with the opposite relation
     (:func:`unicon.worlds.shapes_text.flip_relation_question`). Over the ``M`` yes/no relation questions ``q_j`` whose answer the flip reverses, with the model's
@@ -246,13 +268,14 @@ class RelationFlip(Metric):
 
 #: the metric of each task
 METRICS: dict[str, type[TaskAccuracy]] = {"vqa": VQAAccuracy, "caption": CaptionMatch,
-                                          "grounding": LocalizationAccuracy, "t2i": T2IMatch}
+                                          "grounding": LocalizationAccuracy, "t2i": T2IMatch, "edit": EditMatch}
 
 
 def _position(key: str) -> int:
-    """The group of ``key`` in the report: accuracies and slices, caption misses, T2I misses,
-    relation flips, mean IoU."""
-    for i, prefix in enumerate(("caption_error/", "t2i_error/", "vqa_relation_flip/", "loc_miou"), start=1):
+    """The group of ``key`` in the report: accuracies and slices, caption misses, T2I misses, edit
+    misses, relation flips, mean IoU."""
+    for i, prefix in enumerate(("caption_error/", "t2i_error/", "edit_error/", "vqa_relation_flip/", "loc_miou"),
+                               start=1):
         if key.startswith(prefix):
             return i
     return 0
@@ -261,13 +284,13 @@ def _position(key: str) -> int:
 def report(computed: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """The ``compute()`` results of the task metrics (in task order) as the one dict of
     ``shapes_eval.json``: every accuracy with its count and slices first, task by task, then the
-    caption and T2I miss causes, the relation flips and ``loc_miou``."""
+    caption, T2I and edit miss causes, the relation flips and ``loc_miou``."""
     items = [item for result in computed for item in result.items()]
     return dict(sorted(items, key=lambda item: _position(item[0])))  # stable: each group keeps its order
 
 
 #: the task of a report key, by the key's start
-_TASK_OF = {"vqa_": "vqa", "caption_": "caption", "loc_": "grounding", "t2i_": "t2i"}
+_TASK_OF = {"vqa_": "vqa", "caption_": "caption", "loc_": "grounding", "t2i_": "t2i", "edit_": "edit"}
 
 
 def logged_scalars(metrics: Mapping[str, float], prefix: str = "shapes") -> dict[str, float]:

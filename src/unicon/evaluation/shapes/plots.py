@@ -1,5 +1,5 @@
 """The picture of ``unicon evaluate shapes``: per task, the first examples with the input image (or
-the generated image), the predicted box (gold box dashed), the generated caption or answer, and the
+the generated image; for edits the source beside the edited image), the predicted box (gold box dashed), the generated caption or answer, and the
 world verifier's verdict. Drawn on a bare ``matplotlib.figure.Figure``: the caller's backend is
 never switched."""
 
@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 from typing import Sequence
 
-NAMES = {"vqa": "VQA", "caption": "caption", "grounding": "localization", "t2i": "text-to-image"}
+NAMES = {"vqa": "VQA", "caption": "caption", "grounding": "localization", "t2i": "text-to-image",
+         "edit": "image editing"}
 
 
 def plot_examples(examples: Sequence[dict], path: Path, per_task: int) -> Path:
@@ -23,7 +24,13 @@ def plot_examples(examples: Sequence[dict], path: Path, per_task: int) -> Path:
     for row, task in zip(axes, tasks):
         items = [e for e in examples if e["task"] == task][:per_task]
         for ax, e in zip(row, items):
-            shown = e["prediction"] if task == "t2i" else e["image"]
+            if task == "edit":  # the source and the edited image side by side
+                import numpy as np
+
+                shown = np.concatenate([np.asarray(e["image"].convert("RGB")),
+                                        np.asarray(e["prediction"].convert("RGB").resize(e["image"].size))], axis=1)
+            else:
+                shown = e["prediction"] if task == "t2i" else e["image"]
             ax.imshow(shown)
             if task == "grounding":
                 for box, style in ((e["target"], "--"), (e["prediction"], "-")):
@@ -34,7 +41,8 @@ def plot_examples(examples: Sequence[dict], path: Path, per_task: int) -> Path:
             text = {"vqa": f"Q: {e['text']}\nA: {e['prediction']} ({mark})",
                     "caption": f"{e['prediction']}\n({mark})",
                     "grounding": f"{e['text']}\n({mark})",
-                    "t2i": f"{e['text']}\n({mark})"}[task]
+                    "t2i": f"{e['text']}\n({mark})",
+                    "edit": f"{e['text']}\n({mark})"}[task]
             lines = [ln for part in text.split("\n") for ln in textwrap.wrap(part, 30) or [""]]
             if len(lines) > 4:  # a runaway generation: keep the start and the verdict
                 lines = lines[:3] + ["…", lines[-1]]

@@ -1,13 +1,16 @@
 """Task accuracies of a :class:`UnifiedModel` on a ShapesWorld split (the pretraining targets).
 
-Read from ``mixture_<split>.jsonl``, the first ``limit`` rows of each task are evaluated with the
-model's *generation* methods (``answer``, ``caption``, ``locate``, ``generate_image``) and scored by
-the metrics of :mod:`unicon.evaluation.shapes.metrics`, which say what each number is:
+Read from ``mixture_<split>.jsonl`` (and, for ``edit``, ``edit_<split>.jsonl``), the first ``limit``
+rows of each task are evaluated with the model's *generation* methods (``answer``, ``caption``,
+``locate``, ``generate_image``, ``edit_image``) and scored by the metrics of
+:mod:`unicon.evaluation.shapes.metrics`, which say what each number is:
 
 * ``vqa_accuracy``: the answer equals the gold word after CocoCon's VQA normalisation;
 * ``caption_match``: the generated caption describes the image's scene exactly;
 * ``loc_iou50``: the predicted box has IoU >= 0.5 with the gold box; ``loc_miou``: the mean IoU;
 * ``t2i_match``: the scene parsed from the generated image satisfies the prompt;
+* ``edit_match`` (only when asked for: ``--tasks ... edit``; the model must edit images): the scene
+  parsed from the edited image is exactly the edit's target, by edit kind (``edit_match/route``);
 * ``<task>_n``: the number of examples; ``caption_error/*`` and ``t2i_error/*``: the misses by cause,
   as fractions of all the task's examples (so ``<metric> + sum of <task>_error/* = 1``).
 
@@ -42,7 +45,7 @@ from typing import Sequence
 import torch
 from PIL import Image
 
-from unicon.data.mixture import read_mixture
+from unicon.data.mixture import read_edits, read_mixture
 from unicon.errors import UserError
 from unicon.evaluation.distributed import metric_sync_kwargs, owned_indices, shard_indices
 from unicon.evaluation.shapes.metrics import METRICS, TASKS, RelationFlip, report
@@ -57,11 +60,14 @@ from unicon.worlds.shapes_text import (
 )
 
 
-def read_split(world_root: str | Path, split: str) -> dict[str, list[dict]]:
-    """Rows of ``mixture_<split>.jsonl`` grouped by task (always has the four :data:`TASKS` keys)."""
+def read_split(world_root: str | Path, split: str, tasks: Sequence[str] = TASKS) -> dict[str, list[dict]]:
+    """Rows of ``mixture_<split>.jsonl`` grouped by task (a key for every task of :data:`TASKS`); with
+    ``edit`` in ``tasks``, the rows of ``edit_<split>.jsonl`` under ``edit``."""
     rows: dict[str, list[dict]] = {t: [] for t in TASKS}
-    for row in read_mixture(Path(world_root) / f"mixture_{split}.jsonl", tasks=TASKS):
+    for row in read_mixture(Path(world_root) / f"mixture_{split}.jsonl", tasks=[t for t in TASKS if t != "edit"]):
         rows[row["task"]].append(row)
+    if "edit" in tasks:
+        rows["edit"] = read_edits(Path(world_root) / f"edit_{split}.jsonl")
     return rows
 
 
@@ -86,6 +92,8 @@ def slice_names(task: str, row: dict, world, where: str) -> list[str]:
     """The slices a row of ``task`` counts in (see the module docstring). A count question the
     grammar does not know, or a T2I prompt outside the caption grammar, is a ``ValueError`` naming
     ``where`` (the mixture file) and the row."""
+    if task == "edit":
+        return [row["kind"]]
     sc = row_scene(row) if isinstance(row.get("scene"), dict) else None
     names = []
     if sc is not None:
@@ -126,14 +134,17 @@ def _ask_flipped(model, rows: Sequence[dict], images, cfg) -> list[tuple[int, st
 
 def _predict(model, task: str, rows: Sequence[dict], images: Sequence, image_config) -> tuple[list, list]:
     """The model's outputs for ``rows`` of ``task`` (``images``: theirs, none for t2i) and what the
-    task's metric checks each against: the gold answer, the scene, the gold box, or (t2i, whose
-    output is an image) the prompt."""
+    task's metric checks each against: the gold answer, the scene, the gold box, (t2i, whose
+    output is an image) the prompt, or (edit) the source and target scenes."""
     if task == "vqa":
         return model.answer(images, [r["text"] for r in rows]), [r["target"] for r in rows]
     if task == "caption":
         return model.caption(images), [row_scene(r) for r in rows]
     if task == "grounding":
         return model.locate(images, [r["text"] for r in rows]).tolist(), [r["target"] for r in rows]
+    if task == "edit":
+        return (model.edit_image(images, [r["text"] for r in rows], config=image_config),
+                [(Scene.from_dict(r["source_scene"]), Scene.from_dict(r["target_scene"])) for r in rows])
     return model.generate_image([r["text"] for r in rows], config=image_config), [r["text"] for r in rows]
 
 
@@ -151,9 +162,12 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task {unknown[0]!r}; choose from {TASKS}")
+    if "edit" in tasks and not getattr(model, "supports_editing", False):
+        raise UserError(f"shapes: task edit needs a model that edits images; the {model.backend} backend "
+                        "does not (UnifiedModel.supports_editing)")
     root = Path(world_root)
     world = load_world(root)
-    rows = read_split(root, split)
+    rows = read_split(root, split, tasks)
     where = str(world.mixture_path(split))
     was_training = model.training
     model.eval()

@@ -94,6 +94,8 @@ class OFAWrapperConfig:
     caption_prompt: str = " what does the image describe?"
     grounding_prompt: str = ' which region does the text " {} " describe?'
     t2i_prompt: str = " what is the complete image? caption: {}"
+    # image editing: the source image's patches, then this text around the instruction (edit_image)
+    edit_prompt: str = " what is the edited image? instruction: {}"
     # {"type": "shapes", "world": <WorldConfig dict>} | {"type": "vqgan", "path": dir} | None
     image_tokenizer: dict[str, Any] | None = None
     # default ImageGenerationConfig fields of generate_image (None: greedy)
@@ -173,6 +175,7 @@ class OFAUnifiedModel(UnifiedModel):
 
     #: the files of a world directory a from-scratch model's vocabulary is read from
     world_vocabulary_files = ("tokenizer.json", "world.json")
+    supports_editing = True
 
     def __init__(self, ofa: torch.nn.Module, tokenizer: OFATokenizer, settings: OFAWrapperConfig | None = None,
                  image_tokenizer: ImageTokenizer | None = None):
@@ -535,6 +538,42 @@ class OFAUnifiedModel(UnifiedModel):
         return torch.tensor([self.tokenizer.ids_to_box(t, *sizes[b]) for b, t in enumerate(ids)])
 
     @torch.no_grad()
+    def edit_image(self, images: ImageBatch, instructions: Sequence[str],
+                   config: ImageGenerationConfig | None = None) -> list[Image.Image]:
+        """Image + instruction -> image: the encoder reads the source image's patches and
+        ``edit_prompt`` around the instruction; the decoder writes the edited image's codes exactly as
+        :meth:`generate_image` writes a generated one (same sampling recipe, KV cache and seed). With
+        guidance ``s != 1`` the unconditional rows keep the source image and drop the instruction:
+        ``l_u(image) + s (l_c(image, instruction) - l_u(image))``."""
+        if self.image_tokenizer is None:
+            raise ValueError("this OFA model has no image tokenizer; image editing is unavailable")
+        if len(images) != len(instructions):
+            raise ValueError(f"got {len(images)} images but {len(instructions)} instructions")
+        cfg = config or self.image_generation_config
+        if cfg.num_candidates != 1:
+            raise ValueError("edit_image draws one image per instruction (num_candidates=1)")
+        texts = [self.settings.edit_prompt.format(t.strip()) for t in instructions]
+        h, w = self.image_tokenizer.grid_size
+        codes, _ = self._generate_image_codes(texts, cfg, h * w, self.image_tokenizer.codebook_size,
+                                              patch_images=self.prepare_images(images),
+                                              unconditional=self.settings.edit_prompt.format(""))
+        return self.image_tokenizer.decode_to_pil(codes.view(len(texts), h, w).cpu())
+
+    def score_edit(self, images: ImageBatch, instructions: Sequence[str], targets: ImageBatch) -> Scores:
+        """``[B, 1]`` NLL of each target image's codes given the source image and the instruction,
+        in :meth:`edit_image`'s input format (the training loss of edit rows)."""
+        B = len(instructions)
+        if len(images) != B or len(targets) != B:
+            raise ValueError(f"got {len(images)} images, {B} instructions and {len(targets)} target images")
+        if self.image_tokenizer is None:
+            raise ValueError("this OFA model has no image tokenizer; image editing is unavailable")
+        codes = self.image_codes(targets)
+        texts = [self.settings.edit_prompt.format(t.strip()) for t in instructions]
+        enc = self.encode(self._source_ids(texts), self.prepare_images(images))
+        rows = [self.tokenizer.codes_to_ids(codes[b]).tolist() for b in range(B)]
+        sum_nll, lengths = self._target_nll(enc, rows, code_mode=True)
+        return self._to_scores(sum_nll, lengths, [1] * B, 0)
+
     def generate_image(self, prompts: Sequence[str], context: Sequence[str] | None = None,
                        config: ImageGenerationConfig | None = None) -> list[Image.Image]:
         """Code-by-code decoding (greedy, or sampling with temperature/top-k/top-p), with
@@ -554,10 +593,12 @@ class OFAUnifiedModel(UnifiedModel):
 
     @torch.no_grad()
     def _generate_image_codes(self, texts: Sequence[str], cfg: ImageGenerationConfig, num_steps: int,
-                              codebook_size: int, use_cache: bool = True,
-                              keep_logits: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                              codebook_size: int, use_cache: bool = True, keep_logits: bool = False,
+                              patch_images: torch.Tensor | None = None,
+                              unconditional: str | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The first ``num_steps`` image codes (row-major over the code grid) for the t2i source
-        ``texts``: ``[B, num_steps]`` indices in ``[0, codebook_size)``, and, with ``keep_logits``,
+        ``texts`` (after ``patch_images``' patches when given: an edit's source image; the guidance
+        rows then keep the image, with ``unconditional`` as their text): ``[B, num_steps]`` indices in ``[0, codebook_size)``, and, with ``keep_logits``,
         each step's raw code-block logits ``[R, codebook_size]`` (``R = 2B`` with guidance: the
         conditional rows, then the unconditional ones; before any logits processor).
 
@@ -588,13 +629,16 @@ class OFAUnifiedModel(UnifiedModel):
         """
         B = len(texts)
         guided = cfg.guidance_scale != 1.0
-        rows = list(texts) + ([self.settings.t2i_prompt.format("")] * B if guided else [])
+        blank = self.settings.t2i_prompt.format("") if unconditional is None else unconditional
+        rows = list(texts) + ([blank] * B if guided else [])
+        if patch_images is not None and guided:
+            patch_images = torch.cat([patch_images, patch_images])
         processors = image_code_processors(cfg)
         gen = torch.Generator(device=self.device)
         if cfg.seed is not None:
             gen.manual_seed(cfg.seed)
         lo = self.tokenizer.code_offset
-        enc = self.encode(self._source_ids(rows))
+        enc = self.encode(self._source_ids(rows), patch_images)
         seqs = torch.full((len(rows), 1), BOS_ID, dtype=torch.long, device=self.device)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache()) if use_cache else None
         kept: list[torch.Tensor] = []

@@ -1,0 +1,99 @@
+"""RealUnify at the end of training epochs: :class:`RealUnifyCallback` (``eval.realunify``).
+
+Runs the settings (:func:`~unicon.evaluation.realunify.runner.evaluate_realunify`) on the first
+``max_samples`` instances per category of ``data`` (default: the run's ``data.root``, a ShapesWorld
+root), sharded over the trainer's ranks; writes ``<run_dir>/eval/realunify/epoch-<e>/`` (rank 0) and
+logs the headline metrics, the figure and an image table (direct and stepwise side by side). A GEU
+stepwise setting on a model that does not edit images fails the run at ``setup``, before training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from unicon.config import RealUnifyEvalConfig
+from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
+from unicon.evaluation.realunify.data import Instance, load_instances, subset, world_root_of
+from unicon.evaluation.realunify.judges import build_judge, check_judge_fits
+from unicon.evaluation.realunify.plots import FIGURES
+from unicon.evaluation.realunify.runner import (
+    TABLE_COLUMNS,
+    check_editing,
+    check_settings,
+    evaluate_realunify,
+    table_rows,
+)
+from unicon.worlds.shapes import load_world
+
+#: the scalars logged as ``realunify/<key>`` (those present)
+HEADLINE = ("acc_direct", "acc_stepwise", "delta", "acc_direct/ueg", "acc_stepwise/ueg", "delta/ueg",
+            "acc_direct/geu", "acc_stepwise/geu", "delta/geu", "q_acc_direct/ueg", "q_acc_stepwise/ueg", "edit_acc")
+
+
+class RealUnifyCallback(EvalCallback):
+    """Logs ``realunify/acc_{direct,stepwise}``, ``realunify/delta`` (overall and per axis), the UEG
+    per-question accuracies and the stepwise edit accuracy every ``every_n_epochs`` epochs.
+    Defaults: :class:`unicon.config.RealUnifyEvalConfig`."""
+
+    name = "realunify"
+
+    def __init__(
+        self,
+        data: str | Path,
+        judge: str = RealUnifyEvalConfig.judge,
+        settings: Sequence[str] = tuple(RealUnifyEvalConfig().settings),
+        edit_prompt: str = RealUnifyEvalConfig.edit_prompt,
+        max_samples: int | None = RealUnifyEvalConfig.max_samples,
+        max_new_tokens: int = RealUnifyEvalConfig.max_new_tokens,
+        batch_size: int = RealUnifyEvalConfig.batch_size,
+        table_rows: int = RealUnifyEvalConfig.table_rows,
+        every_n_epochs: int = RealUnifyEvalConfig.every_n_epochs,
+        fail_on_error: bool = False,
+    ):
+        super().__init__(every_n_epochs=every_n_epochs, fail_on_error=fail_on_error)
+        self.data, self.judge_spec, self.settings = data, judge, check_settings(list(settings))
+        self.edit_prompt, self.max_samples = edit_prompt, max_samples
+        self.max_new_tokens, self.batch_size, self.table_rows = max_new_tokens, batch_size, table_rows
+        self._instances: list[Instance] | None = None
+        self._judge = None
+        root = world_root_of(data)
+        self.world_root = str(root) if root is not None else None
+        self.instances()  # a bad data file fails before training starts
+
+    @classmethod
+    def from_config(cls, cfg: Any, fail_on_error: bool = False) -> "RealUnifyCallback":
+        """From a RunConfig: ``eval.realunify.*``; data defaults to ``data.root``."""
+        c = cfg.eval.realunify
+        return cls(data=c.data or cfg.data.root, judge=c.judge, settings=list(c.settings), edit_prompt=c.edit_prompt,
+                   max_samples=c.max_samples, max_new_tokens=c.max_new_tokens, batch_size=c.batch_size,
+                   table_rows=c.table_rows, every_n_epochs=c.every_n_epochs,
+                   fail_on_error=fail_on_error or cfg.eval.fail_on_error)
+
+    def instances(self) -> list[Instance]:
+        if self._instances is None:
+            self._instances = subset(load_instances(self.data), self.max_samples)
+            check_judge_fits(self.judge_spec, self._instances)
+        return self._instances
+
+    def judge(self):
+        if self._judge is None:
+            self._judge = build_judge(self.judge_spec, world_root=self.world_root)
+        return self._judge
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Refuse a GEU stepwise setting the model cannot run (no image editing), before training."""
+        check_editing(getattr(pl_module, "model", pl_module), self.instances(), self.settings, self.edit_prompt)
+
+    def evaluate(self, trainer, model) -> dict[str, float]:
+        out = self.output_dir(trainer)
+        metrics, samples = evaluate_realunify(
+            model, self.instances(), self.judge(), out_dir=out, settings=self.settings,
+            max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
+            info={"epoch": trainer.current_epoch + 1, "data": str(self.data)}, device=trainer.strategy.root_device,
+            edit_prompt_source=self.edit_prompt,
+            world_cfg=load_world(self.world_root).config if self.world_root else None)
+        log_table(trainer.loggers, "realunify/samples", TABLE_COLUMNS, table_rows(samples, self.table_rows),
+                  step=trainer.global_step)
+        log_figures(trainer.loggers, "realunify", out, FIGURES, step=trainer.global_step)
+        return {f"realunify/{k}": metrics[k] for k in HEADLINE if k in metrics}

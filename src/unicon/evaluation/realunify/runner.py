@@ -1,0 +1,359 @@
+"""RealUnify's two settings over instances: model calls, judging, per-sample records and files,
+sharded over ranks.
+
+For every instance, in the settings asked for (``direct``, ``stepwise``):
+
+* UEG direct: ``model.generate_image([prompt])``; UEG stepwise: ``model.reason([Table 9(prompt)])``
+  gives the refined prompt (whitespace and wrapping quotes stripped), then
+  ``model.generate_image([refined])`` (an empty refined prompt draws nothing: a failure). Both images
+  are polled by the judge (:mod:`.judges`);
+* GEU direct: ``model.answer([image], [Table 8(question, options)])``, the letter parsed strictly;
+  GEU stepwise: ``model.edit_image([image], [Tables 10-13])`` (or, with ``edit_prompt="row"``, the
+  row's own ``edit_instruction``: the words ShapesWorld's edit rows train), then Table 8 asked of
+  the **edited** image. For ShapesWorld rows with a ``target_scene`` the edited image is also checked
+  against it exactly (the stepwise edit accuracy).
+
+A GEU stepwise run on a model whose ``supports_editing`` is False is a :class:`UserError` naming the
+backend, raised before any generation (:func:`check_editing`). A failed ``generate_image`` /
+``edit_image`` batch is retried row by row; a row that still fails has no image (a failure counted
+in ``missing_<setting>``). Images are drawn with ``image_config`` (its ``seed`` included).
+
+Rank ``r`` evaluates :func:`~unicon.evaluation.distributed.shard_indices` of the instance list (UEG
+then GEU), counts the records it owns in :class:`~.metrics.RealUnifyMetric` (synced over ranks or
+shards), and rank 0 (or the merge) writes ``samples.jsonl`` (one :func:`sample_record` per
+instance), ``realunify.json`` (``{"metrics", "judge", **info}``, strict JSON: :mod:`unicon.jsonsafe`),
+``table.md`` (:func:`~.metrics.markdown_table`), ``settings_by_category.png`` and
+``images/<setting>/<category>_<id>.png`` (GEU inputs under ``images/input/``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from PIL import Image
+
+from unicon import jsonsafe
+from unicon.config import RealUnifyEvalConfig
+from unicon.errors import UserError
+from unicon.evaluation import preemption
+from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, ordered_categories
+from unicon.evaluation.realunify.judges import PollVerdict, edit_matches, geu_prediction
+from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
+from unicon.evaluation.realunify.plots import plot_results
+from unicon.evaluation.realunify.prompts import edit_prompt, multiple_choice_prompt, refine_prompt
+from unicon.models.base import ImageGenerationConfig, UnifiedModel
+from unicon.progress import track
+from unicon.worlds.shapes import WorldConfig
+
+log = logging.getLogger(__name__)
+
+
+def check_settings(settings: Sequence[str]) -> list[str]:
+    """The settings in :data:`SETTINGS` order; an empty or unknown one is a :class:`UserError`."""
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown or not settings:
+        raise UserError(f"--settings {','.join(settings) or '(none)'}: choose one or both of {', '.join(SETTINGS)}")
+    return [s for s in SETTINGS if s in settings]
+
+
+def check_editing(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
+                  edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt) -> None:
+    """Refuse, before any generation, a GEU stepwise run that cannot happen: a model without image
+    editing (``supports_editing`` False), or ``edit_prompt="row"`` on rows without ``edit_instruction``."""
+    geu = [i for i in instances if isinstance(i, GEUInstance)]
+    if "stepwise" not in settings or not geu:
+        return
+    if not getattr(model, "supports_editing", False):
+        raise UserError(f"RealUnify GEU stepwise edits the image first, and backend '{model.backend}' does not edit "
+                        "images (supports_editing is False); run --settings direct, or a backend that edits")
+    if edit_prompt_source == "row":
+        bare = [i.source for i in geu if not i.edit_instruction]
+        if bare:
+            raise UserError(f"--edit-prompt row: {bare[0]} has no 'edit_instruction' ({len(bare)} rows lack it); "
+                            "use --edit-prompt paper (Tables 10-13)")
+
+
+@dataclass
+class Sample:
+    """Everything produced for one instance in the settings that ran (an image is ``None`` exactly
+    when its error is set). UEG ``images``: the drawn ones; GEU ``images["stepwise"]``: the edited one."""
+
+    instance: Instance
+    images: dict[str, Image.Image | None] = field(default_factory=dict)
+    errors: dict[str, str | None] = field(default_factory=dict)
+    refined: str | None = None
+    refined_truncated: bool | None = None
+    verdicts: dict[str, PollVerdict] = field(default_factory=dict)  # UEG
+    replies: dict[str, str | None] = field(default_factory=dict)  # GEU
+    preds: dict[str, str | None] = field(default_factory=dict)  # GEU
+    correct: dict[str, bool] = field(default_factory=dict)
+    edit_instruction: str | None = None
+    edit_match: bool | None = None
+
+
+def _per_row(call: Callable[[list[int]], list], rows: list[int], what: str) -> tuple[list, list[str | None]]:
+    """``call(rows)`` (a batch of images), then one row at a time if the batch fails; a row that still
+    fails gives ``None`` and its error text. Preemption and a missing method are never swallowed."""
+    try:
+        out = list(call(rows))
+        if len(out) != len(rows):
+            raise RuntimeError(f"{what} returned {len(out)} images for {len(rows)} rows")
+        errors: list[str | None] = [None if isinstance(im, Image.Image) else
+                                    f"{what} returned {type(im).__name__}, not a PIL image" for im in out]
+        return [im if e is None else None for im, e in zip(out, errors)], errors
+    except (preemption.Preempted, NotImplementedError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- a failed image is a scored failure, never a crash
+        if len(rows) == 1:
+            log.warning("%s failed: %s", what, e)
+            return [None], [f"{type(e).__name__}: {e}"]
+    images, errors = [], []
+    for r in rows:
+        im, err = _per_row(call, [r], what)
+        images += im
+        errors += err
+    return images, errors
+
+
+def _clean_refined(text: str) -> str:
+    text = (text or "").strip()
+    for q in ('"', "'", "\u201c\u201d", "`"):
+        left, right = q[0], q[-1]
+        if len(text) >= 2 and text[0] == left and text[-1] == right:
+            text = text[1:-1].strip()
+    return text
+
+
+def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_config) -> None:
+    insts = [s.instance for s in batch]
+    if "direct" in settings:
+        ims, errs = _per_row(lambda rows: model.generate_image([insts[r].prompt for r in rows], config=image_config),
+                             list(range(len(batch))), "generate_image")
+        for s, im, err in zip(batch, ims, errs):
+            s.images["direct"], s.errors["direct"] = im, err
+    if "stepwise" in settings:
+        gens = model.reason([refine_prompt(i.prompt) for i in insts], max_new_tokens=max_new_tokens)
+        if len(gens) != len(batch):
+            raise RuntimeError(f"reason returned {len(gens)} texts for {len(batch)} prompts")
+        for s, g in zip(batch, gens):
+            s.refined, s.refined_truncated = _clean_refined(g.text), bool(g.truncated)
+        todo = [k for k, s in enumerate(batch) if s.refined]
+        for s in batch:
+            if not s.refined:
+                s.images["stepwise"], s.errors["stepwise"] = None, "empty refined prompt"
+        if todo:
+            ims, errs = _per_row(lambda rows: model.generate_image([batch[r].refined for r in rows], config=image_config),
+                                 todo, "generate_image")
+            for k, im, err in zip(todo, ims, errs):
+                batch[k].images["stepwise"], batch[k].errors["stepwise"] = im, err
+
+
+def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_source: str, world_cfg) -> None:
+    insts: list[GEUInstance] = [s.instance for s in batch]  # type: ignore[misc]
+    images = [i.image() for i in insts]
+    questions = [multiple_choice_prompt(i.question, i.options) for i in insts]
+    if "direct" in settings:
+        replies = model.answer(images, questions)
+        for s, reply in zip(batch, replies):
+            s.replies["direct"] = reply
+            s.errors["direct"] = None
+    if "stepwise" in settings:
+        for s in batch:
+            i = s.instance
+            s.edit_instruction = i.edit_instruction if edit_prompt_source == "row" else edit_prompt(i.category, i.question)
+        edited, errs = _per_row(lambda rows: model.edit_image([images[r] for r in rows],
+                                                              [batch[r].edit_instruction for r in rows],
+                                                              config=image_config),
+                                list(range(len(batch))), "edit_image")
+        for s, im, err in zip(batch, edited, errs):
+            s.images["stepwise"], s.errors["stepwise"] = im, err
+            s.replies["stepwise"] = None
+        done = [k for k, im in enumerate(edited) if im is not None]
+        if done:
+            replies = model.answer([edited[k] for k in done], [questions[k] for k in done])
+            for k, reply in zip(done, replies):
+                batch[k].replies["stepwise"] = reply
+        for s in batch:
+            if s.instance.target_scene is not None:
+                s.edit_match = edit_matches(s.images["stepwise"], s.instance.target_scene, world_cfg or WorldConfig())
+    for s in batch:
+        for setting in settings:
+            s.preds[setting], s.correct[setting] = geu_prediction(s.instance, s.replies.get(setting))
+
+
+def generate_samples(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
+                     max_new_tokens: int = RealUnifyEvalConfig.max_new_tokens,
+                     batch_size: int = RealUnifyEvalConfig.batch_size,
+                     image_config: ImageGenerationConfig | None = None,
+                     edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
+                     world_cfg: WorldConfig | None = None) -> list[Sample]:
+    """Run the settings for every instance (GEU answers scored; UEG images not yet judged)."""
+    samples = [Sample(inst) for inst in instances]
+    for axis, run in (("ueg", _run_ueg), ("geu", _run_geu)):
+        mine = [s for s in samples if s.instance.axis == axis]
+        starts = range(0, len(mine), batch_size)
+        for start in track(starts, f"realunify: {axis.upper()} ({', '.join(settings)})", len(starts), unit="batches"):
+            preemption.check()
+            batch = mine[start:start + batch_size]
+            if axis == "ueg":
+                run(model, batch, settings, max_new_tokens, image_config)
+            else:
+                run(model, batch, settings, image_config, edit_prompt_source, world_cfg)
+    return samples
+
+
+def judge_samples(judge, samples: Sequence[Sample], settings: Sequence[str]) -> None:
+    """Poll every UEG image of ``settings`` with ``judge``; fill ``verdicts`` and ``correct`` in place."""
+    ueg = [s for s in samples if isinstance(s.instance, UEGInstance)]
+    if not ueg:
+        return
+    for setting in track(settings, f"realunify: judging UEG ({judge.name})", unit="settings"):
+        verdicts = judge.judge([s.instance for s in ueg], [s.images.get(setting) for s in ueg])
+        if len(verdicts) != len(ueg):
+            raise RuntimeError(f"judge '{judge.name}' returned {len(verdicts)} verdicts for {len(ueg)} images")
+        for s, v in zip(ueg, verdicts):
+            s.verdicts[setting] = v
+            s.correct[setting] = all(v.correct(s.instance.questions))
+
+
+# ---------------------------------------------------------------------------------------------
+# records and files
+# ---------------------------------------------------------------------------------------------
+def sample_record(s: Sample, image_paths: dict[str, str | None]) -> dict[str, Any]:
+    """One row of ``samples.jsonl``; the metric is computed from these rows. A setting that did not
+    run has ``correct_<setting>`` None."""
+    inst = s.instance
+    rec: dict[str, Any] = {"id": inst.id, "axis": inst.axis, "category": inst.category, "source": inst.source}
+    if isinstance(inst, UEGInstance):
+        rec.update(prompt=inst.prompt, questions=[{"question": q["question"], "answer": q["answer"]}
+                                                  for q in inst.questions],
+                   refined_prompt=s.refined, refined_truncated=s.refined_truncated)
+    else:
+        rec.update(question=inst.question, options=inst.options, answer=inst.answer,
+                   image=image_paths.get("input"), edit_instruction=s.edit_instruction, edit_match=s.edit_match)
+    for setting in SETTINGS:
+        ran = setting in s.correct
+        rec[f"image_{setting}"] = image_paths.get(setting)
+        rec[f"image_error_{setting}"] = s.errors.get(setting) if ran else None
+        if isinstance(inst, UEGInstance):
+            v = s.verdicts.get(setting)
+            rec[f"statuses_{setting}"] = v.statuses if v else None
+            rec[f"judge_replies_{setting}"] = v.replies if v else None
+        else:
+            rec[f"reply_{setting}"] = s.replies.get(setting)
+            rec[f"pred_{setting}"] = s.preds.get(setting)
+        rec[f"correct_{setting}"] = s.correct.get(setting)
+    return rec
+
+
+def save_images(out_dir: Path, s: Sample) -> dict[str, str | None]:
+    """Save a sample's images as ``images/<setting>/<key>.png`` (a GEU input as ``images/input/``);
+    ``{setting or "input": path relative to out_dir}``."""
+    shown = dict(s.images)
+    if isinstance(s.instance, GEUInstance):
+        shown["input"] = s.instance.image()
+    paths: dict[str, str | None] = {}
+    for name, im in shown.items():
+        if im is None:
+            paths[name] = None
+            continue
+        rel = Path("images") / name / f"{s.instance.key}.png"
+        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        im.save(out_dir / rel)
+        paths[name] = str(rel)
+    return paths
+
+
+def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
+    """``samples.jsonl``, ``realunify.json`` (``{"metrics": ..., **info}``), ``table.md`` and
+    ``settings_by_category.png``."""
+    with (out_dir / "samples.jsonl").open("w") as f:
+        for rec in records:
+            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
+    (out_dir / "realunify.json").write_text(jsonsafe.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
+    (out_dir / "table.md").write_text(markdown_table(metrics))
+    plot_results(metrics, out_dir)
+
+
+TABLE_COLUMNS = ["id", "axis", "category", "text", "direct_image", "direct_output", "direct_correct",
+                 "stepwise_image", "stepwise_output", "stepwise_correct"]
+
+
+def table_rows(samples: Sequence[Sample], limit: int | None = None) -> list[list[Any]]:
+    """Rows for :func:`unicon.evaluation.callbacks.log_table`: per sample, the direct and stepwise
+    images side by side (UEG: the two drawings; GEU: the input image the direct answer saw and the
+    edited one), with the judge's answers / the model's reply and whether each setting was right."""
+    rows = []
+    for s in samples[:limit]:
+        i = s.instance
+        if isinstance(i, UEGInstance):
+            text = i.prompt
+            outputs = {k: " ".join(s.verdicts[k].statuses) if k in s.verdicts else None for k in SETTINGS}
+            if s.refined is not None:
+                outputs["stepwise"] = f"refined: {s.refined} | {outputs['stepwise']}"
+            images = {k: s.images.get(k) for k in SETTINGS}
+        else:
+            text = multiple_choice_prompt(i.question, i.options)
+            outputs = {k: s.replies.get(k) for k in SETTINGS}
+            images = {"direct": i.image() if "direct" in s.correct else None, "stepwise": s.images.get("stepwise")}
+        rows.append([str(i.id), i.axis, i.category, text,
+                     images["direct"], outputs["direct"], s.correct.get("direct"),
+                     images["stepwise"], outputs["stepwise"], s.correct.get("stepwise")])
+    return rows
+
+
+def evaluate_realunify(
+    model: UnifiedModel,
+    instances: Sequence[Instance],
+    judge,
+    out_dir: str | Path | None = None,
+    settings: Sequence[str] = SETTINGS,
+    max_new_tokens: int = RealUnifyEvalConfig.max_new_tokens,
+    batch_size: int = RealUnifyEvalConfig.batch_size,
+    image_config: ImageGenerationConfig | None = None,
+    info: dict | None = None,
+    device: torch.device | str = "cpu",
+    edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
+    world_cfg: WorldConfig | None = None,
+    check_model: bool = True,
+) -> tuple[dict[str, float], list[Sample]]:
+    """Generate, judge and score ``instances`` on every rank of the process group (or alone, a shard,
+    a merge). Returns the metrics (the same on every rank) and this rank's samples.
+
+    ``check_model`` False skips :func:`check_editing` (a merge: the shards checked their model)."""
+    if not instances:
+        raise UserError("RealUnify: no instances to evaluate")
+    settings = check_settings(list(settings))
+    if check_model:
+        check_editing(model, instances, settings, edit_prompt_source)
+    mine = shard_indices(len(instances))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,
+                                       image_config, edit_prompt_source, world_cfg)
+    finally:
+        model.train(was_training)
+    judge_samples(judge, samples, settings)
+
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    by_index = dict(zip(mine, samples))
+    records = {i: sample_record(by_index[i], save_images(out, by_index[i]) if out is not None else {})
+               for i in owned_indices(len(instances))}
+    metric = RealUnifyMetric(ordered_categories(inst.category for inst in instances), **metric_sync_kwargs()).to(device)
+    metric.update(records.values())
+    metrics = metric.compute()
+    gathered = gather_records(records)
+    if out is not None and writes_outputs():
+        write_summary(out, list(gathered.values()), metrics,
+                      {"judge": getattr(judge, "name", str(judge)), "settings": settings, **(info or {})})
+    return metrics, samples

@@ -1,0 +1,442 @@
+"""RealUnify (``unicon evaluate realunify``): the paper's prompts verbatim, the data loaders (the
+public release's parquet layout, malformed rows), the strict letter grammar, the metric equations and
+their shard merge, the exact judge, and the runner end to end (a test double and a tiny OFA)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import standins
+from unicon.cli import main as unicon_main
+from unicon.errors import UserError
+from unicon.evaluation.realunify import prompts
+from unicon.evaluation.realunify.data import load_instances, parse_options, strip_prompt, subset
+from unicon.evaluation.realunify.judges import ExactPollJudge, parse_choice, parse_yes_no
+from unicon.evaluation.realunify.metrics import RealUnifyMetric, compute_metrics
+from unicon.evaluation.realunify.runner import evaluate_realunify
+from unicon.models.base import TextGeneration
+from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, render
+
+CFG = WorldConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+# ---------------------------------------------------------------------------------------------
+def test_prompts_match_the_paper_tables_7_to_13(shared_dir):
+    paper = shared_dir / "papers" / "realunify-supplementary.txt"
+    if not paper.is_file():
+        pytest.skip(f"needs the RealUnify supplementary text {paper}")
+    text = paper.read_text()
+    for n, template in prompts.TABLES.items():
+        m = re.search(rf"Table {n}\. \*\*[^\n]*\*\*\n\n(.*?)(?=\n\nTable \d+\. |\n\n\n)", text, re.S)
+        assert m, f"Table {n} not found"
+        assert template == m.group(1), f"Table {n} differs from the paper"
+
+
+def test_prompt_filling():
+    assert prompts.polling_prompt("Is there [a] cat?") == (
+        "Please answer the following question based on the image:\nQuestion: Is there [a] cat?\n\n"
+        "You should only reply yes or no, and do not provide any other extra content.")
+    mc = prompts.multiple_choice_prompt("Where is the [Option A]?", ["top left", "top right", "bottom", "none"])
+    assert mc.startswith("Select the best answer") and "Question: Where is the [Option A]?\nOption:\nA. top left\n" in mc
+    assert mc.endswith("D. none\nThe best answer is:")
+    assert prompts.refine_prompt("two cats").startswith("Here is the prompt for image generation: two cats\n\n")
+    assert prompts.edit_prompt("mental_reconstruction", "ignored").startswith("Please restore the image")
+    assert prompts.edit_prompt("cognitive_navigation", "Which way?") == (
+        "Here is the question: Which way?\n\nPlease mark the path(s) in the image that are relevant to the question.")
+    with pytest.raises(ValueError, match="no stepwise edit prompt"):
+        prompts.edit_prompt("world_knowledge", "q")
+
+
+# ---------------------------------------------------------------------------------------------
+# multiple-choice grammar and yes/no
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reply,letter", [
+    ("A", "A"), (" b. ", "B"), ("(C)", "C"), ("D)", "D"), ("C.\n", "C"), ("The best answer is: A", "A"),
+    ("The best answer is B.", "B"), ("the correct answer is (d)", "D"), ("Answer: (B).", "B"), ("Option: c", "C"),
+    ("A. a red circle", None), ("A or B", None), ("", None), ("Because", None), ("E", None), ("AB", None),
+    ("The best answer is", None), ("I think A", None), (None, None),
+])
+def test_multiple_choice_grammar(reply, letter):
+    assert parse_choice(reply) == letter
+
+
+@pytest.mark.parametrize("reply,status", [("Yes", "yes"), (" no. ", "no"), ('"YES"', "yes"), ("No!", "no"),
+                                          ("I do not know", "unparseable"), ("yes, it is", "unparseable"), ("", "unparseable")])
+def test_yes_no_is_strict(reply, status):
+    assert parse_yes_no(reply) == status
+
+
+# ---------------------------------------------------------------------------------------------
+# data: the public release's parquet layout, the documented UEG JSONL, a ShapesWorld root
+# ---------------------------------------------------------------------------------------------
+def _png(scene: Scene) -> bytes:
+    buf = io.BytesIO()
+    render(scene, CFG, seed=0).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+SCENE = Scene((ShapeObject("circle", "red", 0, 0), ShapeObject("square", "blue", 1, 2)))
+OTHER = Scene((ShapeObject("circle", "red", 0, 1),))
+
+
+def _release_row(i: int, answer: str = "B", task: str = "Mental Tracking") -> dict:
+    question = f"Where does the red circle end after move {i}?"
+    options = ["top left", "top right", "bottom left", "bottom right"]
+    prompt = prompts.multiple_choice_prompt(question, options)
+    return {"index": i, "image": {"bytes": _png(SCENE), "path": f"{i}.png"}, "evaluation_prompt": prompt,
+            "question": question, "answer": answer, "task_type": task}
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_parquet_in_the_release_layout_reads_back(tmp_path):
+    f = _write_parquet(tmp_path / "realunify_mental_tracking.parquet", [_release_row(0), _release_row(1, "D")])
+    insts = load_instances(f)
+    assert [(i.id, i.category, i.answer, i.axis) for i in insts] == [("0", "mental_tracking", "B", "geu"),
+                                                                      ("1", "mental_tracking", "D", "geu")]
+    assert insts[0].options == ["top left", "top right", "bottom left", "bottom right"]
+    assert insts[0].question == "Where does the red circle end after move 0?"
+    assert list(insts[0].image().getdata()) == list(render(SCENE, CFG, seed=0).convert("RGB").getdata())
+    # without a question column, the question is the prompt without its options and boilerplate
+    row = _release_row(2)
+    del row["question"]
+    (tmp_path / "more").mkdir()
+    _write_parquet(tmp_path / "more" / "b.parquet", [row])
+    assert load_instances(tmp_path / "more")[0].question == "Where does the red circle end after move 2?"
+    assert len(load_instances(tmp_path)) == 3  # a folder: every parquet file below it
+
+
+def test_option_parsing_forms():
+    assert parse_options("Q?\n(A) x\n(B) y\n(C) z\n(D) w") == ["x", "y", "z", "w"]
+    assert parse_options("Q?\nA) x\nB) y\nC: z\nD. w") == ["x", "y", "z", "w"]
+    assert parse_options("Q?\nA. x\nB. y\nD. w") is None
+    assert strip_prompt("Question: Which?\nOptions:\nA. x\nB. y\nC. z\nD. w\nThe best answer is:") == "Which?"
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: r.pop("answer"), "row 1: missing column.s. answer"),
+    (lambda r: r.pop("evaluation_prompt"), "row 1: missing column.s. evaluation_prompt"),
+    (lambda r: r.update(image={"bytes": b"not an image", "path": "x.png"}), "row 1: the image bytes do not decode"),
+    (lambda r: r.update(answer="E"), "row 1: answer 'E' is not one of the letters A, B, C, D"),
+    (lambda r: r.update(evaluation_prompt="Which?\nA. x\nB. y"), "row 1: column 'evaluation_prompt' does not hold the four"),
+    (lambda r: r.update(task_type="world knowledge"), "row 1: task_type 'world knowledge' is not a GEU category"),
+])
+def test_malformed_parquet_rows_name_file_and_row(tmp_path, change, message):
+    bad = _release_row(1)
+    change(bad)
+    good = _release_row(0)
+    if "answer" not in bad:
+        good.pop("answer")  # one schema for the file: the column is absent
+        good["answer"] = "B"
+    f = _write_parquet(tmp_path / "geu.parquet", [good, bad])
+    with pytest.raises(UserError, match=re.escape(str(f)) + ": " + message):
+        load_instances(f)
+
+
+def test_ueg_jsonl_rows_and_their_errors(tmp_path):
+    f = tmp_path / "ueg.jsonl"
+    rows = [{"id": "a", "category": "World Knowledge", "prompt": "the flag of a country",
+             "questions": [{"question": "Is there a flag?", "answer": "yes"}]},
+            {"id": "b", "task_type": "code_to_image", "prompt": "print('x')",
+             "question_list": [{"question": "Is there an x?", "answer": "no"}]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    insts = load_instances(f)
+    assert [(i.category, i.axis) for i in insts] == [("world_knowledge", "ueg"), ("code_to_image", "ueg")]
+    rows[1]["question_list"][0]["answer"] = "maybe"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=re.escape(f"{f}:2: question 0 has answer 'maybe'")):
+        load_instances(f)
+    f.write_text(json.dumps({"id": "c", "category": "x", "questions": []}) + "\n")
+    with pytest.raises(UserError, match=re.escape(f"{f}:1: missing field(s) prompt")):
+        load_instances(f)
+    (tmp_path / "x.txt").write_text("")
+    with pytest.raises(UserError, match="expected a ShapesWorld root"):
+        load_instances(tmp_path / "x.txt")
+
+
+# ---------------------------------------------------------------------------------------------
+# a ShapesWorld root with realunify files, written by hand in the documented layout
+# ---------------------------------------------------------------------------------------------
+def _count(color, shape, n):
+    return {"op": "count", "where": {"color": color, "shape": shape}, "cmp": "eq", "n": n}
+
+
+UEG_ROWS = [
+    {"id": "m0", "category": "mathematical_reasoning", "prompt": "as many red circles as one times one",
+     "questions": [{"question": "Is there exactly one red circle?", "answer": "yes", "check": _count("red", "circle", 1)},
+                   {"question": "Is there a blue square?", "answer": "yes",
+                    "check": {"op": "exists", "where": {"color": "blue", "shape": "square"}}}]},
+    {"id": "l0", "category": "logical_reasoning", "prompt": "one red circle and nothing blue",
+     "questions": [{"question": "Is there exactly one red circle?", "answer": "yes", "check": _count("red", "circle", 1)},
+                   {"question": "Is anything blue?", "answer": "no", "check": {"op": "exists", "where": {"color": "blue"}}}]},
+]
+
+
+def _world_data(root: Path, world_json: Path | None = None) -> Path:
+    """``root`` as a ShapesWorld root holding realunify/ueg.jsonl and geu.jsonl (two GEU rows: the
+    first one's target scene is its own image's, the second's another)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if world_json is not None:
+        shutil.copy(world_json, root / "world.json")
+    else:
+        (root / "world.json").write_text(json.dumps({"config": CFG.to_dict()}))
+    ru = root / "realunify"
+    (ru / "images").mkdir(parents=True)
+    render(SCENE, CFG, seed=0).save(ru / "images" / "g0.png")
+    (ru / "ueg.jsonl").write_text("".join(json.dumps(r) + "\n" for r in UEG_ROWS))
+    geu = [{"id": f"g{k}", "category": cat, "image": "realunify/images/g0.png", "question": f"Where is it {k}?",
+            "options": ["w", "x", "y", "z"], "answer": answer, "target_scene": target.to_dict(),
+            "edit_instruction": f"move it {k}"}
+           for k, (cat, answer, target) in enumerate([("mental_tracking", "A", SCENE),
+                                                      ("cognitive_navigation", "B", OTHER)])]
+    (ru / "geu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in geu))
+    return root
+
+
+class Double(standins.FakeModel):
+    """Draws ``SCENE`` for prompts naming "blue square" or "times", a red circle alone otherwise; the
+    refined prompt (Table 9) of every prompt is "a red circle alone"; answers "A"; edits are the
+    identity (when ``editing``)."""
+
+    def __init__(self, editing: bool = False, **kw):
+        super().__init__(**{"answers": ["A"], **kw})
+        self.supports_editing = editing
+
+    def generate_image(self, prompts, context=None, config=None):
+        self._call("generate_image", len(prompts))
+        return [render(SCENE if "times" in p else OTHER, CFG, seed=0) for p in prompts]
+
+    def reason(self, prompts, max_new_tokens=256):
+        self._call("reason", len(prompts))
+        assert all(p.startswith("Here is the prompt for image generation: ") for p in prompts)
+        return [TextGeneration('"a red circle alone"', False, 4) for _ in prompts]
+
+    def edit_image(self, images, instructions, config=None):
+        self._call("edit_image", len(images))
+        return [im.copy() for im in images]
+
+
+def test_exact_judge_scores_per_question_and_per_instance():
+    from unicon.evaluation.realunify.data import ueg_from_row
+
+    insts = [ueg_from_row(r, f"row {i}") for i, r in enumerate(UEG_ROWS)]
+    scene_image = render(SCENE, CFG, seed=0)
+    v = ExactPollJudge(CFG).judge(insts, [scene_image, scene_image])
+    assert v[0].statuses == ["yes", "yes"] and all(v[0].correct(insts[0].questions))
+    assert v[1].statuses == ["yes", "yes"] and v[1].correct(insts[1].questions) == [True, False]
+    none = ExactPollJudge(CFG).judge(insts, [Image.new("RGB", (64, 64), (3, 200, 77)), None])
+    assert none[0].statuses == ["no_scene"] * 2 and none[1].statuses == ["no_input"] * 2
+
+
+def test_runner_with_a_test_double_scores_both_settings(tmp_path):
+    data = _world_data(tmp_path / "world")
+    insts = load_instances(data)
+    metrics, samples = evaluate_realunify(Double(editing=True), insts, ExactPollJudge(CFG), out_dir=tmp_path / "out",
+                                          batch_size=3, world_cfg=CFG)
+    # UEG direct: m0 draws SCENE (right), l0 draws OTHER (right: one red circle, nothing blue);
+    # stepwise: both draw OTHER from the refined prompt: m0 misses the blue square, l0 right
+    assert metrics["acc_direct/mathematical_reasoning"] == 100.0 and metrics["acc_stepwise/mathematical_reasoning"] == 0.0
+    assert metrics["q_acc_stepwise/mathematical_reasoning"] == 50.0 and metrics["acc_stepwise/logical_reasoning"] == 100.0
+    assert metrics["acc_direct/ueg"] == 100.0 and metrics["acc_stepwise/ueg"] == 50.0 and metrics["delta/ueg"] == -50.0
+    # GEU: the double answers "A" (g0 right, g1 wrong) on the input and on the edited image
+    assert metrics["acc_direct/geu"] == metrics["acc_stepwise/geu"] == 50.0 and metrics["delta/geu"] == 0.0
+    # identity edits: g0's target is its own image, g1's is not
+    assert metrics["edit_acc/mental_tracking"] == 100.0 and metrics["edit_acc/cognitive_navigation"] == 0.0
+    assert metrics["edit_acc"] == 50.0
+    assert metrics["acc_direct"] == 75.0 and metrics["acc_stepwise"] == 50.0 and metrics["delta"] == -25.0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["m0", "l0", "g0", "g1"]
+    assert rows[0]["refined_prompt"] == "a red circle alone" and rows[0]["statuses_stepwise"] == ["yes", "no"]
+    assert rows[2]["edit_instruction"] == prompts.edit_prompt("mental_tracking", "Where is it 0?")
+    for r in rows:  # UEG: the two drawings; GEU: the input image and the edited one
+        for key in ("image_direct", "image_stepwise") if r["axis"] == "ueg" else ("image", "image_stepwise"):
+            assert (tmp_path / "out" / r[key]).is_file()
+    assert compute_metrics(rows) == metrics
+    saved = json.loads((tmp_path / "out" / "realunify.json").read_text())
+    assert saved["metrics"] == metrics and saved["settings"] == ["direct", "stepwise"] and saved["judge"] == "exact"
+    assert "| GEU | **GEU** | 2 | 50.0 | 50.0 | +0.0 |" in (tmp_path / "out" / "table.md").read_text()
+    # --edit-prompt row: the rows' own instructions
+    _, samples = evaluate_realunify(Double(editing=True), insts[2:], ExactPollJudge(CFG), settings=["stepwise"],
+                                    edit_prompt_source="row", world_cfg=CFG)
+    assert [s.edit_instruction for s in samples] == ["move it 0", "move it 1"]
+
+
+def test_geu_stepwise_on_a_model_without_editing_is_refused_before_any_generation(tmp_path):
+    insts = load_instances(_world_data(tmp_path / "world"))
+    model = Double(editing=False)
+    with pytest.raises(UserError, match="backend 'fake' does not edit images"):
+        evaluate_realunify(model, insts, ExactPollJudge(CFG), settings=["direct", "stepwise"])
+    assert model.calls == []
+    # UEG-only data, or direct only, runs
+    evaluate_realunify(model, insts[:2], ExactPollJudge(CFG), settings=["direct", "stepwise"])
+    metrics, _ = evaluate_realunify(model, insts, ExactPollJudge(CFG), settings=["direct"])
+    assert "acc_stepwise" not in metrics and "delta" not in metrics and metrics["acc_direct"] == 75.0
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics by hand, shard merge
+# ---------------------------------------------------------------------------------------------
+def _ueg(i, cat, direct, stepwise, answers=("yes", "no")):
+    qs = [{"question": f"q{k}", "answer": a} for k, a in enumerate(answers)]
+    return {"id": i, "axis": "ueg", "category": cat, "questions": qs, "refined_prompt": "r",
+            "statuses_direct": list(direct), "correct_direct": list(direct) == list(answers), "image_error_direct": None,
+            "statuses_stepwise": list(stepwise), "correct_stepwise": list(stepwise) == list(answers),
+            "image_error_stepwise": None if stepwise[0] != "no_input" else "failed"}
+
+
+def _geu(i, cat, direct, stepwise, answer="A", edit=None):
+    return {"id": i, "axis": "geu", "category": cat, "answer": answer, "pred_direct": direct,
+            "correct_direct": direct == answer, "image_error_direct": None, "pred_stepwise": stepwise,
+            "correct_stepwise": stepwise == answer, "image_error_stepwise": None, "edit_match": edit}
+
+
+RECORDS = [
+    _ueg(1, "logical_reasoning", ("yes", "no"), ("yes", "yes")),             # direct right; stepwise 1 of 2 questions
+    _ueg(2, "logical_reasoning", ("unparseable", "no"), ("yes", "no")),      # stepwise right
+    _ueg(3, "code_to_image", ("no_scene", "no_scene"), ("no_input", "no_input")),
+    _geu(4, "mental_tracking", "A", "A", edit=True),
+    _geu(5, "mental_tracking", None, "B", edit=False),                       # direct unparseable
+    _geu(6, "attentional_focusing", "A", None),                              # stepwise unparseable, no target scene
+]
+
+
+def test_metric_equations_on_hand_made_records():
+    m = compute_metrics(RECORDS)
+    assert m["acc_direct/logical_reasoning"] == 50.0 and m["acc_stepwise/logical_reasoning"] == 50.0
+    assert m["q_acc_direct/logical_reasoning"] == 75.0 and m["q_acc_stepwise/logical_reasoning"] == 75.0
+    assert m["acc_direct/ueg"] == pytest.approx(100 / 3) and m["q_acc_direct/ueg"] == 50.0
+    assert m["acc_direct/mental_tracking"] == 50.0 and m["acc_stepwise/mental_tracking"] == 50.0
+    assert m["acc_direct/geu"] == pytest.approx(200 / 3) and m["acc_stepwise/geu"] == pytest.approx(100 / 3)
+    assert m["acc_direct"] == 50.0 and m["acc_stepwise"] == pytest.approx(100 / 3)
+    assert m["delta"] == pytest.approx(100 / 3 - 50) and m["delta/attentional_focusing"] == -100.0
+    assert m["edit_acc"] == 50.0 and m["edit_n"] == 2 and "edit_acc/attentional_focusing" not in m
+    assert (m["unparseable_direct/ueg"], m["unparseable_direct/geu"], m["unparseable_stepwise/geu"]) == (1, 1, 1)
+    assert m["no_scene_direct"] == 1 and m["missing_stepwise"] == 1 and m["missing_direct"] == 0
+    assert "q_acc_direct/mental_tracking" not in m and m["n"] == 6 and m["n/code_to_image"] == 1
+
+
+def test_shard_states_merged_equal_the_unsharded_metrics():
+    cats = ["logical_reasoning", "code_to_image", "mental_tracking", "attentional_focusing"]
+    shards = [RealUnifyMetric(cats), RealUnifyMetric(cats)]
+    shards[0].update(RECORDS[0::2])
+    shards[1].update(RECORDS[1::2])
+    shards[0].merge_state(shards[1])
+    assert shards[0].compute() == compute_metrics(RECORDS, cats)
+    with pytest.raises(ValueError, match="category 'world_knowledge'"):
+        RealUnifyMetric(cats).update([_ueg(7, "world_knowledge", ("yes", "no"), ("yes", "no"))])
+
+
+# ---------------------------------------------------------------------------------------------
+# the command: results file, refusal, --shard/--merge, and the callback's config
+# ---------------------------------------------------------------------------------------------
+def test_cli_writes_results_refuses_stepwise_without_editing_and_merges_shards(tmp_path, capsys, monkeypatch):
+    from unicon.core import weights_fingerprint
+
+    monkeypatch.setattr(standins.FakeModel, "supports_editing", False)  # a backend that cannot edit
+
+    data = _world_data(tmp_path / "world")
+    ckpt = tmp_path / "ckpt"
+    model = standins.FakeModel(answers=["A", "B"], draw="world", world=str(data))
+    model.save_pretrained(str(ckpt))
+    common = ["evaluate", "realunify", "--ckpt", str(ckpt), "--data", str(data), "--device", "cpu", "--logger", "none",
+              "--image-seed", "3"]
+    assert unicon_main([*common, "--out", str(tmp_path / "refused")]) == 2
+    assert "backend 'fake' does not edit images" in capsys.readouterr().err
+    quick = ["--settings", "direct", "--batch-size", "2"]
+    assert unicon_main([*common, *quick, "--out", str(tmp_path / "one")]) == 0
+    printed = capsys.readouterr().out
+    assert "| **overall** |" in printed and "realunify.json" in printed
+    one = json.loads((tmp_path / "one" / "realunify.json").read_text())
+    assert one["model_fingerprint"] == weights_fingerprint(model) and one["settings"] == ["direct"]
+    assert one["generation"]["image"]["seed"] == 3 and len(one["metrics"]) > 5
+    for part in ("0/2", "1/2"):
+        assert unicon_main([*common, *quick, "--out", str(tmp_path / "split"), "--shard", part]) == 0
+    assert unicon_main([*common, *quick, "--out", str(tmp_path / "split"), "--merge"]) == 0
+    for name in ("samples.jsonl", "table.md"):
+        assert (tmp_path / "split" / name).read_text() == (tmp_path / "one" / name).read_text(), name
+    assert json.loads((tmp_path / "split" / "realunify.json").read_text())["metrics"] == one["metrics"]
+    assert unicon_main([*common, "--settings", "", "--out", str(tmp_path / "none")]) == 2
+    assert unicon_main([*common, "--judge", "vlm:/nonexistent", "--out", str(tmp_path / "none")]) == 2
+
+
+def test_eval_group_and_callback_from_config(tmp_path):
+    from unicon import config
+    from unicon.evaluation import suites
+    from unicon.evaluation.realunify.callback import RealUnifyCallback
+
+    data = _world_data(tmp_path / "world")
+    cfg = config.compose(["eval=realunify", f"data.root={data}", "eval.realunify.settings=[direct]"])
+    assert cfg.eval.realunify.enabled and not cfg.eval.shapes.enabled
+    argv = suites.suite("realunify").argv(cfg)
+    assert argv[:1] == [f"--data={data}"] and "--settings=direct" in argv and "--limit=4" in argv
+    cb = RealUnifyCallback.from_config(cfg)
+    assert cb.settings == ["direct"] and len(cb.instances()) == 4
+    cb.setup(None, Double(editing=False), "fit")  # direct only: nothing to refuse
+    stepwise = RealUnifyCallback(data, settings=["direct", "stepwise"])
+    with pytest.raises(UserError, match="does not edit images"):
+        stepwise.setup(None, Double(editing=False), "fit")
+    assert not config.compose([]).eval.realunify.enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# a tiny OFA (randomly initialised) through the runner
+# ---------------------------------------------------------------------------------------------
+def test_tiny_ofa_end_to_end(tiny_shapes_world, tmp_path):
+    from unicon.models import build_model
+    from unicon.evaluation.realunify.judges import edit_matches
+    from unicon.worlds.shapes import NotAShapesWorldImage, load_world, parse
+    from unicon.worlds.shapes_realunify import answer_poll
+
+    torch.manual_seed(0)
+    model = build_model({"backend": "ofa", "preset": "shapes-tiny",
+                         "arch": {"num_bins": 65, "max_source_length": 96, "max_target_length": 16, "num_beams": 1,
+                                  "max_new_tokens": 8, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+                                  "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                                  "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}}, tiny_shapes_world)
+    data = _world_data(tmp_path / "world", tiny_shapes_world / "world.json")
+    cfg = load_world(data).config
+    insts = load_instances(data)
+    judge = ExactPollJudge(cfg)
+    out = tmp_path / "out"
+    metrics, _ = evaluate_realunify(model, insts, judge, out_dir=out, settings=["direct"], max_new_tokens=8,
+                                    batch_size=4, world_cfg=cfg)
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for r in rows[:2]:  # UEG verdicts re-checked from the saved PNGs
+        image = Image.open(out / r["image_direct"])
+        try:
+            scene = parse(image, cfg)
+            want = [answer_poll(q, scene, cfg) for q in next(u for u in UEG_ROWS if u["id"] == r["id"])["questions"]]
+        except NotAShapesWorldImage:
+            want = ["no_scene"] * 2
+        assert r["statuses_direct"] == want
+    for r in rows[2:]:
+        assert r["correct_direct"] == (parse_choice(r["reply_direct"]) == r["answer"])
+    assert metrics["acc_direct"] == pytest.approx(100 * sum(r["correct_direct"] for r in rows) / 4)
+    if not getattr(model, "supports_editing", False):
+        with pytest.raises(UserError, match="backend 'ofa'"):
+            evaluate_realunify(model, insts, judge, settings=["direct", "stepwise"])
+        pytest.skip("the OFA backend does not edit images yet (supports_editing is False): GEU stepwise refused")
+    metrics, _ = evaluate_realunify(model, insts, judge, out_dir=tmp_path / "both", max_new_tokens=8, batch_size=4,
+                                    world_cfg=cfg)
+    rows = [json.loads(line) for line in (tmp_path / "both" / "samples.jsonl").read_text().splitlines()]
+    for r in rows[2:]:
+        edited = Image.open(tmp_path / "both" / r["image_stepwise"]) if r["image_stepwise"] else None
+        assert r["edit_match"] == edit_matches(edited, {"g0": SCENE, "g1": OTHER}[r["id"]].to_dict(), cfg)
+    assert {"acc_stepwise", "delta", "edit_acc"} <= set(metrics)
+
