@@ -16,7 +16,7 @@ from typing import Sequence
 
 from unicon.config import ShapesEvalConfig
 from unicon.evaluation.callbacks import EvalCallback, log_figures
-from unicon.evaluation.shapes.metrics import TASKS, logged_scalars
+from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, logged_scalars
 from unicon.evaluation.shapes.plots import plot_examples
 from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
 
@@ -37,7 +37,7 @@ class ShapesCallback(EvalCallback):
         split: str = ShapesEvalConfig.split,
         max_samples: int = ShapesEvalConfig.max_samples,
         batch_size: int = ShapesEvalConfig.batch_size,
-        tasks: Sequence[str] = TASKS,
+        tasks: Sequence[str] = DEFAULT_TASKS,
         examples: int = ShapesEvalConfig.examples,
         every_n_epochs: int = ShapesEvalConfig.every_n_epochs,
         fail_on_error: bool = False,

@@ -32,12 +32,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torchmetrics import Metric
 
-from unicon.config import SHAPES_EVAL_TASKS
+from unicon.config import SHAPES_DEFAULT_TASKS, SHAPES_EVAL_TASKS
 from unicon.evaluation.cococon.metrics import box_iou, normalize_answer
 from unicon.worlds.shapes import NotAShapesWorldImage, parse
 from unicon.worlds.shapes_text import MISMATCHES, caption_mismatch, parse_caption
 
 TASKS = SHAPES_EVAL_TASKS
+#: the tasks evaluated unless asked otherwise (edit only for models that edit: ``--tasks ... edit``)
+DEFAULT_TASKS = SHAPES_DEFAULT_TASKS
 #: localization counts a box as right from this IoU on
 IOU_THRESHOLD = 0.5
 #: a miss of a task whose misses have no causes told apart

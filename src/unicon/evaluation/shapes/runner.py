@@ -48,7 +48,7 @@ from PIL import Image
 from unicon.data.mixture import read_edits, read_mixture
 from unicon.errors import UserError
 from unicon.evaluation.distributed import metric_sync_kwargs, owned_indices, shard_indices
-from unicon.evaluation.shapes.metrics import METRICS, TASKS, RelationFlip, report
+from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, RelationFlip, report
 from unicon.progress import track
 from unicon.worlds.shapes import Scene, load_world
 from unicon.worlds.shapes_text import (
@@ -60,7 +60,7 @@ from unicon.worlds.shapes_text import (
 )
 
 
-def read_split(world_root: str | Path, split: str, tasks: Sequence[str] = TASKS) -> dict[str, list[dict]]:
+def read_split(world_root: str | Path, split: str, tasks: Sequence[str] = DEFAULT_TASKS) -> dict[str, list[dict]]:
     """Rows of ``mixture_<split>.jsonl`` grouped by task (a key for every task of :data:`TASKS`); with
     ``edit`` in ``tasks``, the rows of ``edit_<split>.jsonl`` under ``edit``."""
     rows: dict[str, list[dict]] = {t: [] for t in TASKS}
@@ -150,10 +150,11 @@ def _predict(model, task: str, rows: Sequence[dict], images: Sequence, image_con
 
 @torch.no_grad()
 def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", limit: int | None = 200,
-                           batch_size: int = 32, tasks: Sequence[str] = TASKS,
+                           batch_size: int = 32, tasks: Sequence[str] = DEFAULT_TASKS,
                            examples: list | None = None, num_examples: int = 0,
                            image_config=None, device: torch.device | str = "cpu") -> dict[str, float]:
-    """The four ShapesWorld task accuracies (see the module docstring) of ``model``. With
+    """The ShapesWorld task accuracies of ``tasks`` (default: VQA, caption, grounding, T2I; see the
+    module docstring) of ``model``. With
     ``examples`` (a list) and ``num_examples``, the first ``num_examples`` predictions of each task
     (of this rank's share under a process group) are appended to it as dicts (task, input image or
     prompt, prediction, target, correct). ``image_config`` (an ``ImageGenerationConfig``; default the
@@ -163,7 +164,8 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     if unknown:
         raise ValueError(f"unknown task {unknown[0]!r}; choose from {TASKS}")
     if "edit" in tasks and not getattr(model, "supports_editing", False):
-        raise UserError(f"shapes: task edit needs a model that edits images; the {model.backend} backend "
+        backend = getattr(model, "backend", type(model).__name__)
+        raise UserError(f"shapes: task edit needs a model that edits images; the {backend} backend "
                         "does not (UnifiedModel.supports_editing)")
     root = Path(world_root)
     world = load_world(root)
