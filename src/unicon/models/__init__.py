@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from unicon.models import decoupled, janus, vqgan  # noqa: F401  (in-tree backends and image tokenizers register on import)
 from unicon.models.ofa import unified  # noqa: F401
-from unicon.models.base import UnifiedModel
+from unicon.models.base import EditingNotSupported, ImageGenerationConfig, UnifiedModel
 from unicon.models.factory import apply_model_options, build_model, enable_gradient_checkpointing, world_vocabulary
 from unicon.models.checkpoints import (
     ARCHITECTURE_KEYS, DEEPSPEED_COMPLETE_FILE, DEEPSPEED_TAG_FILE, PICKLE_OPT_IN, TRAINING_CONFIG_NAME,
@@ -31,10 +31,10 @@ from unicon.models.checkpoints import (
 )
 from unicon.models.lora import has_lora
 
-__all__ = ["ARCHITECTURE_KEYS", "DEEPSPEED_COMPLETE_FILE", "DEEPSPEED_TAG_FILE", "PICKLE_OPT_IN",
-           "TRAINING_CONFIG_NAME", "UnifiedModel", "apply_model_options", "build_model", "check_same_architecture",
-           "checkpoint_config", "checkpoint_network", "deepspeed_checkpoint_step", "deepspeed_client_state",
-           "enable_gradient_checkpointing", "export_checkpoint", "export_model", "has_lora",
-           "is_deepspeed_checkpoint", "load_for_training", "load_lightning_checkpoint", "load_model",
-           "read_deepspeed_checkpoint", "read_training_checkpoint", "recorded_model_section",
-           "resumable_deepspeed_state", "world_vocabulary"]
+__all__ = ["ARCHITECTURE_KEYS", "DEEPSPEED_COMPLETE_FILE", "DEEPSPEED_TAG_FILE", "EditingNotSupported",
+           "ImageGenerationConfig", "PICKLE_OPT_IN", "TRAINING_CONFIG_NAME", "UnifiedModel", "apply_model_options",
+           "build_model", "check_same_architecture", "checkpoint_config", "checkpoint_network",
+           "deepspeed_checkpoint_step", "deepspeed_client_state", "enable_gradient_checkpointing",
+           "export_checkpoint", "export_model", "has_lora", "is_deepspeed_checkpoint", "load_for_training",
+           "load_lightning_checkpoint", "load_model", "read_deepspeed_checkpoint", "read_training_checkpoint",
+           "recorded_model_section", "resumable_deepspeed_state", "world_vocabulary"]

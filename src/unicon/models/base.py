@@ -81,7 +81,8 @@ class TextGeneration:
 
 
 class EditingNotSupported(NotImplementedError):
-    """The backend does not edit images (``UnifiedModel.supports_editing`` is False)."""
+    """The backend does not edit images (``UnifiedModel.supports_editing`` is False); the message
+    names the backend and the call that was refused."""
 
 
 @dataclass
@@ -215,17 +216,29 @@ class UnifiedModel(nn.Module, abc.ABC):
 
     def edit_image(self, images: ImageBatch, instructions: Sequence[str],
                    config: ImageGenerationConfig | None = None) -> list[Image.Image]:
-        """Image + instruction -> one edited image per row, through the same image tokens and
-        sampling recipe as :meth:`generate_image` (``config`` None means
-        :attr:`image_generation_config`); a length mismatch is a ``ValueError`` naming both lengths.
-        Backends that edit set :attr:`supports_editing`; the default refuses."""
-        raise EditingNotSupported(f"the {self.backend} backend does not edit images (edit_image)")
+        """Image + instruction -> one edited image per row (``len(images)`` images, RGB, the size
+        :meth:`generate_image` produces), through the same image tokens (or sampler) and sampling
+        recipe as :meth:`generate_image`: ``config`` None means :attr:`image_generation_config`; its
+        ``seed`` makes a call reproducible; ``num_candidates`` must be 1. ``instructions[b]`` is
+        passed as written; each backend applies its own edit template (see the backend's docstring).
+        As with :meth:`generate_image` the whole list is one batch (callers split large inputs) and
+        nothing is reported as progress. ``len(images) != len(instructions)`` is a ``ValueError``
+        naming both lengths. Backends that edit set :attr:`supports_editing`; the default raises
+        :class:`EditingNotSupported` naming the backend."""
+        raise EditingNotSupported(f"the {self._backend_name()} backend does not edit images (edit_image)")
 
     def score_edit(self, images: ImageBatch, instructions: Sequence[str], targets: ImageBatch) -> Scores:
-        """``[B, 1]`` NLL of ``targets[b]`` (its image tokens) given ``images[b]`` and
-        ``instructions[b]`` in :meth:`edit_image`'s input format: the training loss of image-edit rows.
-        The default refuses."""
-        raise EditingNotSupported(f"the {self.backend} backend does not edit images (score_edit)")
+        """``[B, 1]`` NLL of ``targets[b]`` (its image tokens; a diffusion backend: its likelihood
+        proxy) given ``images[b]`` and ``instructions[b]`` in :meth:`edit_image`'s input format: the
+        training loss of image-edit rows, with the :class:`Scores` layout of :meth:`score_image`
+        (``nll`` per token, ``sum_nll``, ``num_tokens``; differentiable when grad is enabled). Unequal
+        lengths of the three inputs are a ``ValueError`` naming them. The default raises
+        :class:`EditingNotSupported` naming the backend."""
+        raise EditingNotSupported(f"the {self._backend_name()} backend does not edit images (score_edit)")
+
+    def _backend_name(self) -> str:
+        """:attr:`backend`, or the class name for a model that never registered one."""
+        return self.backend if self.backend != "abstract" else type(self).__name__
 
     def best_of_candidates(self, prompts: Sequence[str], context: Sequence[str] | None,
                            config: ImageGenerationConfig) -> list[Image.Image]:

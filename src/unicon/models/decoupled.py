@@ -83,10 +83,23 @@ the diffusion analogue of greedy decoding: the same prompt always gives the same
 ``config.extra`` is passed to the pipeline call (e.g. ``negative_prompt``, ``num_inference_steps``).
 UReason's ``[P, R]`` is ``prompt + "\\n" + context``; :meth:`fit_context` keeps it within the text
 encoder's ``model_max_length``.
+
+Image editing
+-------------
+``edit_image`` is SDEdit (Meng et al. 2022) through diffusers' image-to-image pipeline built from the
+same components (``AutoPipelineForImage2Image.from_pipe``: ``StableDiffusionImg2ImgPipeline`` for SD
+1.x/2.x, the SDXL one for SDXL): the source is noised ``edit_strength`` (config key, default 0.75;
+``config.extra["strength"]`` per call) of the way up the schedule and denoised with the instruction as
+the prompt, with ``generate_image``'s seed / guidance / steps. ``score_edit`` is the diffusion-classifier
+proxy of ``score_image`` over the timesteps below img2img's start, plus the KL of the chain's start
+(the noised source) against the noised target: the only place an SD UNet sees the source
+(:meth:`DecoupledUnifiedModel.score_edit`). Pipelines without a UNet image-to-image counterpart set
+``supports_editing`` False and refuse both calls (``EditingNotSupported``).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -104,6 +117,7 @@ from unicon.core import ImageBatch, config_dict, tensor_to_pil, torch_dtype
 from unicon.errors import UserError
 from unicon.models.base import (
     Box,
+    EditingNotSupported,
     ImageGenerationConfig,
     Scores,
     TextGeneration,
@@ -138,7 +152,8 @@ class DecoupledConfig:
     score_noise_seed: int = 0  # mixed with each image's hash to seed its noise
     score_batch_size: int = 64  # denoiser rows per forward in score_image
     num_inference_steps: int = 30  # sampler steps of generate_image
-    guidance_scale: float = 7.5  # default CFG scale of generate_image
+    guidance_scale: float = 7.5  # default CFG scale of generate_image (and edit_image)
+    edit_strength: float = 0.75  # img2img strength of edit_image / score_edit (edit_image: extra['strength'] wins)
     max_new_tokens: int = 32  # caption / answer / locate generation length
 
     @classmethod
@@ -153,6 +168,8 @@ class DecoupledConfig:
         for name in ("score_timesteps", "score_batch_size", "num_inference_steps", "max_target_length"):
             if getattr(cfg, name) < 1:
                 raise UserError(f"{source}.{name} must be >= 1, got {getattr(cfg, name)}")
+        if not 0.0 < cfg.edit_strength <= 1.0:
+            raise UserError(f"{source}.edit_strength must be in (0, 1], got {cfg.edit_strength}")
         return cfg
 
 
@@ -224,7 +241,12 @@ MODEL_BOX_FORMATS = {"llava": "unit", "qwen2_vl": "qwen_vl"}
 # ---------------------------------------------------------------------------------------------
 @register_backend("decoupled")
 class DecoupledUnifiedModel(UnifiedModel):
-    """VLM (I2T) + diffusion pipeline (T2I); see the module docstring for prompts and scores."""
+    """VLM (I2T) + diffusion pipeline (T2I); see the module docstring for prompts and scores.
+
+    ``supports_editing`` is True on an instance whose pipeline has a UNet and an image-to-image
+    counterpart in diffusers (SD 1.x/2.x, SDXL); others set it False and refuse both edit calls."""
+
+    supports_editing = True
 
     def __init__(self, vlm, processor, pipeline, settings: DecoupledConfig):
         super().__init__()
@@ -252,6 +274,18 @@ class DecoupledUnifiedModel(UnifiedModel):
         denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
         sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
         self.image_size = int(settings.image_size or (sample * vae_scale if isinstance(sample, int) else 512))
+        self._img2img, self._no_img2img = None, ""
+        if getattr(pipeline, "unet", None) is None:
+            self._no_img2img = f"{type(pipeline).__name__} has no UNet"
+        else:
+            from diffusers import AutoPipelineForImage2Image
+
+            try:  # shares the pipeline's components (no weights are copied)
+                self._img2img = AutoPipelineForImage2Image.from_pipe(pipeline)
+                self._img2img.set_progress_bar_config(disable=True)
+            except ValueError as e:
+                self._no_img2img = str(e).splitlines()[0]
+        self.supports_editing = self._img2img is not None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -552,22 +586,28 @@ class DecoupledUnifiedModel(UnifiedModel):
             raise ValueError(f"got {len(prompts)} prompt lists but {n_images} images")
         if contexts is not None and len(contexts) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompt lists but {len(contexts)} contexts")
+        pixels = self.prepare_images(images)
+        x0 = self._latents(pixels).float()  # [B, C, h, w]
+        texts = [_join(p, None if contexts is None else contexts[b]) for b, ps in enumerate(prompts) for p in ps]
+        row_image = torch.tensor([b for b, ps in enumerate(prompts) for _ in ps], device=x0.device)
+        return self._denoising_errors(pixels, x0, self.score_timestep_values(), texts, row_image), row_image
+
+    def _denoising_errors(self, pixels: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, texts: list[str],
+                          row_image: torch.Tensor) -> torch.Tensor:
+        """``e(t_i, eps_i; texts[r])`` ``[R, n]`` for the latents ``x0[row_image[r]]`` at the timesteps
+        ``t`` ``[n]``, with the noise of :meth:`_noise` seeded by each image's ``pixels``."""
         unet = self._denoiser()
         scheduler = self.pipeline.scheduler
         prediction = scheduler.config.prediction_type
         if prediction not in ("epsilon", "v_prediction", "sample"):
             raise UserError(f"{self.settings.diffusion_path}: scheduler prediction_type {prediction!r} is not "
                             "epsilon, v_prediction or sample")
-        pixels = self.prepare_images(images)
-        x0 = self._latents(pixels).float()  # [B, C, h, w]
         eps = torch.stack([self._noise(p, tuple(x0.shape[1:])) for p in pixels]).to(x0.device)  # [B, n, C, h, w]
-        t = self.score_timestep_values().to(x0.device)
+        t = t.to(x0.device)
         abar = scheduler.alphas_cumprod.to(x0.device, torch.float32)[t].view(1, -1, 1, 1, 1)
         x_t = abar.sqrt() * x0[:, None] + (1 - abar).sqrt() * eps  # [B, n, C, h, w]
         target = {"epsilon": eps, "v_prediction": abar.sqrt() * eps - (1 - abar).sqrt() * x0[:, None],
                   "sample": x0[:, None].expand_as(eps)}[prediction]
-        texts = [_join(p, None if contexts is None else contexts[b]) for b, ps in enumerate(prompts) for p in ps]
-        row_image = torch.tensor([b for b, ps in enumerate(prompts) for _ in ps], device=x0.device)
         cond = self._text_conditioning(texts)  # text encoder once per (image, prompt) row
         n = t.numel()
         pairs = torch.arange(len(texts) * n, device=x0.device)
@@ -581,7 +621,7 @@ class DecoupledUnifiedModel(UnifiedModel):
             out = unet(x_t[b, i].to(unet.dtype), t[i], **kwargs).sample.float()
             out = out[:, : x0.shape[1]]  # learned-variance UNets also predict the variance channels
             errors.append((out - target[b, i]).pow(2).flatten(1).mean(-1))
-        return torch.cat(errors).view(len(texts), n), row_image
+        return torch.cat(errors).view(len(texts), n)
 
     def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch,
                     contexts: Sequence[str] | None = None) -> Scores:
@@ -669,14 +709,10 @@ class DecoupledUnifiedModel(UnifiedModel):
             cut.append(n)
         return kept, cut
 
-    @torch.no_grad()
-    def generate_image(self, prompts: Sequence[str], context: Sequence[str] | None = None,
-                       config: ImageGenerationConfig | None = None) -> list[Image.Image]:
-        config = config or self.image_generation_config
-        if context is not None and len(context) != len(prompts):
-            raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
-        if config.num_candidates != 1:
-            return self.best_of_candidates(prompts, context, config)
+    def _sampler_options(self, config: ImageGenerationConfig) -> tuple[torch.Generator | None, dict]:
+        """The pipeline-call options of ``config`` shared by :meth:`generate_image` and :meth:`edit_image`:
+        a CPU generator (``seed``; seed 0 when ``do_sample=False`` without one), ``guidance_scale``,
+        ``num_inference_steps`` and PIL output. Token-sampling options are refused."""
         token_sampling = {"temperature": (config.temperature, 1.0), "top_k": (config.top_k, 0),
                           "top_p": (config.top_p, 1.0)}
         set_options = sorted(k for k, (value, default) in token_sampling.items() if value != default)
@@ -685,11 +721,107 @@ class DecoupledUnifiedModel(UnifiedModel):
                              "pipeline has none (use guidance_scale, seed, extra={'num_inference_steps': ...})")
         seed = config.seed if config.seed is not None else (None if config.do_sample else 0)
         generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-        options = dict(num_inference_steps=self.settings.num_inference_steps, guidance_scale=config.guidance_scale,
-                       height=self.image_size, width=self.image_size, output_type="pil")
+        return generator, dict(num_inference_steps=self.settings.num_inference_steps,
+                               guidance_scale=config.guidance_scale, output_type="pil")
+
+    @torch.no_grad()
+    def generate_image(self, prompts: Sequence[str], context: Sequence[str] | None = None,
+                       config: ImageGenerationConfig | None = None) -> list[Image.Image]:
+        config = config or self.image_generation_config
+        if context is not None and len(context) != len(prompts):
+            raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
+        if config.num_candidates != 1:
+            return self.best_of_candidates(prompts, context, config)
+        generator, options = self._sampler_options(config)
+        options.update(height=self.image_size, width=self.image_size)
         options.update(config.extra)
         texts = [_join(p, None if context is None else context[b]) for b, p in enumerate(prompts)]
         return list(self.pipeline(prompt=texts, generator=generator, **options).images)
+
+    # ---- image editing ------------------------------------------------------------------
+    def _image_to_image(self):
+        """The image-to-image pipeline over this pipeline's components (``AutoPipelineForImage2Image.from_pipe``)."""
+        if self._img2img is None:
+            raise EditingNotSupported(f"the {self.backend} backend does not edit images with "
+                                      f"{self.settings.diffusion_path}: {self._no_img2img}")
+        return self._img2img
+
+    @torch.no_grad()
+    def edit_image(self, images: ImageBatch, instructions: Sequence[str],
+                   config: ImageGenerationConfig | None = None) -> list[Image.Image]:
+        """SDEdit-style image-to-image (diffusers' ``StableDiffusionImg2ImgPipeline`` / SDXL's, over the
+        text-to-image pipeline's UNet, VAE, text encoder(s) and scheduler): the source, prepared at the
+        diffusion resolution (:meth:`prepare_images`), is encoded by the VAE, noised to the timestep
+        ``strength`` of the way up the sampler's schedule, and denoised with the instruction (stripped,
+        as :meth:`generate_image` writes a prompt) as the text condition. ``strength`` is
+        ``edit_strength`` unless ``config.extra["strength"]`` sets it; seed, guidance and
+        ``num_inference_steps`` follow :meth:`generate_image` (the sampler runs ``int(steps * strength)``
+        of them). Returns ``image_size`` x ``image_size`` RGB images, one per row."""
+        n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+        if n != len(instructions):
+            raise ValueError(f"got {n} images but {len(instructions)} instructions")
+        config = config or self.image_generation_config
+        if config.num_candidates != 1:
+            raise ValueError("edit_image draws one image per instruction (num_candidates=1)")
+        pipe = self._image_to_image()
+        generator, options = self._sampler_options(config)
+        options.update(strength=self.settings.edit_strength)
+        options.update(config.extra)
+        sources = tensor_to_pil(self.prepare_images(images))
+        return list(pipe(prompt=[_join(t, None) for t in instructions], image=sources, generator=generator,
+                         **options).images)
+
+    def edit_start_timestep(self) -> int:
+        """The training timestep ``t_s`` at which :meth:`edit_image` (with ``edit_strength`` and
+        ``num_inference_steps``) starts its sampler, computed as diffusers' img2img ``get_timesteps``
+        does: the scheduler's ``num_inference_steps`` timesteps, of which the last
+        ``min(int(steps * strength), steps)`` run."""
+        scheduler = copy.deepcopy(self._image_to_image().scheduler)
+        steps = self.settings.num_inference_steps
+        scheduler.set_timesteps(steps)
+        start = max(steps - min(int(steps * self.settings.edit_strength), steps), 0)
+        timesteps = scheduler.timesteps[start * scheduler.order:]
+        if len(timesteps) == 0:
+            raise UserError(f"model.arch.edit_strength={self.settings.edit_strength} with num_inference_steps="
+                            f"{steps} leaves img2img no step to run")
+        return int(timesteps[0])
+
+    def score_edit(self, images: ImageBatch, instructions: Sequence[str], targets: ImageBatch) -> Scores:
+        """``[B, 1]`` likelihood proxy of ``targets[b]`` under :meth:`edit_image`'s chain from ``images[b]``
+        with ``instructions[b]``: the diffusion-classifier estimate of :meth:`score_image` restricted to
+        the part of the schedule img2img runs, plus the source's only way into that chain, its start.
+
+        The UNet of an SD pipeline does not read the source (it is not InstructPix2Pix): img2img
+        starts from ``x_{t_s} ~ N(sqrt(abar_s) z_src, (1 - abar_s) I)`` (``t_s`` =
+        :meth:`edit_start_timestep`, ``z`` the VAE latents of :meth:`_latents`) and denoises with the
+        instruction. The ELBO of the target's latents ``z`` under that chain is the denoising terms for
+        ``t < t_s`` plus ``KL(q(x_{t_s} | z) || N(sqrt(abar_s) z_src, (1 - abar_s) I))``, so the score
+        per (t, eps) pair is
+
+            e(t_i, eps_i; instruction) + abar_s / (2 (1 - abar_s)) * mean((z - z_src)^2)
+
+        with ``t_i = floor((i + 1/2) t_s / n)``, ``n = score_timesteps``, ``e`` the mean squared
+        denoising error of :meth:`score_image` (uniform weights over timesteps, Li et al.'s L_simple;
+        noise seeded by the target's pixels) and the second term the exact per-element KL of the
+        start. ``nll`` is the mean over the n pairs, ``sum_nll`` the sum, ``num_tokens`` n; lower =
+        more likely; differentiable through the UNet, text encoder and VAE encoder."""
+        n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+        m = targets.shape[0] if isinstance(targets, torch.Tensor) else len(targets)
+        if not (n == len(instructions) == m):
+            raise ValueError(f"got {n} images, {len(instructions)} instructions and {m} target images")
+        t_s = self.edit_start_timestep()
+        steps = self.settings.score_timesteps
+        t = ((torch.arange(steps, dtype=torch.float64) + 0.5) * t_s / steps).floor().long()
+        pixels = self.prepare_images(targets)
+        z = self._latents(pixels).float()
+        z_src = self._latents(self.prepare_images(images)).float()
+        rows = torch.arange(n, device=z.device)
+        errors = self._denoising_errors(pixels, z, t, [_join(i, None) for i in instructions], rows)  # [B, n]
+        abar = self.pipeline.scheduler.alphas_cumprod[t_s].to(z.device, torch.float32)
+        start = abar / (2 * (1 - abar)) * (z - z_src).pow(2).flatten(1).mean(-1)  # [B]
+        sum_nll = (errors + start[:, None]).sum(-1, keepdim=True)
+        return Scores(nll=sum_nll / steps, sum_nll=sum_nll, mask=torch.ones_like(sum_nll, dtype=torch.bool),
+                      num_tokens=torch.full_like(sum_nll, steps, dtype=torch.long), num_truncated=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,20 @@ Scores (all negative log-likelihoods, see ``base.py``)
   distribution ``generate(generation_mode="image")`` samples from when ``guidance_scale == 1``;
   ``tests/test_janus.py`` checks it against the logits of that loop.
 
+Image editing
+-------------
+``edit_image(images, instructions)`` prompts with the understanding layout above, the instruction as
+the question, and opens the assistant turn with ``<begin_of_image>``::
+
+    [system prompt]<|User|>: <begin_of_image><image_placeholder>*N<end_of_image>\n{instruction}\n\n<|Assistant|>:<begin_of_image>
+
+(the source image enters through SigLIP + the understanding aligner, as in ``score_text``); the edited
+image's codes come out of the generation head, one at a time, by the step rule and sampling recipe of
+``generate(generation_mode="image")`` (whose loop takes token ids only, so this file runs the same
+steps over embeddings: ``_decode_image_codes``). With guidance the unconditional rows keep the source
+image and pad the text after it. ``score_edit`` is the NLL of the target's VQ codes after that prompt
+(``score_image``'s pass with the edit prompt as prefix), the training loss of edit rows.
+
 Text positions are derived from the attention mask (``cumsum - 1``), so scores do not depend on
 how a batch is padded.
 
@@ -64,12 +78,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from unicon.core import ImageBatch, ImageTokenizer, config_dict, torch_dtype
 from unicon.errors import UserError
@@ -241,6 +256,8 @@ def _check_pil(images) -> list:
 @register_backend("janus", model_types=("multi_modality",))
 class JanusUnifiedModel(UnifiedModel):
     """Janus / Janus-Pro as a unified model (see module docstring for prompts and scores)."""
+
+    supports_editing = True
 
     #: instruction used for captioning and for scoring captions (read by training and CocoCon)
     caption_prompt = CAPTION_PROMPT
@@ -778,16 +795,27 @@ class JanusUnifiedModel(UnifiedModel):
         if contexts is not None and len(contexts) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompt lists but {len(contexts)} contexts")
         device = self.device
-        codes = codes.to(device)
         rows = [(b, self._generation_prompt_ids(p, None if contexts is None else contexts[b]))
                 for b, ps in enumerate(prompts) for p in ps]
         row_of = torch.tensor([b for b, _ in rows], device=device)
         ids, mask = _pad([r[1] for r in rows], self.pad_id, left=True, device=device)
-        P, N = ids.shape[1], codes.shape[1]
-        text_embeds = self.janus.get_input_embeddings()(ids)
+        token_nll = self._code_nll(self.janus.get_input_embeddings()(ids), mask, codes.to(device), row_of)
+        K = max(len(p) for p in prompts)
+        example_of = [b for b, _ in rows]
+        grid = _to_grid(token_nll.sum(-1), example_of, (len(prompts), K), [codes.shape[1]] * len(rows))
+        return _scores(*grid, truncated=0)
+
+    def _code_nll(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor, codes: torch.Tensor,
+                  row_of: torch.Tensor) -> torch.Tensor:
+        """Per-code NLLs ``[R, N]``: ``-log p(codes[row_of[r], j] | prefix_r, codes[row_of[r], <j])``.
+
+        ``prefix_embeds`` ``[R, P, D]`` (left-padded, ``prefix_mask`` 1 = token) end at ``<begin_of_image>``;
+        the codes are embedded with ``prepare_embeddings_for_image_generation`` (once per image), one LM
+        pass runs over prefix + codes and ``generation_head`` reads the hidden states at BOI ... last-1."""
+        P, N = prefix_embeds.shape[1], codes.shape[1]
         code_embeds = self.janus.prepare_embeddings_for_image_generation(codes)  # once per image
-        embeds = torch.cat([text_embeds, code_embeds[row_of].to(text_embeds.dtype)], dim=1)
-        full_mask = torch.cat([mask, mask.new_ones(len(rows), N)], dim=1)
+        embeds = torch.cat([prefix_embeds, code_embeds[row_of].to(prefix_embeds.dtype)], dim=1)
+        full_mask = torch.cat([prefix_mask, prefix_mask.new_ones(len(row_of), N)], dim=1)
         hidden = self._lm()(
             inputs_embeds=embeds,
             attention_mask=full_mask,
@@ -795,10 +823,7 @@ class JanusUnifiedModel(UnifiedModel):
             use_cache=False,
         ).last_hidden_state
         logits = self.janus.model.generation_head(hidden[:, P - 1 : P + N - 1])  # BOI ... last-1
-        token_nll = -logits.float().log_softmax(-1).gather(-1, codes[row_of].unsqueeze(-1))[..., 0]
-        K = max(len(p) for p in prompts)
-        grid = _to_grid(token_nll.sum(-1), [b for b, _ in rows], (len(prompts), K), [N] * len(rows))
-        return _scores(*grid, truncated=0)
+        return -logits.float().log_softmax(-1).gather(-1, codes[row_of].unsqueeze(-1))[..., 0]
 
     def score_image(self, prompts: Sequence[Sequence[str]], images: ImageBatch,
                     contexts: Sequence[str] | None = None) -> Scores:
@@ -887,26 +912,11 @@ class JanusUnifiedModel(UnifiedModel):
         if context is not None and len(context) != len(prompts):
             raise ValueError(f"got {len(context)} contexts for {len(prompts)} prompts")
         ids = [self._generation_prompt_ids(p, context[i] if context else None) for i, p in enumerate(prompts)]
-        generation_config = copy.deepcopy(self.janus.generation_config)
-        sampling = dict(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
-        unused = generation_config.update(
-            do_sample=config.do_sample,
-            guidance_scale=max(float(config.guidance_scale), 1.0),
-            pad_token_id=self.pad_id,
-            **(sampling if config.do_sample else {}),
-            **config.extra,
-        )
-        if unused:
-            raise ValueError(f"ImageGenerationConfig.extra: {sorted(unused)} are not GenerationConfig fields")
+        generation_config = self._image_generation_config(config)
         processors = [] if config.guidance_scale > 1 else [_ConditionalRows()]
         device = self.device
-        seeded = config.seed is not None
-        devices = [device] if device.type == "cuda" else []
-        rng = torch.random.fork_rng(devices=devices) if seeded else nullcontext()
         codes = torch.zeros(len(prompts), self.num_image_tokens, dtype=torch.long, device=device)
-        with rng:
-            if seeded:
-                torch.manual_seed(config.seed)
+        with _seeded(config.seed, device):
             for length in sorted({len(i) for i in ids}):
                 group = [b for b, i in enumerate(ids) if len(i) == length]
                 input_ids = torch.tensor([ids[b] for b in group], device=device)
@@ -918,6 +928,84 @@ class JanusUnifiedModel(UnifiedModel):
                     generation_config=generation_config,
                 )
         return codes
+
+    def _image_generation_config(self, config: ImageGenerationConfig):
+        """The checkpoint's ``GenerationConfig`` updated with ``config``'s sampling recipe (do_sample,
+        temperature/top-k/top-p when sampling, guidance clamped to >= 1, ``config.extra`` as
+        ``GenerationConfig`` fields: anything else is a ``ValueError``). Shared by text-to-image
+        (transformers' image loop) and editing (:meth:`_decode_image_codes`)."""
+        generation_config = copy.deepcopy(self.janus.generation_config)
+        sampling = dict(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
+        unused = generation_config.update(
+            do_sample=config.do_sample,
+            guidance_scale=max(float(config.guidance_scale), 1.0),
+            pad_token_id=self.pad_id,
+            **(sampling if config.do_sample else {}),
+            **config.extra,
+        )
+        if unused:
+            raise ValueError(f"ImageGenerationConfig.extra: {sorted(unused)} are not GenerationConfig fields")
+        return generation_config
+
+    @torch.no_grad()
+    def _decode_image_codes(self, ids: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                            unconditional: torch.Tensor | None, config: ImageGenerationConfig,
+                            keep_logits: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The ``h*w`` image codes after prefixes given as embeddings, by the step rule of transformers'
+        ``generate(generation_mode="image")`` (which takes token ids only, so it cannot read an image).
+
+        ``embeds`` ``[B, P, D]`` (left-padded, ``mask`` 1 = token, ``ids`` the prefix's token ids for
+        the logits processors) end at ``<begin_of_image>``. Each step runs ``generation_head`` on the
+        last hidden state, applies the processors ``generate`` builds from
+        :meth:`_image_generation_config` (with guidance ``s > 1`` first transformers'
+        ``ClassifierFreeGuidanceLogitsProcessor`` over the conditional rows and their
+        ``unconditional`` partners ``[B, P, D]``, same mask), then takes the argmax or a
+        ``torch.multinomial`` draw from the global RNG (seeded by the caller), and feeds the code back
+        through ``prepare_embeddings_for_image_generation`` against a ``DynamicCache``. Positions come
+        from the mask (``cumsum - 1``), so left padding does not change a row. Returns the codes
+        ``[B, h*w]`` and, with ``keep_logits``, each step's raw generation-head logits ``[B or 2B, V]``."""
+        from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList
+
+        generation_config = self._image_generation_config(config)
+        guided = generation_config.guidance_scale > 1
+        if guided and unconditional is None:
+            raise ValueError("classifier-free guidance needs the unconditional prefixes")
+        procs = LogitsProcessorList()
+        if guided:
+            procs.append(ClassifierFreeGuidanceLogitsProcessor(generation_config.guidance_scale))
+        generation_config.guidance_scale = None  # as generate does: the batched CFG above, not the unbatched one
+        self.janus._prepare_special_tokens(generation_config, True, device=ids.device)
+        procs = self.janus._get_logits_processor(
+            generation_config=generation_config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
+            prefix_allowed_tokens_fn=None, logits_processor=procs, device=ids.device)
+        B = embeds.shape[0]
+        if guided:
+            embeds, mask = torch.cat([embeds, unconditional.to(embeds.dtype)]), mask.repeat(2, 1)
+        lm, head = self._lm(), self.janus.model.generation_head
+        cache = DynamicCache(config=lm.config)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True).last_hidden_state[:, -1]
+        codes = torch.zeros(B, self.num_image_tokens, dtype=torch.long, device=ids.device)
+        logits = []
+        for i in range(self.num_image_tokens):
+            raw = head(hidden)
+            if keep_logits:
+                logits.append(raw.float())
+            scores = procs(ids, raw)
+            if generation_config.do_sample:
+                code = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(-1)
+            else:
+                code = torch.argmax(scores, dim=-1)
+            codes[:, i] = code
+            if i + 1 == self.num_image_tokens:
+                break
+            step = code.repeat(2) if guided else code
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            step_embeds = self.janus.prepare_embeddings_for_image_generation(step[:, None]).to(embeds.dtype)
+            hidden = lm(inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions[:, -1:] + i + 1,
+                        past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        return codes, logits
 
     def decode_codes(self, codes: torch.Tensor) -> list:
         """Flat codes ``[B, h*w]`` -> PIL images via ``decode_image_tokens`` and the processor's postprocess.
@@ -943,6 +1031,71 @@ class JanusUnifiedModel(UnifiedModel):
             return self.best_of_candidates(prompts, context, config)
         return self.decode_codes(self.generate_image_codes(prompts, context, config))
 
+    # ---- image editing ------------------------------------------------------------------
+    def _edit_prompt_ids(self, instruction: str) -> tuple[list[int], int]:
+        """Token ids of an edit prompt and the length of its image part: the understanding prompt of
+        :meth:`_image_prompt_parts` with the instruction as the user's text, then ``<begin_of_image>``::
+
+            [system prompt]<|User|>: <begin_of_image><image_placeholder>*N<end_of_image>\n{instruction}\n\n<|Assistant|>:<begin_of_image>
+        """
+        head, rest = self._image_prompt_parts(instruction)
+        return head + rest + [self.boi_id], len(head)
+
+    def _edit_prefix(self, images: ImageBatch, instructions: Sequence[str]):
+        """``(ids, embeds, mask, unconditional)`` of the edit prompts, left-padded: the SigLIP + aligner
+        features of each source image in its placeholders (the path ``score_text`` uses), and the
+        classifier-free-guidance partner of each row, which keeps everything up to the image's
+        ``<end_of_image>`` and the final ``<begin_of_image>`` and replaces the text between them (the
+        instruction and the chat tags) by the pad embedding, as Janus's text-to-image loop replaces
+        every token but BOS and BOI: the model's distribution given the source image alone."""
+        prompts = [self._edit_prompt_ids(t) for t in instructions]
+        ids, mask = _pad([p for p, _ in prompts], self.pad_id, left=True, device=self.device)
+        embeds = self._embed_with_image(ids, self._pixels(images))
+        width = ids.shape[1]
+        keep = torch.zeros_like(mask, dtype=torch.bool)
+        for r, (row, n_head) in enumerate(prompts):
+            start = width - len(row)
+            keep[r, : start + n_head] = True
+            keep[r, -1] = True
+        pad = self.janus.get_input_embeddings()(torch.tensor([self.pad_id], device=self.device))
+        unconditional = torch.where(keep[..., None], embeds, pad.to(embeds.dtype))
+        return ids, embeds, mask, unconditional
+
+    def edit_image(self, images: ImageBatch, instructions: Sequence[str],
+                   config: ImageGenerationConfig | None = None) -> list:
+        """Source image + instruction -> edited image. The prompt is :meth:`_edit_prompt_ids` (the
+        image through SigLIP as in understanding, the instruction as the user's text, the assistant
+        turn opened with ``<begin_of_image>``); the codes come from the generation head by the
+        text-to-image step rule and sampling recipe (:meth:`_decode_image_codes`: greedy / sampling,
+        temperature, top-k, top-p, ``extra``, guidance against the image-only prompt, ``seed`` through
+        the global RNG as in :meth:`generate_image_codes`) and are decoded by the VQ-VAE."""
+        n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+        if n != len(instructions):
+            raise ValueError(f"got {n} images but {len(instructions)} instructions")
+        config = config or self.image_generation_config
+        if config.num_candidates != 1:
+            raise ValueError("edit_image draws one image per instruction (num_candidates=1)")
+        with torch.no_grad(), _seeded(config.seed, self.device):
+            codes, _ = self._decode_image_codes(*self._edit_prefix(images, instructions), config)
+        return self.decode_codes(codes)
+
+    def score_edit(self, images: ImageBatch, instructions: Sequence[str], targets: ImageBatch) -> Scores:
+        """``[B, 1]`` NLL of each target's VQ codes (:meth:`image_codes`) after the edit prompt of
+        :meth:`edit_image` (source image + instruction), through the generation head: the conditional
+        distribution :meth:`edit_image` samples from at guidance 1. Differentiable like
+        :meth:`score_image` (generation head and aligner, language model, understanding aligner; the
+        codes and the frozen SigLIP / VQ-VAE carry no gradient)."""
+        n = images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+        m = targets.shape[0] if isinstance(targets, torch.Tensor) else len(targets)
+        if not (n == len(instructions) == m):
+            raise ValueError(f"got {n} images, {len(instructions)} instructions and {m} target images")
+        ids, embeds, mask, _ = self._edit_prefix(images, instructions)
+        codes = self.image_codes(targets).to(self.device)
+        rows = torch.arange(n, device=self.device)
+        token_nll = self._code_nll(embeds, mask, codes, rows)
+        grid = _to_grid(token_nll.sum(-1), list(range(n)), (n, 1), [codes.shape[1]] * n)
+        return _scores(*grid, truncated=0)
+
     def _reason_prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a text-only chat turn up to ``<|Assistant|>:`` (``reason`` and text-only scoring)."""
         return self.tokenizer(self._system() + self._chat([{"type": "text", "text": prompt}]))["input_ids"]
@@ -955,6 +1108,18 @@ class JanusUnifiedModel(UnifiedModel):
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
+@contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Run the block with torch's global RNG (and the CUDA device's) seeded to ``seed`` and restored
+    afterwards; no-op for ``seed=None`` (the caller's RNG state is used and advanced)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def _check_arch(config) -> None:
     """The vision grid, the VQ grid and the number of image tokens must agree (no silent mismatch)."""
     vision, vq, text = config.vision_config, config.vq_config, config.text_config
