@@ -431,7 +431,8 @@ def test_tiny_ofa_end_to_end(tiny_shapes_world, tmp_path):
     if not getattr(model, "supports_editing", False):
         with pytest.raises(UserError, match="backend 'ofa'"):
             evaluate_realunify(model, insts, judge, settings=["direct", "stepwise"])
-        pytest.skip("the OFA backend does not edit images yet (supports_editing is False): GEU stepwise refused")
+        pytest.skip(f"the {model.backend} backend does not edit images (supports_editing is False): "
+                    "GEU stepwise is refused, as asserted above")
     metrics, _ = evaluate_realunify(model, insts, judge, out_dir=tmp_path / "both", max_new_tokens=8, batch_size=4,
                                     world_cfg=cfg)
     rows = [json.loads(line) for line in (tmp_path / "both" / "samples.jsonl").read_text().splitlines()]
