@@ -22,7 +22,7 @@ from unicon.evaluation.realunify.data import load_instances, parse_options, stri
 from unicon.evaluation.realunify.judges import ExactPollJudge, parse_choice, parse_yes_no
 from unicon.evaluation.realunify.metrics import RealUnifyMetric, compute_metrics
 from unicon.evaluation.realunify.runner import evaluate_realunify
-from unicon.models.base import TextGeneration
+from unicon.models.base import Scores, TextGeneration
 from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, render
 
 CFG = WorldConfig()
@@ -275,6 +275,37 @@ def test_runner_with_a_test_double_scores_both_settings(tmp_path):
     _, samples = evaluate_realunify(Double(editing=True), insts[2:], ExactPollJudge(CFG), settings=["stepwise"],
                                     edit_prompt_source="row", world_cfg=CFG)
     assert [s.edit_instruction for s in samples] == ["move it 0", "move it 1"]
+
+
+class OptionScorer(Double):
+    """Scores an option text by its length in characters (mean NLL 0.1 per character), except
+    ``cheap`` (NLL 0); records the prompts it scored after."""
+
+    def __init__(self, cheap: str, **kw):
+        super().__init__(editing=True, **kw)
+        self.cheap, self.scored_prompts = cheap, []
+
+    def score_text(self, images, prompts, candidates):
+        self.scored_prompts += list(prompts)
+        rows = [[0.0 if c == self.cheap else 0.1 * len(c) for c in cands] for cands in candidates]
+        width = max(map(len, rows))
+        nll = torch.tensor([r + [0.0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[k < len(r) for k in range(width)] for r in rows])
+        return Scores(nll=nll, sum_nll=nll * 7, mask=mask, num_tokens=mask.long() * 7)
+
+
+def test_likelihood_answer_mode_picks_the_likeliest_option_after_the_bare_question(tmp_path):
+    insts = load_instances(_world_data(tmp_path / "world"))[2:]  # g0 (answer A), g1 (answer B); options w x y z
+    model = OptionScorer(cheap="x")
+    metrics, samples = evaluate_realunify(model, insts, ExactPollJudge(CFG), settings=["direct", "stepwise"],
+                                          answer_mode="likelihood", world_cfg=CFG)
+    # "x" is option B for both: g0 wrong, g1 right, in both settings (the edit is the identity)
+    assert [s.preds["direct"] for s in samples] == [s.preds["stepwise"] for s in samples] == ["B", "B"]
+    assert metrics["acc_direct/geu"] == metrics["acc_stepwise/geu"] == 50.0
+    assert model.scored_prompts == [i.question for i in insts] * 2  # the bare question, never Table 8
+    assert not any(c[0] == "answer" for c in model.calls)  # nothing generated as text
+    with pytest.raises(UserError, match="answer_mode"):
+        evaluate_realunify(model, insts, ExactPollJudge(CFG), settings=["direct"], answer_mode="logits")
 
 
 def test_geu_stepwise_on_a_model_without_editing_is_refused_before_any_generation(tmp_path):

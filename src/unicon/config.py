@@ -292,6 +292,9 @@ class RealUnifyEvalConfig:
     settings: list[str] = choice(list(REALUNIFY_SETTINGS), REALUNIFY_SETTINGS, each=True)
     # GEU stepwise edit prompt: the paper's Tables 10-13, or the row's own edit_instruction (ShapesWorld)
     edit_prompt: str = choice("paper", ("paper", "row"))
+    # GEU answers: "generate" (Table 8's prompt, the reply's letter parsed strictly: the paper) or
+    # "likelihood" (the option text with the lowest mean NLL after the bare question: ours)
+    answer_mode: str = choice("generate", ("generate", "likelihood"))
     max_samples: Optional[int] = bounded(4, 1)  # instances per category (the first ones of each)
     max_new_tokens: int = bounded(64, 1)  # the stepwise UEG prompt refinement (Table 9)
     batch_size: int = bounded(8, 1)

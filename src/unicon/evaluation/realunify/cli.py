@@ -52,6 +52,8 @@ FLAGS = {
     "judge": Flag("UEG polling judge: 'exact' (ShapesWorld) or 'vlm:<local model directory>'"),
     "settings": Flag("settings to run: direct, stepwise or both", comma=True),
     "edit_prompt": Flag("GEU stepwise edit prompt: 'paper' (Tables 10-13) or 'row' (the row's edit_instruction)"),
+    "answer_mode": Flag("GEU answers: 'generate' (Table 8, the letter parsed strictly) or 'likelihood' "
+                        "(the option text with the lowest mean NLL after the bare question)"),
     "max_samples": Flag("instances per category, the first ones (standalone default: all)", names=("--limit",),
                         dest="limit", default=None),
     "max_new_tokens": Flag("token budget of the stepwise UEG refined prompt (Table 9)"),
@@ -119,6 +121,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         info = {
             "ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()), "model_fingerprint": fingerprint,
             "data": str(cfg.data), "limit": cfg.max_samples, "edit_prompt": cfg.edit_prompt,
+            "answer_mode": cfg.answer_mode,
             "generation": {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
                            "image": dataclasses.asdict(image_config)},
             "judge_settings": {"judge": cfg.judge, "dtype": args.judge_dtype,
@@ -127,7 +130,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         }
         metrics, samples = evaluate_realunify(
             model, instances, judge, out, settings, cfg.max_new_tokens, cfg.batch_size, image_config, info,
-            edit_prompt_source=cfg.edit_prompt, world_cfg=load_world(root).config if root else None,
+            edit_prompt_source=cfg.edit_prompt, answer_mode=cfg.answer_mode, world_cfg=load_world(root).config if root else None,
             check_model=shards.mode != "merge")
     if shards.mode == "shard":
         print(f"realunify: shard {args.shard} done ({len(samples)} instances); "

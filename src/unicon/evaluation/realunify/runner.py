@@ -7,10 +7,16 @@ For every instance, in the settings asked for (``direct``, ``stepwise``):
   gives the refined prompt (whitespace and wrapping quotes stripped), then
   ``model.generate_image([refined])`` (an empty refined prompt draws nothing: a failure). Both images
   are polled by the judge (:mod:`.judges`);
-* GEU direct: ``model.answer([image], [Table 8(question, options)])``, the letter parsed strictly;
+* GEU direct: ``model.answer([image], [Table 8(question, options)])``, the letter parsed strictly
+  (``answer_mode="generate"``, the paper's protocol), or, with ``answer_mode="likelihood"`` (our
+  addition, for models never trained on Table 8's format, e.g. a ShapesWorld model whose context
+  cannot even hold Table 8), the option whose text is likeliest after the bare question,
+  ``argmin_k score_text(image, question, option_k).nll`` (the per-token mean, so that a one-word
+  option does not win by being short; the first option on a tie), recorded as that letter;
   GEU stepwise: ``model.edit_image([image], [Tables 10-13])`` (or, with ``edit_prompt="row"``, the
-  row's own ``edit_instruction``: the words ShapesWorld's edit rows train), then Table 8 asked of
-  the **edited** image. For ShapesWorld rows with a ``target_scene`` the edited image is also checked
+  row's own ``edit_instruction``: the words ShapesWorld's edit rows train), then the question asked
+  of the **edited** image in the same answer mode. For ShapesWorld rows with a ``target_scene`` the
+  edited image is also checked
   against it exactly (the stepwise edit accuracy).
 
 A GEU stepwise run on a model whose ``supports_editing`` is False is a :class:`UserError` naming the
@@ -46,7 +52,7 @@ from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance,
 from unicon.evaluation.realunify.judges import PollVerdict, edit_matches, geu_prediction
 from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
 from unicon.evaluation.realunify.plots import plot_results
-from unicon.evaluation.realunify.prompts import edit_prompt, multiple_choice_prompt, refine_prompt
+from unicon.evaluation.realunify.prompts import LETTERS, edit_prompt, multiple_choice_prompt, refine_prompt
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 from unicon.worlds.shapes import WorldConfig
@@ -154,12 +160,21 @@ def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_co
                 batch[k].images["stepwise"], batch[k].errors["stepwise"] = im, err
 
 
-def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_source: str, world_cfg) -> None:
+def answer_choices(model: UnifiedModel, images: list, insts: Sequence[GEUInstance], answer_mode: str) -> list[str]:
+    """One reply per GEU question: generated after Table 8 (``"generate"``), or the letter of the
+    likeliest option text (``"likelihood"``; module docstring)."""
+    if answer_mode == "generate":
+        return model.answer(images, [multiple_choice_prompt(i.question, i.options) for i in insts])
+    scores = model.score_text(images, [i.question for i in insts], [list(i.options) for i in insts])
+    return [LETTERS[int(scores.nll[b, :len(inst.options)].argmin())] for b, inst in enumerate(insts)]
+
+
+def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_source: str, world_cfg,
+             answer_mode: str = RealUnifyEvalConfig.answer_mode) -> None:
     insts: list[GEUInstance] = [s.instance for s in batch]  # type: ignore[misc]
     images = [i.image() for i in insts]
-    questions = [multiple_choice_prompt(i.question, i.options) for i in insts]
     if "direct" in settings:
-        replies = model.answer(images, questions)
+        replies = answer_choices(model, images, insts, answer_mode)
         for s, reply in zip(batch, replies):
             s.replies["direct"] = reply
             s.errors["direct"] = None
@@ -176,7 +191,7 @@ def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_sou
             s.replies["stepwise"] = None
         done = [k for k, im in enumerate(edited) if im is not None]
         if done:
-            replies = model.answer([edited[k] for k in done], [questions[k] for k in done])
+            replies = answer_choices(model, [edited[k] for k in done], [insts[k] for k in done], answer_mode)
             for k, reply in zip(done, replies):
                 batch[k].replies["stepwise"] = reply
         for s in batch:
@@ -192,7 +207,8 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
                      batch_size: int = RealUnifyEvalConfig.batch_size,
                      image_config: ImageGenerationConfig | None = None,
                      edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
-                     world_cfg: WorldConfig | None = None) -> list[Sample]:
+                     world_cfg: WorldConfig | None = None,
+                     answer_mode: str = RealUnifyEvalConfig.answer_mode) -> list[Sample]:
     """Run the settings for every instance (GEU answers scored; UEG images not yet judged)."""
     samples = [Sample(inst) for inst in instances]
     for axis, run in (("ueg", _run_ueg), ("geu", _run_geu)):
@@ -204,7 +220,7 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
             if axis == "ueg":
                 run(model, batch, settings, max_new_tokens, image_config)
             else:
-                run(model, batch, settings, image_config, edit_prompt_source, world_cfg)
+                run(model, batch, settings, image_config, edit_prompt_source, world_cfg, answer_mode)
     return samples
 
 
@@ -322,6 +338,7 @@ def evaluate_realunify(
     edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
     world_cfg: WorldConfig | None = None,
     check_model: bool = True,
+    answer_mode: str = RealUnifyEvalConfig.answer_mode,
 ) -> tuple[dict[str, float], list[Sample]]:
     """Generate, judge and score ``instances`` on every rank of the process group (or alone, a shard,
     a merge). Returns the metrics (the same on every rank) and this rank's samples.
@@ -330,6 +347,8 @@ def evaluate_realunify(
     if not instances:
         raise UserError("RealUnify: no instances to evaluate")
     settings = check_settings(list(settings))
+    if answer_mode not in ("generate", "likelihood"):
+        raise UserError(f"eval.realunify.answer_mode must be 'generate' or 'likelihood', got {answer_mode!r}")
     if check_model:
         check_editing(model, instances, settings, edit_prompt_source)
     mine = shard_indices(len(instances))
@@ -338,7 +357,7 @@ def evaluate_realunify(
     try:
         with torch.no_grad():
             samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,
-                                       image_config, edit_prompt_source, world_cfg)
+                                       image_config, edit_prompt_source, world_cfg, answer_mode)
     finally:
         model.train(was_training)
     judge_samples(judge, samples, settings)
