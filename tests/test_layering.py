@@ -108,7 +108,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("unicon.loggers", "unicon.report"),
     ("unicon.evaluation",),
     ("unicon.training",),
-    ("unicon.experiments", "unicon.bench", "data_builders"),
+    ("unicon.experiments", "unicon.bench", "unicon.study", "data_builders"),
     ("unicon.cli",),
 )
 #: Backends: modules of ``unicon.models`` that implement one model family each; none imports another.

@@ -36,7 +36,6 @@ is a :class:`UserError` whose one line names the file and the row (0-based row o
 from __future__ import annotations
 
 import io
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any, Iterable, Sequence
 
 from PIL import Image, UnidentifiedImageError
 
+from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 from unicon.evaluation.realunify.prompts import LETTERS
 
@@ -219,18 +219,10 @@ def read_parquet(path: str | Path) -> list[GEUInstance]:
 # JSONL (UEG documented layout; ShapesWorld GEU)
 # ---------------------------------------------------------------------------------------------
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, dict]]:
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{where}: a row is a JSON object")
-            yield where, row
+    """``("file:line", row)`` of every row (:func:`unicon.data.jsonl.read_jsonl`: a malformed line is
+    an error naming the file, line and column)."""
+    for lineno, row in read_jsonl(path, what="RealUnify JSONL file"):
+        yield f"{path}:{lineno}", row
 
 
 def ueg_from_row(row: dict, where: str) -> UEGInstance:
