@@ -39,12 +39,10 @@ read here: ``category``, ``axis``, ``correct_<s>`` (None when the setting did no
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
-
-import torch
-from torchmetrics import Metric
+from typing import Any, Mapping, Sequence
 
 from unicon.config import REALUNIFY_SETTINGS
+from unicon.evaluation.category_counts import CategoryCounts
 from unicon.evaluation.realunify.data import AXES, axis_of, ordered_categories
 
 SETTINGS = REALUNIFY_SETTINGS
@@ -89,7 +87,7 @@ def _pct(num: float, den: float) -> float | None:
     return 100.0 * num / den if den else None
 
 
-class RealUnifyMetric(Metric):
+class RealUnifyMetric(CategoryCounts):
     """Per-category sums of :data:`COUNTS`; ``compute()`` returns the metrics of the module docstring.
 
     ``categories`` fixes the state shape, so every rank (and shard) must pass the same list (e.g.
@@ -97,28 +95,11 @@ class RealUnifyMetric(Metric):
     sample's record must be given to ``update`` on one rank only.
     """
 
-    full_state_update = False
-
-    def __init__(self, categories: Sequence[str], **kwargs: Any):
-        super().__init__(**kwargs)
-        self.categories = tuple(categories)
-        self._row = {c: i for i, c in enumerate(self.categories)}
-        for name in COUNTS:
-            self.add_state(name, default=torch.zeros(len(self.categories), dtype=torch.long), dist_reduce_fx="sum")
-
-    def update(self, records: Iterable[Mapping[str, Any]]) -> None:
-        counts = torch.zeros(len(COUNTS), len(self.categories), dtype=torch.long)
-        for record in records:
-            if record["category"] not in self._row:
-                raise ValueError(f"record of category {record['category']!r}; the metric knows {self.categories}")
-            row = self._row[record["category"]]
-            for name, value in record_counts(record).items():
-                counts[COUNTS.index(name), row] += int(value)
-        for name, column in zip(COUNTS, counts.to(self.device)):
-            setattr(self, name, getattr(self, name) + column)
+    COUNTS = COUNTS
+    record_counts = staticmethod(record_counts)
 
     def compute(self) -> dict[str, float]:
-        per_cat = {name: getattr(self, name).tolist() for name in COUNTS}
+        per_cat = self.per_category()
         groups: dict[str, dict[str, int]] = {}
         for i, cat in enumerate(self.categories):
             groups[cat] = {name: per_cat[name][i] for name in COUNTS}

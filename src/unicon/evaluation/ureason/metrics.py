@@ -35,10 +35,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
-import torch
-from torchmetrics import Metric
-
 from unicon.data.ureason import CATEGORIES
+from unicon.evaluation.category_counts import CategoryCounts
 
 SETTINGS = (1, 2, 3)
 SETTING_NAMES = {1: "Direct", 2: "Reasoning-Guided", 3: "De-contextualized"}
@@ -95,7 +93,7 @@ def _pct(num: float, den: float) -> float:
     return 100.0 * num / den if den else float("nan")
 
 
-class UReasonMetric(Metric):
+class UReasonMetric(CategoryCounts):
     """Per-category sums of :data:`COUNTS`; ``compute()`` returns the metrics of the module docstring.
 
     ``categories`` fixes the state shape (``[len(categories)]`` per count), so every rank must
@@ -103,28 +101,11 @@ class UReasonMetric(Metric):
     sample's record must be given to ``update`` on one rank only.
     """
 
-    full_state_update = False
-
-    def __init__(self, categories: Sequence[str], **kwargs: Any):
-        super().__init__(**kwargs)
-        self.categories = tuple(categories)
-        self._row = {c: i for i, c in enumerate(self.categories)}
-        for name in COUNTS:
-            self.add_state(name, default=torch.zeros(len(self.categories), dtype=torch.long), dist_reduce_fx="sum")
-
-    def update(self, records: Iterable[Mapping[str, Any]]) -> None:
-        counts = torch.zeros(len(COUNTS), len(self.categories), dtype=torch.long)
-        for record in records:
-            if record["category"] not in self._row:
-                raise ValueError(f"record of category {record['category']!r}; the metric knows {self.categories}")
-            row = self._row[record["category"]]
-            for name, value in record_counts(record).items():
-                counts[COUNTS.index(name), row] += value
-        for name, column in zip(COUNTS, counts.to(self.device)):
-            setattr(self, name, getattr(self, name) + column)
+    COUNTS = COUNTS
+    record_counts = staticmethod(record_counts)
 
     def compute(self) -> dict[str, float]:
-        per_cat = {name: getattr(self, name).tolist() for name in COUNTS}
+        per_cat = self.per_category()
         total = {name: sum(values) for name, values in per_cat.items()}
         m: dict[str, float] = {}
 
