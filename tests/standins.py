@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,6 +137,13 @@ def crc_nll(*parts) -> float:
     import zlib
 
     return (zlib.crc32("|".join(map(str, parts)).encode()) % 10_000) / 1000.0
+
+
+def pixel_distance(a, b) -> float:
+    """Mean absolute difference of two RGB images' pixels (0..255), ``b`` resized to ``a``'s size."""
+    x = np.asarray(a.convert("RGB"), dtype=np.float64)
+    y = np.asarray(b.convert("RGB").resize(a.size), dtype=np.float64)
+    return float(np.abs(x - y).mean())
 
 
 FAKE_COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
@@ -363,6 +371,14 @@ def _fake_model_class():
                 raise ValueError(f"{len(images)} images and {len(instructions)} instructions")
             self._call("edit_image", len(images))
             return [im.convert("RGB") for im in images]
+
+        def score_edit(self, images, instructions, targets):
+            """The identity editor's likelihood: ``[B, 1]`` NLL = the mean absolute pixel difference
+            (0..255) between ``targets[b]`` and ``images[b]`` (0 for the unchanged source)."""
+            if not len(images) == len(instructions) == len(targets):
+                raise ValueError(f"{len(images)} images, {len(instructions)} instructions, {len(targets)} targets")
+            self._call("score_edit", len(images))
+            return self._scores([[pixel_distance(im, t)] for im, t in zip(images, targets)])
 
         def generate_image(self, prompts, context=None, config=None):
             self._call("generate_image", len(prompts))

@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 import standins
-from unicon.evaluation.shapes.metrics import (CaptionMatch, EditMatch, LocalizationAccuracy, RelationFlip,
-                                              T2IMatch, VQAAccuracy, logged_scalars, report)
+from unicon.evaluation.shapes.metrics import (CaptionMatch, EditMatch, EditPreference, LocalizationAccuracy,
+                                              RelationFlip, T2IMatch, VQAAccuracy, logged_scalars, report)
 from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, render
 from unicon.worlds.shapes_text import describe_scene
 
@@ -167,6 +167,25 @@ def test_the_runner_reads_the_worlds_edit_rows_and_counts_them_by_kind(tiny_shap
     kinds = {r["kind"] for r in rows}
     assert {k.split("/")[1] for k in got if k.startswith("edit_match/") and not k.endswith("_n")} == kinds
     assert sum(got[f"edit_match/{k}_n"] for k in kinds) == len(rows)
+    # the identity editor's likelihood (standins.pixel_distance) prefers the unchanged source to every
+    # target, and each source's own target to the next row's when its pixels are closer
+    assert got["edit_pref/unchanged"] == 0.0 and got["edit_pref/unchanged_n"] == len(rows)
+
+    def pixels(path):
+        with Image.open(tiny_shapes_world / path) as im:
+            return im.convert("RGB")
+
+    closer = [standins.pixel_distance(pixels(r["image"]), pixels(r["target_image"]))
+              < standins.pixel_distance(pixels(r["image"]), pixels(rows[(i + 1) % len(rows)]["target_image"]))
+              for i, r in enumerate(rows)]
+    assert got["edit_pref/other"] == pytest.approx(sum(closer) / len(rows)) and got["edit_pref/other_n"] == len(rows)
+
+
+def test_edit_preference_by_hand():
+    m = EditPreference()
+    m.update([1.0, 5.0, 2.0], [2.0, 4.0, 2.0], [3.0, None, 1.0])  # ties count as misses
+    assert m.compute() == {"edit_pref/unchanged": 1 / 3, "edit_pref/unchanged_n": 3.0,
+                           "edit_pref/other": 1 / 2, "edit_pref/other_n": 2.0}
 
 
 def test_no_example_reports_nothing_and_an_unknown_slice_is_an_error():

@@ -20,7 +20,9 @@ and the generation tasks, whose misses have causes ``m_i`` (None when right), al
 
 :class:`VQAAccuracy` (``vqa_accuracy``), :class:`CaptionMatch` (``caption_match``),
 :class:`LocalizationAccuracy` (``loc_iou50``, and ``loc_miou``), :class:`T2IMatch` (``t2i_match``),
-:class:`EditMatch` (``edit_match``, by edit kind) and :class:`RelationFlip` (``vqa_relation_flip/*``) say what ``c_i`` is. A metric that saw no
+:class:`EditMatch` (``edit_match``, by edit kind) and :class:`RelationFlip` (``vqa_relation_flip/*``) say what
+``c_i`` is; :class:`EditPreference` (``edit_pref/*``) compares the edit likelihoods of the target and
+two wrong images. A metric that saw no
 example reports nothing. :func:`report` joins what they compute into the dict ``shapes_eval.json``
 holds; :func:`logged_scalars` names its entries for the loggers (``shapes/<task>/<key>``).
 """
@@ -268,6 +270,46 @@ class RelationFlip(Metric):
                 "vqa_relation_flip/answer_kept_n": float(m)}
 
 
+class EditPreference(Metric):
+    """Whether the model's edit likelihood (``score_edit``, teacher-forced: no sampling) prefers each
+    edit's target over two wrong outputs. With ``L(y)`` the summed NLL of image ``y`` given the
+    source and the instruction, over the ``N`` evaluated edits::
+
+        edit_pref/unchanged = (1/N) sum_i 1[L(target_i) < L(source_i)]
+        edit_pref/other     = (1/N') sum_i 1[L(target_i) < L(target_j(i))]
+
+    ``unchanged`` asks whether the model moves away from the source as instructed; ``other``
+    (``j(i) = i + 1`` modulo the evaluated edits: another source's target; ``N' = N`` when ``N > 1``)
+    whether it keeps the source's scene. A model that ignores its inputs scores 1/2 on
+    average; an exact editor scores 1. These emerge long before an exact ``edit_match`` (a whole
+    scene of 16 cells drawn right) and are what the CI competence test checks of a short run.
+    ``update(nll of targets, nll of sources, nll of other targets or None per edit)``."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        for name in ("total", "beats_unchanged", "total_other", "beats_other"):
+            self.add_state(name, default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, target_nll: Sequence[float], source_nll: Sequence[float],
+               other_nll: Sequence[float | None]) -> None:
+        others = [(t, o) for t, o in zip(target_nll, other_nll) if o is not None]
+        self.total = self.total + len(target_nll)
+        self.beats_unchanged = self.beats_unchanged + sum(t < s for t, s in zip(target_nll, source_nll))
+        self.total_other = self.total_other + len(others)
+        self.beats_other = self.beats_other + sum(t < o for t, o in others)
+
+    def compute(self) -> dict[str, float]:
+        n, n_other = int(self.total), int(self.total_other)
+        out = {}
+        if n:
+            out.update({"edit_pref/unchanged": int(self.beats_unchanged) / n, "edit_pref/unchanged_n": float(n)})
+        if n_other:
+            out.update({"edit_pref/other": int(self.beats_other) / n_other, "edit_pref/other_n": float(n_other)})
+        return out
+
+
 #: the metric of each task
 METRICS: dict[str, type[TaskAccuracy]] = {"vqa": VQAAccuracy, "caption": CaptionMatch,
                                           "grounding": LocalizationAccuracy, "t2i": T2IMatch, "edit": EditMatch}
@@ -275,9 +317,9 @@ METRICS: dict[str, type[TaskAccuracy]] = {"vqa": VQAAccuracy, "caption": Caption
 
 def _position(key: str) -> int:
     """The group of ``key`` in the report: accuracies and slices, caption misses, T2I misses, edit
-    misses, relation flips, mean IoU."""
-    for i, prefix in enumerate(("caption_error/", "t2i_error/", "edit_error/", "vqa_relation_flip/", "loc_miou"),
-                               start=1):
+    misses and preferences, relation flips, mean IoU."""
+    for i, prefix in enumerate(("caption_error/", "t2i_error/", ("edit_error/", "edit_pref/"), "vqa_relation_flip/",
+                                "loc_miou"), start=1):
         if key.startswith(prefix):
             return i
     return 0

@@ -11,6 +11,9 @@ rows of each task are evaluated with the model's *generation* methods (``answer`
 * ``t2i_match``: the scene parsed from the generated image satisfies the prompt;
 * ``edit_match`` (only when asked for: ``--tasks ... edit``; the model must edit images): the scene
   parsed from the edited image is exactly the edit's target, by edit kind (``edit_match/route``);
+* ``edit_pref/unchanged``, ``edit_pref/other`` (with ``edit``): the share of edits whose target is
+  likelier under ``score_edit`` than the unchanged source / another edit's target
+  (:class:`~unicon.evaluation.shapes.metrics.EditPreference`);
 * ``<task>_n``: the number of examples; ``caption_error/*`` and ``t2i_error/*``: the misses by cause,
   as fractions of all the task's examples (so ``<metric> + sum of <task>_error/* = 1``).
 
@@ -48,7 +51,7 @@ from PIL import Image
 from unicon.data.mixture import read_edits, read_mixture
 from unicon.errors import UserError
 from unicon.evaluation.distributed import metric_sync_kwargs, owned_indices, shard_indices
-from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, RelationFlip, report
+from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, EditPreference, RelationFlip, report
 from unicon.progress import track
 from unicon.worlds.shapes import Scene, load_world
 from unicon.worlds.shapes_text import (
@@ -132,6 +135,18 @@ def _ask_flipped(model, rows: Sequence[dict], images, cfg) -> list[tuple[int, st
     return [(i, p, a) for (i, _, a), p in zip(asked, again)]
 
 
+def _edit_likelihoods(model, rows: Sequence[dict], images: Sequence, target_images: Sequence,
+                      other_images: Sequence | None) -> tuple[list[float], list[float], list[float | None]]:
+    """Summed NLLs (``score_edit``) of each row's target, of its source (the unchanged image) and of
+    ``other_images`` (another edit's target; None: no other edit) given the row's source and instruction."""
+    texts = [r["text"] for r in rows]
+
+    def nll(outputs):
+        return model.score_edit(images, texts, outputs).sum_nll[:, 0].tolist()
+
+    return nll(target_images), nll(images), nll(other_images) if other_images else [None] * len(rows)
+
+
 def _predict(model, task: str, rows: Sequence[dict], images: Sequence, image_config) -> tuple[list, list]:
     """The model's outputs for ``rows`` of ``task`` (``images``: theirs, none for t2i) and what the
     task's metric checks each against: the gold answer, the scene, the gold box, (t2i, whose
@@ -174,8 +189,8 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     was_training = model.training
     model.eval()
 
-    def image(row):
-        with Image.open(root / row["image"]) as im:
+    def image(row, key="image"):
+        with Image.open(root / row[key]) as im:
             return im.convert("RGB")
 
     metrics = []
@@ -191,6 +206,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                                    **metric_sync_kwargs()).to(device)
             metrics.append(metric)
             flips = RelationFlip(**metric_sync_kwargs()).to(device) if task == "vqa" else None
+            prefs = EditPreference(**metric_sync_kwargs()).to(device) if task == "edit" else None
             mine, owned = shard_indices(len(items)), set(owned_indices(len(items)))
             batches = [mine[i: i + batch_size] for i in range(0, len(mine), batch_size)]
             for batch in track(batches, f"shapes: {task}", len(batches), unit="batches"):
@@ -206,14 +222,19 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                     again = [(j, p, a) for j, p, a in asked if j in counted]
                     flips.update([preds[j] for j, _, _ in again], [chunk[j]["target"] for j, _, _ in again],
                                  [p for _, p, _ in again], [a for _, _, a in again])
+                if prefs is not None:
+                    # the other target of row i: row i + 1's (of the whole list, so the same under any sharding)
+                    others = [image(items[(i + 1) % len(items)], "target_image") for i in batch] \
+                        if len(items) > 1 else None
+                    liked = _edit_likelihoods(model, chunk, images, [image(r, "target_image") for r in chunk], others)
+                    prefs.update(*([values[j] for j in counted] for values in liked))
                 if examples is not None:
                     for r, p, t in zip(chunk, preds, targets):
                         if sum(e["task"] == task for e in examples) < num_examples:
                             examples.append({"task": task, "id": r.get("id"), "text": r.get("text"),
                                              "image": None if task == "t2i" else image(r), "prediction": p,
                                              "target": r.get("target"), "correct": metric.miss(p, t) is None})
-            if flips is not None:
-                metrics.append(flips)
+            metrics += [m for m in (flips, prefs) if m is not None]
     finally:
         model.train(was_training)
     return report(m.compute() for m in metrics)
