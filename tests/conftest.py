@@ -75,7 +75,8 @@ def ofa_fixture_dir(shared_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
-    """``(export, world)`` of a ShapesWorld model trained by the pretraining recipe.
+    """``(export, world)`` of a ShapesWorld model trained by the pretraining recipe with image editing
+    (``experiment=shapes_pretrain_edit``: shapes_pretrain plus the world's edit rows).
 
     ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name an existing one.
     Otherwise a world is built and the recipe is trained from scratch with test_competence.STEPS steps
@@ -91,7 +92,7 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
         if not (export / "unicon_model.json").is_file() or not (world / "cococon_test.json").is_file():
             pytest.skip(f"$UNICON_PRETRAINED={export} / world {world} is not a pretrained model and its world")
         return export, world
-    from test_competence import SHORT_SCHEDULE, STEPS
+    from test_competence import RECIPE, SHORT_SCHEDULE, STEPS
 
     root = tmp_path_factory.mktemp("competence")
     world, runs = root / "world", root / "runs"
@@ -103,11 +104,11 @@ def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
         assert proc.returncode == 0, f"unicon {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
     run("build-data", "shapes", "--out", str(world), "--quiet")
-    run("train", "experiment=shapes_pretrain", f"data.root={world}", f"output_dir={runs}", "name=recipe",
+    run("train", f"experiment={RECIPE}", f"data.root={world}", f"output_dir={runs}", "name=recipe",
         f"trainer.max_steps={STEPS}", *SHORT_SCHEDULE, "logger=csv", "trainer.enable_progress_bar=false")
     export = runs / "recipe" / "export"
     run("evaluate", "shapes", "--ckpt", str(export), "--world", str(world), "--out", str(root / "eval"),
-        "--limit", "200", "--logger", "none")
+        "--limit", "200", "--logger", "none", "--tasks", "vqa", "caption", "grounding", "t2i", "edit")
     (runs / "recipe" / "competence.json").write_text((root / "eval" / "shapes_eval.json").read_text())
     return export, world
 
