@@ -21,6 +21,10 @@ Writes (see the team brief for the schemas)::
                                     (images/edit/<split>/), source_scene / target_scene; --edits-per-scene
     realunify/ueg.jsonl, geu.jsonl  RealUnify analogues from the test split (unicon.worlds.shapes_realunify;
                                     GEU images in realunify/images/<category>/); --realunify-per-category
+    alignment/pairs.jsonl           image-caption pairs over the test images with controlled caption errors and
+                                    exact ratings 1-4 (unicon.worlds.shapes_alignment); --alignment-pairs
+    editscore/editscore.jsonl       edit candidates of test edits with exact quality ratings, for EditingScore
+                                    (unicon.worlds.shapes_editscore; images in editscore/images/); --editscore-edits
 
 Default sizes (6000 / 500 / 500 scenes, ~9 mixture rows per scene, 6000 reasoning rows) give a
 tiny OFA enough data to learn all four tasks; the default world builds in seconds. Everything is
@@ -28,7 +32,7 @@ a function of ``--seed``: each scene's image and text use their own RNG seeded w
 ``(seed, split, index)``, so the output does not depend on ``--workers``. Large worlds are
 rendered by a process pool, streamed to disk, and never held in memory.
 
-The edit and RealUnify files are written last, from their own RNG streams, so the other files of a
+The edit, RealUnify and alignment files are written last, from their own RNG streams, so the other files of a
 world do not depend on them (the BPE tokenizer is trained without their text), and ``world.json``
 records their options only when they differ from the defaults.
 
@@ -64,6 +68,8 @@ from unicon.worlds.shapes import (
     scene_boxes,
 )
 from unicon.worlds.shapes_edit import EDIT_KINDS, add_clutter, edit_row, route_marker, sample_edit
+from unicon.worlds.shapes_alignment import write_alignment_set
+from unicon.worlds.shapes_editscore import write_editscore_set
 from unicon.worlds.shapes_realunify import GEU_CATEGORIES, geu_items, ueg_rows
 from unicon.worlds.shapes_reasoning import make_reasoning_item
 from unicon.worlds.shapes_text import (
@@ -87,6 +93,8 @@ UREASON_ID_RANK = {"code": 1, "attribute": 2, "spatial": 3, "arithmetic": 4}  # 
 QTYPES = ("color", "shape", "count", "exist", "relation")
 EDITS_PER_SCENE = 0.5
 REALUNIFY_PER_CATEGORY = 100
+ALIGNMENT_PAIRS = 200
+EDITSCORE_EDITS = 60
 #: RNG stream constants of the edit rows and the RealUnify files (beside 11..23 of the other files)
 EDIT_STREAM, REALUNIFY_STREAM = 41, 43
 # The OFA task prompts (owned by OFAUnifiedModel) are added to the BPE corpus so that their words
@@ -145,6 +153,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "other scene has one; 2: every scene two); kinds take turns (0 = none)")
     t.add_argument("--realunify-per-category", type=int, default=REALUNIFY_PER_CATEGORY,
                    help="RealUnify items per UEG/GEU category (realunify/*.jsonl, from the test split; 0 = none)")
+    t.add_argument("--alignment-pairs", type=int, default=ALIGNMENT_PAIRS,
+                   help="image-caption pairs with exact ratings (alignment/pairs.jsonl, over the test images; 0 = none)")
+    t.add_argument("--editscore-edits", type=int, default=EDITSCORE_EDITS,
+                   help="test edits whose candidates get exact ratings (editscore/editscore.jsonl; 0 = none)")
     t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
     t.add_argument("--num-drift-seeds", type=int, default=64)
     t.add_argument("--vocab-size", type=int, default=1000)
@@ -162,7 +174,7 @@ def validate(args: argparse.Namespace, cfg: WorldConfig) -> None:
         raise ValueError("--num-train must be >= 1 and --num-val/--num-test >= 0")
     for name in ("captions_per_scene", "vqa_per_scene", "grounding_per_scene", "t2i_per_scene",
                  "num_reason_train", "num_ureason", "geneval_per_tag", "num_drift_seeds", "edits_per_scene",
-                 "realunify_per_category"):
+                 "realunify_per_category", "alignment_pairs", "editscore_edits"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if not 1 <= args.min_contrast_sets <= args.max_contrast_sets <= 5:
@@ -605,6 +617,12 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
     # new files last, from their own RNG streams: everything above is unchanged by them
     edit_counts = write_edits(cfg, args, out, scenes, held_out, width, offsets)
     realunify_counts = write_realunify(cfg, args, out, scenes["test"])
+    if args.alignment_pairs > 0 and scenes["test"]:  # its own RNG stream (shapes_alignment.ALIGNMENT_STREAM), test images reused
+        test_images = [(f"images/test/{scene_name(offsets['test'] + i, width)}.png", s)
+                       for i, s in enumerate(scenes["test"])]
+        write_alignment_set(out, out / "alignment", args.alignment_pairs, args.seed, cfg=cfg, scenes=test_images)
+    if args.editscore_edits > 0 and edit_counts.get("test"):  # its own RNG stream (shapes_editscore.EDITSCORE_STREAM)
+        write_editscore_set(out, out / "editscore", args.editscore_edits, args.seed, cfg=cfg, held_out=held_out)
     info = {
         "name": "shapes",
         "format_version": 1,
@@ -628,6 +646,10 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
     if not (_default_new_option("edits_per_scene", args.edits_per_scene)
             and _default_new_option("realunify_per_category", args.realunify_per_category)):
         info["edit_rows"], info["realunify_rows"] = edit_counts, realunify_counts
+    if not _default_new_option("alignment_pairs", args.alignment_pairs):
+        info["alignment_rows"] = args.alignment_pairs if args.num_test else 0
+    if not _default_new_option("editscore_edits", args.editscore_edits):
+        info["editscore_edits"] = args.editscore_edits
     (out / "world.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -635,7 +657,8 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
 def _default_new_option(key: str, value: Any) -> bool:
     """Is ``key`` an option added after format_version 1 and left at its default? Such options stay out
     of ``world.json``, so that a default build's world.json is the same as before they existed."""
-    return (key, value) in (("edits_per_scene", EDITS_PER_SCENE), ("realunify_per_category", REALUNIFY_PER_CATEGORY))
+    return (key, value) in (("edits_per_scene", EDITS_PER_SCENE), ("realunify_per_category", REALUNIFY_PER_CATEGORY),
+                            ("alignment_pairs", ALIGNMENT_PAIRS), ("editscore_edits", EDITSCORE_EDITS))
 
 
 def write_edits(cfg: WorldConfig, args: argparse.Namespace, out: Path, scenes: dict[str, list[Scene]],

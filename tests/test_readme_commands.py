@@ -89,7 +89,17 @@ RUNS: dict[str, tuple[list[str], int]] = {
         ["--generations", "2", "--logger", "none"], 0),
     "unicon evaluate drift   --ckpt checkpoints/shapes_demo/export --world data/shapes --out outputs/drift-split --merge": (
         ["--generations", "2", "--logger", "none"], 0),
+    "unicon evaluate alignment --ckpt checkpoints/shapes_demo/export --data data/shapes --clip checkpoints/shapes_clip --out outputs/alignment": (
+        ["--limit", "4", "--logger", "none"], 0),
+    "unicon evaluate editing --ckpt checkpoints/shapes_demo/export --data data/shapes/editscore/editscore.jsonl --out outputs/editing --own-edits 70": (
+        ["--limit", "6", "--own-edits", "2", "--logger", "none"], 0),
     "unicon report checkpoints/shapes_demo": ([], 0),
+    "unicon evaluate drift --ckpt checkpoints/shapes_pretrain/export --world data/shapes --generations 20 --out outputs/drift-pretrain": (
+        ["--generations", "2", "--logger", "none"], 0),
+    "unicon study create demo=outputs/drift pretrain=outputs/drift-pretrain --annotators 6 --overlap 2 --out outputs/study": (
+        [], 0),
+    "unicon study serve outputs/study": (["--port", "0", "--stop-after", "1"], 0),
+    "unicon study export outputs/study": ([], 0),
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
     "unicon bench train": (["trainer.max_steps=2"], 0),
     "unicon bench chains": (["--repeats", "1", "--t2i-base-codes", "2"], 0),

@@ -5,11 +5,13 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 =========================  ==============================================
 ``unicon train``           ``unicon.training.run.cli``
 ``unicon evaluate <suite>`` the suite registry, ``unicon.evaluation.suites.evaluate_cli``
-                           (cococon, drift, ureason, shapes, plugins; ``all``: an eval group)
+                           (cococon, drift, ureason, shapes, realunify, alignment, editing,
+                           plugins; ``all``: an eval group)
 ``unicon build-data shapes`` ``data_builders.shapes.main``
 ``unicon build-data cococon`` ``data_builders.cococon.main``
 ``unicon experiment table2`` ``unicon.experiments.table2.cli``
 ``unicon report``          ``unicon.report.cli``
+``unicon study create``    ``unicon.study.cli.create_cli`` (also ``serve``, ``export``)
 ``unicon bench scoring``   ``unicon.bench.scoring.cli``
 ``unicon bench train``     ``unicon.bench.training.cli``
 ``unicon bench pretrain``  ``unicon.bench.training.pretrain_cli``
@@ -38,7 +40,7 @@ from unicon.evaluation.preemption import Preempted
 COMMANDS: dict = {
     "train": ("unicon.training.run", "cli", "train a unified model (consistency training or pretraining)"),
     "evaluate": ("unicon.evaluation.suites", "evaluate_cli",
-                 "evaluate a checkpoint: {cococon,drift,ureason,shapes,all} (the suite registry)"),
+                 "evaluate a checkpoint: {cococon,drift,ureason,shapes,realunify,alignment,editing,all} (the suite registry)"),
     "build-data": {
         "shapes": ("data_builders.shapes", "main", "build the embedded ShapesWorld datasets"),
         "cococon": ("data_builders.cococon", "main", "CocoCon contrast sets from COCO + VQAv2 (section 4.1)"),
@@ -47,6 +49,11 @@ COMMANDS: dict = {
         "table2": ("unicon.experiments.table2", "cli", "CocoCon Table 2: K vs M vs hinge across seeds, paired CIs"),
     },
     "report": ("unicon.report", "cli", "summarise a run directory (metrics.jsonl + evaluation outputs)"),
+    "study": {
+        "create": ("unicon.study.cli", "create_cli", "a human study from drift outputs: balanced, masked, randomised"),
+        "serve": ("unicon.study.cli", "serve_cli", "the annotation pages (127.0.0.1 by default)"),
+        "export": ("unicon.study.cli", "export_cli", "shares, mean ranks, agreement, correlation with MCD/MGG"),
+    },
     "bench": {
         "scoring": ("unicon.bench.scoring", "cli", "batched vs naive likelihood scoring (samples/s)"),
         "train": ("unicon.bench.training", "cli", "consistency vs standard update throughput"),

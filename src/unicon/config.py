@@ -301,6 +301,29 @@ class RealUnifyEvalConfig:
     table_rows: int = bounded(8, 0)  # samples in the W&B table (direct and stepwise images side by side)
 
 
+ALIGNMENT_BAGEL_MODES = ("expected", "decode")  # BagelScore modes (unicon.evaluation.alignment.bagelscore)
+ALIGNMENT_BASELINES = ("clip_s", "refclip_s", "bleu4", "meteor", "cider")  # compared with BagelScore
+
+
+@dataclass
+class AlignmentEvalConfig:
+    # BagelScore vs human ratings (unicon evaluate alignment); off unless an eval group turns it on
+    # (configs/eval/alignment.yaml), so that stored run configs keep their epoch-end work
+    enabled: bool = False
+    every_n_epochs: int = bounded(1, 1)
+    data: Optional[str] = None  # Flickr8K .json, .jsonl pairs or a ShapesWorld root; default data.root
+    images: Optional[str] = None  # image folder; default the data file's folder (the world root)
+    bagel_modes: list[str] = choice(list(ALIGNMENT_BAGEL_MODES), ALIGNMENT_BAGEL_MODES, each=True)
+    baselines: list[str] = choice(list(ALIGNMENT_BASELINES), ALIGNMENT_BASELINES, each=True)
+    clip: Optional[str] = None  # open_clip dir / '<arch>:<weights>' for CLIP-S and RefCLIP-S (None: skipped)
+    judge: Optional[str] = None  # optional VLM judge: vlm:<local model directory>
+    rating_min: Optional[float] = None  # ratings outside [rating_min, rating_max] are skipped and counted
+    rating_max: Optional[float] = None
+    max_samples: Optional[int] = bounded(200, 1)  # pairs (the first ones of the file)
+    batch_size: int = bounded(8, 1)
+    table_rows: int = bounded(16, 0)  # pairs in the W&B table
+
+
 @dataclass
 class EvalConfig:
     fail_on_error: bool = False  # an exception inside an epoch-end evaluation kills the run
@@ -309,6 +332,7 @@ class EvalConfig:
     ureason: UReasonEvalConfig = field(default_factory=UReasonEvalConfig)
     shapes: ShapesEvalConfig = field(default_factory=ShapesEvalConfig)
     realunify: RealUnifyEvalConfig = field(default_factory=RealUnifyEvalConfig)
+    alignment: AlignmentEvalConfig = field(default_factory=AlignmentEvalConfig)
 
 
 @dataclass
@@ -641,7 +665,8 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
 
     walk(RunConfig, cfg, "")
     for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders",
-                "eval.shapes.tasks", "eval.realunify.settings"):
+                "eval.shapes.tasks", "eval.realunify.settings", "eval.alignment.bagel_modes",
+                "eval.alignment.baselines"):
         items = list(OmegaConf.select(cfg, key))
         if len(set(items)) != len(items):
             fail(key, items, "lists a value twice")

@@ -21,6 +21,11 @@ every image inlined as a ``data:`` URI, no script and no network reference -- wi
   images side by side with their verdicts;
 * ``realunify``: the direct and stepwise accuracies per category, axis and overall with their
   difference, and, per sample, the direct and stepwise images side by side with their outcome;
+* ``alignment``: Kendall's tau_b and tau_c of BagelScore (decode and expected, with the decode
+  failure rate) and of each baseline against the ratings, per evaluation, and the scatter plots;
+* ``editing``: Kendall's tau_b of EditingScore, its Table 4 ablations and each component against
+  every rating criterion, the score's measured direction, the mean components per candidate kind,
+  and the figures;
 * ``config``: the resolved run config (``config.yaml``), flattened to dotted keys.
 
 A suite's section reads ``<run_dir>/eval/<suite>/epoch-<n>/`` (epoch-end evaluation) or, for the
@@ -69,16 +74,20 @@ SECTIONS = (
     ("drift", "Semantic drift"),
     ("ureason", "UReason"),
     ("realunify", "RealUnify"),
+    ("alignment", "Image-text alignment"),
+    ("editing", "EditingScore"),
     ("config", "Run config"),
 )
 #: the figures each suite writes into its output folder (``<name>.png``), as logged to W&B
 SUITE_FIGURES = {
     "cococon": ("consistency_by_k", "consistency_vs_accuracy"),
     "drift": ("drift_curves", "mgg_heatmap", "strips"),
+    "alignment": ("metrics_vs_rating",),
+    "editing": ("tau_by_variant", "score_vs_rating"),
 }
 #: the summary file that marks a suite's output folder
 SUITE_FILES = {"cococon": "results.json", "drift": "drift.json", "ureason": "ureason.json",
-               "realunify": "realunify.json"}
+               "realunify": "realunify.json", "alignment": "alignment.json", "editing": "editing.json"}
 #: how many sample rows (CocoCon, UReason) and chain strips the page shows per evaluation
 MAX_ROWS = 12
 
@@ -592,6 +601,63 @@ def _section_realunify(run_dir: Path) -> str:
     return html_ + _earlier(evals, _realunify_eval)
 
 
+def _alignment_eval(label: str, out: Path) -> str:
+    summary = _read_json(out / SUITE_FILES["alignment"]) or {}
+    metrics = summary.get("metrics") or {}
+    rows = [[f"<td>{_e(name)}</td>", *(_td(m.get(k)) for k in ("tau_b", "tau_c", "n", "missing", "failure_rate"))]
+            for name, m in metrics.items()]
+    html_ = _table(["metric", "Kendall τ_b", "τ_c", "n", "missing", "unparseable rate"], rows, "alignment-tau")
+    not_run = "; ".join(f"{k}: {v}" for k, v in (summary.get("not_run") or {}).items())
+    skipped = ", ".join(f"{k} {v}" for k, v in (summary.get("skipped") or {}).items())
+    html_ += (f'<p class="note">pairs: {_num(summary.get("n_pairs"))}; ratings skipped: {_e(skipped or "none")}'
+              f'{"; not run: " + _e(not_run) if not_run else ""}</p>')
+    return html_ + _figures(out, "alignment", label)
+
+
+def _section_alignment(run_dir: Path) -> str:
+    evals = suite_outputs(run_dir, "alignment")
+    if not evals:
+        return _not_evaluated("alignment")
+    trend = []
+    for label, out in evals:
+        m = (_read_json(out / SUITE_FILES["alignment"]) or {}).get("metrics") or {}
+        trend.append([f"<td>{_e(label or '-')}</td>", *(_td((m.get(k) or {}).get("tau_b")) for k in
+                                                          ("bagelscore_expected", "bagelscore_decode", "clip_s"))])
+    html_ = _table(["evaluation", "BagelScore expected τ_b", "BagelScore decode τ_b", "CLIP-S τ_b"], trend,
+                   "alignment-trend")
+    return html_ + _earlier(evals, _alignment_eval)
+
+
+def _editing_eval(label: str, out: Path) -> str:
+    summary = _read_json(out / SUITE_FILES["editing"]) or {}
+    results = summary.get("results") or {}
+    criteria, kendall = results.get("criteria") or [], results.get("kendall") or {}
+    rows = [[f"<td>{_e(key)}</td>", *(_td((kendall[key].get(c) or {}).get("tau_b")) for c in criteria)]
+            for key in kendall]
+    html_ = _table(["Kendall τ_b vs rating", *criteria], rows, "editing-tau")
+    direction = ", ".join(f"{c}: {d}" for c, d in (results.get("score_direction") or {}).items())
+    html_ += (f'<p class="note">N = {_num(results.get("n"))}; raw score (not normalised); direction: '
+              f'{_e(direction or "-")}; non-finite scores: {_num(results.get("nonfinite_scores"))}</p>')
+    by_candidate = results.get("by_candidate") or {}
+    if by_candidate:
+        keys = ("n", "mean_cos_image", "mean_sim_text", "mean_rls", "median_score", "mean_overall_rating")
+        html_ += "<h3>By candidate kind</h3>" + _table(
+            ["candidate", *keys], [[f"<td>{_e(g)}</td>", *(_td(v.get(k)) for k in keys)]
+                                   for g, v in by_candidate.items()], "editing-candidates")
+    own = (summary.get("own_edits") or {}).get("by_kind") or {}
+    if own:
+        keys = sorted({k for v in own.values() for k in v})
+        html_ += "<h3>The model's own edits</h3>" + _table(
+            ["edit kind", *keys], [[f"<td>{_e(kind)}</td>", *(_td(v.get(k)) for k in keys)]
+                                   for kind, v in own.items()], "editing-own")
+    return html_ + _figures(out, "editing", label)
+
+
+def _section_editing(run_dir: Path) -> str:
+    evals = suite_outputs(run_dir, "editing")
+    return _earlier(evals, _editing_eval) if evals else _not_evaluated("editing")
+
+
 def _section_config(run_dir: Path) -> str:
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -620,6 +686,8 @@ def render_html(run_dir: Path, series: dict | None = None) -> str:
         "drift": _section_drift(run_dir),
         "ureason": _section_ureason(run_dir),
         "realunify": _section_realunify(run_dir),
+        "alignment": _section_alignment(run_dir),
+        "editing": _section_editing(run_dir),
         "config": _section_config(run_dir),
     }
     nav = "".join(f'<a href="#{sid}">{_e(title)}</a>' for sid, title in SECTIONS)

@@ -29,7 +29,8 @@ from unicon.errors import UserError
 SUITE_ENTRY_POINTS = "unicon.suites"
 #: the modules whose import registers the in-tree suites
 IN_TREE = ("unicon.evaluation.cococon.cli", "unicon.evaluation.drift.cli", "unicon.evaluation.ureason.cli",
-           "unicon.evaluation.shapes.cli", "unicon.evaluation.realunify.cli")
+           "unicon.evaluation.shapes.cli", "unicon.evaluation.realunify.cli", "unicon.evaluation.alignment.cli",
+           "unicon.evaluation.editing.cli")
 
 
 @dataclass(frozen=True)

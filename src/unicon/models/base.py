@@ -85,6 +85,11 @@ class EditingNotSupported(NotImplementedError):
     names the backend and the call that was refused."""
 
 
+class EmbeddingNotSupported(NotImplementedError):
+    """The backend has no latents / joint embeddings for EditingScore (``image_latents``,
+    ``embed_image``, ``embed_text``); the message names the backend and the call."""
+
+
 @dataclass
 class ImageGenerationConfig:
     """Options shared by every backend's ``generate_image``.
@@ -235,6 +240,27 @@ class UnifiedModel(nn.Module, abc.ABC):
         lengths of the three inputs are a ``ValueError`` naming them. The default raises
         :class:`EditingNotSupported` naming the backend."""
         raise EditingNotSupported(f"the {self._backend_name()} backend does not edit images (score_edit)")
+
+    # ---- embeddings for EditingScore (unicon.evaluation.editing) -------------------------------
+    def image_latents(self, images: ImageBatch) -> torch.Tensor:
+        """``[B, d]`` float32 latent vector of each image in the model's *generative* space: EditingScore's
+        ``f(x)`` (image cosine) and ``z`` (relative latent shift ``||z_s - z_t|| / sqrt(d)``). Deterministic
+        (no sampling, eval mode), one row per image; ``d`` is fixed for a model and an image size. What the
+        latent is, per backend, is in the backend's own docstring of this method. The default raises
+        :class:`EmbeddingNotSupported` naming the backend."""
+        raise EmbeddingNotSupported(f"the {self._backend_name()} backend has no image latents (image_latents) "
+                                    "for EditingScore")
+
+    def embed_image(self, images: ImageBatch) -> torch.Tensor:
+        """``[B, e]`` float32 pooled embedding of each image in the space :meth:`embed_text` writes to:
+        EditingScore's ``f^(x_t)``, compared with the instruction by cosine. The default raises
+        :class:`EmbeddingNotSupported` naming the backend."""
+        raise EmbeddingNotSupported(f"the {self._backend_name()} backend has no image-text embedding (embed_image)")
+
+    def embed_text(self, texts: Sequence[str]) -> torch.Tensor:
+        """``[B, e]`` float32 pooled embedding of each text, in :meth:`embed_image`'s space (EditingScore's
+        ``p``). The default raises :class:`EmbeddingNotSupported` naming the backend."""
+        raise EmbeddingNotSupported(f"the {self._backend_name()} backend has no text embedding (embed_text)")
 
     def _backend_name(self) -> str:
         """:attr:`backend`, or the class name for a model that never registered one."""

@@ -118,6 +118,7 @@ from unicon.errors import UserError
 from unicon.models.base import (
     Box,
     EditingNotSupported,
+    EmbeddingNotSupported,
     ImageGenerationConfig,
     Scores,
     TextGeneration,
@@ -637,6 +638,50 @@ class DecoupledUnifiedModel(UnifiedModel):
 
     # ---- text generation ----------------------------------------------------------------
     @torch.no_grad()
+    # ---- EditingScore embeddings (UnifiedModel.image_latents / embed_image / embed_text) ----------
+    @torch.no_grad()
+    def image_latents(self, images: ImageBatch) -> torch.Tensor:
+        """The diffusion VAE's latents of the image (:meth:`_latents`: posterior mean, shifted and scaled
+        as the denoiser sees them, at the diffusion resolution), **flattened**: ``[B, C * h * w]``.
+        A pipeline without a VAE raises :class:`~unicon.models.base.EmbeddingNotSupported`."""
+        if getattr(self.pipeline, "vae", None) is None:
+            raise EmbeddingNotSupported(f"the decoupled backend's pipeline {type(self.pipeline).__name__} has no VAE: "
+                                        "no image latents for EditingScore")
+        return self._latents(self.prepare_images(images)).float().flatten(1)
+
+    @torch.no_grad()
+    def _mean_vlm_state(self, inputs: dict, pool: torch.Tensor) -> torch.Tensor:
+        hidden = self.vlm(**inputs, output_hidden_states=True, use_cache=False).hidden_states[-1][0].float()
+        w = pool[0].unsqueeze(-1).float()
+        return (hidden * w).sum(0) / w.sum(0)
+
+    def embed_image(self, images: ImageBatch) -> torch.Tensor:
+        """The VLM's last hidden states over the image's placeholder tokens (the chat template's user turn
+        ``[image, ""]``, one image per forward), **mean-pooled**: ``[B, D]`` in the VLM's space, that of
+        :meth:`embed_text`. A VLM whose config names no ``image_token_id`` raises
+        :class:`~unicon.models.base.EmbeddingNotSupported`."""
+        token = getattr(self.vlm.config, "image_token_id", None)
+        if token is None:
+            token = getattr(self.vlm.config, "image_token_index", None)
+        if token is None:
+            raise EmbeddingNotSupported(f"the decoupled backend's VLM at {self.settings.vlm_path} names no image token "
+                                        "(config.image_token_id): no image embedding for EditingScore")
+        out = []
+        for im in self._pil(images):
+            inputs = self._prompt_inputs("", im)
+            out.append(self._mean_vlm_state(inputs, inputs["input_ids"] == token))
+        return torch.stack(out)
+
+    def embed_text(self, texts: Sequence[str]) -> torch.Tensor:
+        """The VLM's last hidden states of the text alone (its tokenizer's special tokens, no chat template),
+        **mean-pooled** over its tokens: ``[B, D]``, the space of :meth:`embed_image`."""
+        out = []
+        for t in texts:
+            ids = self.tokenizer(t.strip(), return_tensors="pt")
+            inputs = {k: v.to(self.device) for k, v in ids.items() if k in ("input_ids", "attention_mask")}
+            out.append(self._mean_vlm_state(inputs, inputs["attention_mask"]))
+        return torch.stack(out)
+
     def _generate_text(self, questions: Sequence[str], images: list[Image.Image] | None,
                        max_new_tokens: int, **kwargs) -> list[TextGeneration]:
         texts = [self._prompt_text(q, images is not None) for q in questions]

@@ -1096,6 +1096,44 @@ class JanusUnifiedModel(UnifiedModel):
         grid = _to_grid(token_nll.sum(-1), list(range(n)), (n, 1), [codes.shape[1]] * n)
         return _scores(*grid, truncated=0)
 
+    # ---- EditingScore embeddings (UnifiedModel.image_latents / embed_image / embed_text) ----------
+    @torch.no_grad()
+    def image_latents(self, images: ImageBatch) -> torch.Tensor:
+        """The image's VQ codes (:meth:`image_codes`) embedded as the language model reads them when it
+        writes an image (``prepare_embeddings_for_image_generation``: VQ codebook + generation aligner),
+        **flattened** over the code grid: ``[B, N * D]`` (N codes, D the LM width)."""
+        codes = self.image_codes(images).to(self.device)
+        return self.janus.prepare_embeddings_for_image_generation(codes).float().flatten(1)
+
+    @torch.no_grad()
+    def _mean_lm_states(self, embeds: torch.Tensor, mask: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        hidden = self._lm()(inputs_embeds=embeds, attention_mask=mask,
+                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False).last_hidden_state
+        w = pool.unsqueeze(-1).float()
+        return (hidden.float() * w).sum(1) / w.sum(1)
+
+    def embed_image(self, images: ImageBatch) -> torch.Tensor:
+        """Language-model last hidden states over the image's understanding tokens (``<bos><begin_of_image>``
+        + SigLIP/aligner features + ``<end_of_image>``, no question), **mean-pooled** over the N image
+        positions: ``[B, D]``, the space of :meth:`embed_text`."""
+        pixels = self._pixels(images)
+        tok = self.tokenizer
+        row = ([tok.bos_token_id] + tok.convert_tokens_to_ids([tok.boi_token]) + [self.image_token_id] * self.num_image_tokens
+               + tok.convert_tokens_to_ids([tok.eoi_token]))
+        ids = torch.tensor([row] * pixels.shape[0], device=self.device)
+        with torch.no_grad():
+            embeds = self._embed_with_image(ids, pixels)
+        return self._mean_lm_states(embeds, torch.ones_like(ids), ids == self.image_token_id)
+
+    def embed_text(self, texts: Sequence[str]) -> torch.Tensor:
+        """Language-model last hidden states of the text alone (``<bos>`` + its tokens, no chat template),
+        **mean-pooled** over its tokens (bos included): ``[B, D]``, the space of :meth:`embed_image`."""
+        rows = self.tokenizer([t.strip() for t in texts], add_special_tokens=True)["input_ids"]
+        ids, mask = _pad(rows, self.pad_id, left=False, device=self.device)
+        with torch.no_grad():
+            embeds = self.janus.get_input_embeddings()(ids)
+        return self._mean_lm_states(embeds, mask, mask.bool())
+
     def _reason_prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a text-only chat turn up to ``<|Assistant|>:`` (``reason`` and text-only scoring)."""
         return self.tokenizer(self._system() + self._chat([{"type": "text", "text": prompt}]))["input_ids"]

@@ -574,6 +574,34 @@ class OFAUnifiedModel(UnifiedModel):
         sum_nll, lengths = self._target_nll(enc, rows, code_mode=True)
         return self._to_scores(sum_nll, lengths, [1] * B, 0)
 
+    # ---- EditingScore embeddings (UnifiedModel.image_latents / embed_image / embed_text) ----------
+    @torch.no_grad()
+    def _patch_states(self, images: ImageBatch) -> torch.Tensor:
+        """``[B, P, D]`` encoder states at the image-patch positions of ``[patches, " "]`` (no task prompt)."""
+        pixels = self.prepare_images(images)
+        ids = self._source_ids([""] * pixels.shape[0])
+        states = self.encode(ids, pixels).last_hidden_state
+        return states[:, : states.shape[1] - ids.shape[1]].float()
+
+    def image_latents(self, images: ImageBatch) -> torch.Tensor:
+        """The encoder's output at the image-patch positions (the image read with an empty prompt),
+        **flattened** over the patch grid: ``[B, P * D]`` (P patches, D = ``d_model``); the spatial
+        layout is kept, so a moved or recoloured object changes the latent where it is."""
+        return self._patch_states(images).flatten(1)
+
+    def embed_image(self, images: ImageBatch) -> torch.Tensor:
+        """The same patch states **mean-pooled** over the patches: ``[B, D]``, in the encoder's hidden space."""
+        return self._patch_states(images).mean(1)
+
+    @torch.no_grad()
+    def embed_text(self, texts: Sequence[str]) -> torch.Tensor:
+        """The encoder's output for the text alone (as written, OFA's leading space added), mean-pooled
+        over its non-pad tokens (bos and eos included): ``[B, D]``, the space of :meth:`embed_image`."""
+        ids = self._source_ids(list(texts))
+        out = self.encode(ids)
+        keep = (~out.padding_mask).unsqueeze(-1).float()
+        return (out.last_hidden_state.float() * keep).sum(1) / keep.sum(1)
+
     def generate_image(self, prompts: Sequence[str], context: Sequence[str] | None = None,
                        config: ImageGenerationConfig | None = None) -> list[Image.Image]:
         """Code-by-code decoding (greedy, or sampling with temperature/top-k/top-p), with

@@ -1,0 +1,112 @@
+"""``unicon evaluate editing``: EditingScore of (source, edited image, instruction) samples with ratings,
+its Table 4 ablations and their Kendall correlations with the ratings, in one folder.
+
+``--data`` is an Edit-1K-like JSONL file (``docs/editing_score.md``; ShapesWorld writes one with exact
+ratings to ``<world>/editscore/editscore.jsonl``). ``--own-edits N`` also edits the first N test edit rows
+of a ShapesWorld root (``--world``; default: the world the data file lies in, when it has a ``world.json``
+two folders up) with the model itself and reports the score per edit kind beside exact match.
+``--shard I/N`` and ``--merge`` split a run into jobs whose merged files equal one run's. This suite has
+no epoch-end counterpart (no ``eval.editing`` section). Writes ``--out`` (see
+:mod:`unicon.evaluation.editing.runner`) and prints ``table.md``; ``editing.json`` also records the
+checkpoint, the weights fingerprint, the settings and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+from unicon.config import LoggerConfig
+from unicon.errors import UserError
+from unicon.evaluation import preemption
+from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics
+from unicon.evaluation.cli_common import (
+    add_common_args,
+    add_image_generation_args,
+    add_shard_args,
+    check_common_args,
+    image_generation_config,
+    load_model_for,
+    sharding,
+)
+from unicon.evaluation.editing.data import load_samples
+from unicon.evaluation.editing.metrics import EPS
+from unicon.evaluation.editing.plots import FIGURES
+from unicon.evaluation.editing.runner import BATCH_SIZE, evaluate_editing
+from unicon.evaluation.suites import register_suite
+from unicon.loggers import environment_info, make_loggers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unicon evaluate editing",
+                                description="EditingScore (cos_image * sim_text / (rls^2 + eps)) vs edit ratings: "
+                                            "Kendall tau_b of the score and of its ablations.")
+    add_common_args(p, out_help="output folder (editing.json, samples.jsonl, table.md, figures)")
+    p.add_argument("--data", required=True, help="Edit-1K-like .jsonl (docs/editing_score.md), e.g. "
+                                                  "data/shapes/editscore/editscore.jsonl")
+    p.add_argument("--limit", type=int, default=None, help="the first N rows only (default: all)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="samples per model call (default: %(default)s)")
+    p.add_argument("--eps", type=float, default=EPS, help="epsilon of rls^2 + eps (default: %(default)s, the paper's)")
+    p.add_argument("--own-edits", type=int, default=0,
+                   help="also edit the first N test edit rows of the ShapesWorld --world with the model and report "
+                        "the score per edit kind beside exact match (default: 0 = off)")
+    p.add_argument("--world", default=None, help="ShapesWorld root for --own-edits (default: two folders above --data "
+                                                 "when it holds world.json)")
+    add_image_generation_args(p)
+    add_shard_args(p)
+    return p
+
+
+def world_of(args: argparse.Namespace) -> Path | None:
+    if args.world is not None:
+        root = Path(args.world)
+        if not (root / "world.json").is_file():
+            raise UserError(f"--world {root} is not a ShapesWorld root (no world.json)")
+        return root
+    guess = Path(args.data).resolve().parent.parent
+    return guess if (guess / "world.json").is_file() else None
+
+
+@register_suite("editing", "EditingScore vs edit-quality ratings (Kendall tau_b, Table 4 ablations)")
+def cli(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = check_common_args(args, ("limit", "batch_size"))
+    if args.own_edits < 0:
+        raise UserError(f"--own-edits must be >= 0, got {args.own_edits}")
+    if not args.eps > 0:
+        raise UserError(f"--eps must be > 0, got {args.eps}")
+    samples = load_samples(args.data, args.limit)
+    world = world_of(args) if args.own_edits else None
+    if args.own_edits and world is None:
+        raise UserError("--own-edits needs a ShapesWorld root: pass --world (none found two folders above --data)")
+    with sharding(args, out) as shards, preemption.watch_signals():
+        model, fingerprint = shards.load_model(args, load_model_for)
+        image_config = image_generation_config(model, args)
+        info = {
+            "ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()), "model_fingerprint": fingerprint,
+            "backend": shards.record("backend", getattr(model, "backend", None)),
+            "data": str(args.data), "limit": args.limit, "batch_size": args.batch_size,
+            "own_edits_requested": args.own_edits, "world": str(world) if world else None,
+            "image_generation": dataclasses.asdict(image_config) if args.own_edits else None,
+            "environment": environment_info(),
+        }
+        results, records = evaluate_editing(
+            model, samples, out, args.batch_size, args.eps, info, own_edits=args.own_edits, world_root=world,
+            image_config=image_config, check=shards.mode != "merge", data_root=Path(args.data).resolve().parent)
+    if shards.mode == "shard":
+        print(f"editing: shard {args.shard} done; merge with --merge once every shard is done")
+        return 0
+    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"editing-{out.name}")
+    log_eval_config(loggers, args, fingerprint)
+    log_metrics(loggers, {f"editing/{k}": v for k, v in results["metrics"].items()}, step=0)
+    log_figures(loggers, "editing", out, FIGURES, step=0)
+    for lg in loggers:
+        lg.finalize("success")
+    print((out / "table.md").read_text(), end="")
+    if "own_edits" in results:
+        for kind, b in results["own_edits"]["by_kind"].items():
+            print(f"own edits {kind:<10} n={b['n']:<4} exact={b['exact_match']:.2f} median score={b['median_score']:.4g}")
+    print(f"wrote {out / 'editing.json'} and {out / 'samples.jsonl'}")
+    return 0

@@ -1,0 +1,242 @@
+"""EditingScore over samples (and over the model's own edits), per-sample records and files, sharded.
+
+For each batch of samples: ``z_s = model.image_latents(sources)``, ``z_t = model.image_latents(edited)``,
+``f^ = model.embed_image(edited)``, ``p = model.embed_text(instructions)``, then
+:func:`~.metrics.editing_components`. Rank ``r`` (or shard ``r/n``) scores
+:func:`~unicon.evaluation.distributed.shard_indices` of the samples; the records are gathered, and rank 0
+(or the merge) writes::
+
+    samples.jsonl     one row per sample: id, instruction, source_image, edited_image, ratings (usable ones),
+                      cos_image, sim_text, rls, score, no_cos, no_sim_text, no_rls, + the row's extra keys
+    editing.json      {"results": metrics.summarize(...), **info}: Kendall tau_b/tau_c of the score, each
+                      ablation and each component vs every criterion; n, skipped ratings, direction
+    table.md          the tau_b table
+    tau_by_variant.png, score_vs_rating.png
+
+With ``own_edits`` > 0 (a ShapesWorld root): the first N rows of ``edit_test.jsonl`` are edited by
+``model.edit_image`` (``image_config``), each edit is checked exactly against its target scene
+(:func:`~unicon.worlds.shapes_edit.edit_matches`) and scored by EditingScore against its source; rows go
+to ``own_edits.jsonl`` (edited images under ``own_edits/``) and per-kind means beside the exact-match rate
+to ``editing.json["own_edits"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from unicon import jsonsafe
+from unicon.errors import UserError
+from unicon.evaluation import preemption
+from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.editing.data import CRITERIA, EditSample, rating_or_none
+from unicon.evaluation.editing.metrics import COMPONENTS, CORRELATED, EPS, VARIANTS, editing_components, kendall, summarize
+from unicon.evaluation.editing.plots import plot_results
+from unicon.models.base import ImageGenerationConfig, UnifiedModel
+from unicon.progress import track
+
+BATCH_SIZE = 16
+
+
+def check_model(model: UnifiedModel) -> None:
+    """Refuse, before any work, a backend without the three embedding methods (one line naming it)."""
+    name = model._backend_name()
+    for method in ("image_latents", "embed_image", "embed_text"):
+        if getattr(type(model), method) is getattr(UnifiedModel, method):
+            raise UserError(f"EditingScore needs {method}, and the {name} backend does not implement it "
+                            "(UnifiedModel.image_latents / embed_image / embed_text)")
+
+
+@torch.no_grad()
+def score_images(model: UnifiedModel, sources: list, edited: list, instructions: Sequence[str],
+                 eps: float = EPS) -> dict[str, list[float]]:
+    """The components of :func:`~.metrics.editing_components` for one batch, as float lists."""
+    values = editing_components(model.image_latents(sources).cpu(), model.image_latents(edited).cpu(),
+                                model.embed_image(edited).cpu(), model.embed_text(list(instructions)).cpu(), eps)
+    return {k: v.tolist() for k, v in values.items()}
+
+
+def sample_record(s: EditSample, values: dict[str, float], root: Path | None) -> dict[str, Any]:
+    def rel(p: Path) -> str:
+        try:
+            return str(p.relative_to(root)) if root is not None else str(p)
+        except ValueError:
+            return str(p)
+
+    rec: dict[str, Any] = {"id": s.id, "instruction": s.instruction, "source_image": rel(s.source_image),
+                           "edited_image": rel(s.edited_image),
+                           "ratings": {c: rating_or_none(s.ratings[c]) for c in CRITERIA if c in s.ratings}}
+    rec.update({k: values[k] for k in (*COMPONENTS, *VARIANTS)})
+    for k, v in s.extra.items():
+        rec.setdefault(k, v)
+    return rec
+
+
+def skipped_counts(samples: Sequence[EditSample]) -> dict[str, dict[str, int]]:
+    """Per criterion: rows without the key (``missing``) and with an unusable value (``invalid``: null, NaN,
+    not a number, outside [0, 1]). A criterion no row has is all ``missing``."""
+    out = {}
+    for c in CRITERIA:
+        missing = sum(1 for s in samples if c not in s.ratings)
+        invalid = sum(1 for s in samples if c in s.ratings and rating_or_none(s.ratings[c]) is None)
+        out[c] = {"missing": missing, "invalid": invalid}
+    return out
+
+
+def _score_samples(model, samples: Sequence[EditSample], indices: list[int], batch_size: int, eps: float) -> dict[int, dict]:
+    values: dict[int, dict] = {}
+    starts = range(0, len(indices), batch_size)
+    for start in track(starts, "editing: EditingScore", len(starts), unit="batches"):
+        preemption.check()
+        chunk = indices[start:start + batch_size]
+        batch = [samples[i] for i in chunk]
+        out = score_images(model, [s.image("source") for s in batch], [s.image("edited") for s in batch],
+                           [s.instruction for s in batch], eps)
+        for k, i in enumerate(chunk):
+            values[i] = {key: out[key][k] for key in out}
+    return values
+
+
+# ---- the model's own edits (ShapesWorld) ------------------------------------------------------
+def own_edit_rows(world_root: str | Path, n: int) -> list[dict]:
+    """The first ``n`` rows of ``<world_root>/edit_test.jsonl``."""
+    path = Path(world_root) / "edit_test.jsonl"
+    if not path.is_file():
+        raise UserError(f"--own-edits needs a ShapesWorld root with edit_test.jsonl; {path} does not exist (--world)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:n]
+
+
+def _own_edits(model, rows: list[dict], world_root: Path, indices: list[int], batch_size: int,
+               image_config: ImageGenerationConfig | None, eps: float, out: Path | None) -> dict[int, dict]:
+    from PIL import Image
+
+    from unicon.worlds.shapes import Scene, load_world
+    from unicon.worlds.shapes_edit import Edit, edit_matches
+
+    cfg = load_world(world_root).config
+    records: dict[int, dict] = {}
+    starts = range(0, len(indices), batch_size)
+    for start in track(starts, "editing: own edits", len(starts), unit="batches"):
+        preemption.check()
+        chunk = indices[start:start + batch_size]
+        batch = [rows[i] for i in chunk]
+        sources = []
+        for r in batch:
+            with Image.open(world_root / r["image"]) as im:
+                sources.append(im.convert("RGB"))
+        edited = model.edit_image(sources, [r["text"] for r in batch], config=image_config)
+        values = score_images(model, sources, edited, [r["text"] for r in batch], eps)
+        for k, (i, r) in enumerate(zip(chunk, batch)):
+            edit = Edit(r["kind"], r["text"], Scene.from_dict(r["source_scene"]), Scene.from_dict(r["target_scene"]))
+            rec = {"id": r["id"], "kind": r["kind"], "instruction": r["text"], "source_image": r["image"],
+                   "exact_match": bool(edit_matches(edited[k], edit, cfg))}
+            rec.update({key: values[key][k] for key in (*COMPONENTS, *VARIANTS)})
+            if out is not None:
+                rel = Path("own_edits") / f"{r['id']}.png"
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                edited[k].save(out / rel)
+                rec["edited_image"] = str(rel)
+            records[i] = rec
+    return records
+
+
+def own_edit_summary(records: Sequence[dict]) -> dict[str, Any]:
+    """Per kind (and ``all``): n, exact-match rate, mean components, mean and median raw score; and the
+    Kendall tau_b of each variant against exact match (1/0) over all own edits."""
+    def block(rs):
+        scores = np.array([r["score"] for r in rs if math.isfinite(r["score"])], dtype=np.float64)
+        out = {"n": len(rs), "exact_match": float(np.mean([r["exact_match"] for r in rs])) if rs else float("nan")}
+        for key in COMPONENTS:
+            v = [r[key] for r in rs if math.isfinite(r[key])]
+            out[f"mean_{key}"] = float(np.mean(v)) if v else float("nan")
+        out["mean_score"] = float(scores.mean()) if scores.size else float("nan")
+        out["median_score"] = float(np.median(scores)) if scores.size else float("nan")
+        return out
+
+    kinds = sorted({r["kind"] for r in records})
+    summary = {"by_kind": {k: block([r for r in records if r["kind"] == k]) for k in kinds}, "all": block(list(records))}
+    summary["kendall_vs_exact_match"] = {
+        key: kendall([r[key] for r in records if math.isfinite(r[key])],
+                     [float(r["exact_match"]) for r in records if math.isfinite(r[key])]) for key in CORRELATED}
+    return summary
+
+
+# ---- files ---------------------------------------------------------------------------------------
+def markdown_table(results: dict[str, Any]) -> str:
+    crit = results["criteria"]
+    lines = ["| | " + " | ".join(crit) + " |", "|---|" + "---|" * len(crit)]
+    names = {"score": "EditingScore", "no_cos": "without cos_image", "no_sim_text": "without sim_text",
+             "no_rls": "without rls", "cos_image": "cos_image alone", "sim_text": "sim_text alone", "rls": "rls alone"}
+    for key in CORRELATED:
+        cells = []
+        for c in crit:
+            t = results["kendall"][key][c]
+            cells.append("n/a" if t["tau_b"] is None or math.isnan(t["tau_b"]) else f"{t['tau_b']:+.3f}")
+        lines.append(f"| {names[key]} (tau_b) | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"n = {results['n']}; raw score, not normalised; direction of the score: "
+                 + ", ".join(f"{c}: {d}" for c, d in results["score_direction"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, records: list[dict], results: dict, info: dict, own: list[dict] | None,
+                  own_summary: dict | None) -> None:
+    with (out / "samples.jsonl").open("w") as f:
+        for rec in records:
+            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
+    if own is not None:
+        with (out / "own_edits.jsonl").open("w") as f:
+            for rec in own:
+                f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
+    payload = {"results": results, **({"own_edits": own_summary} if own_summary is not None else {}), **info}
+    (out / "editing.json").write_text(jsonsafe.dumps(payload, indent=2, default=str) + "\n")
+    (out / "table.md").write_text(markdown_table(results))
+    plot_results(records, results, out)
+
+
+def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir: str | Path | None = None,
+                     batch_size: int = BATCH_SIZE, eps: float = EPS, info: dict | None = None,
+                     own_edits: int = 0, world_root: str | Path | None = None,
+                     image_config: ImageGenerationConfig | None = None, check: bool = True,
+                     data_root: Path | None = None) -> tuple[dict[str, Any], list[dict]]:
+    """Score ``samples`` (and ``own_edits`` of the world's test edits) on every rank / shard / merge.
+    Returns ``(results, records)`` (the gathered per-sample records; the same on every rank)."""
+    if not samples:
+        raise UserError("EditingScore: no samples to evaluate")
+    if check:
+        check_model(model)
+        if own_edits and not getattr(model, "supports_editing", False):
+            raise UserError(f"--own-edits: the {model._backend_name()} backend does not edit images (supports_editing)")
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    was_training = model.training
+    model.eval()
+    try:
+        mine = shard_indices(len(samples))
+        values = _score_samples(model, samples, mine, batch_size, eps)
+        records = {i: sample_record(samples[i], values[i], data_root) for i in owned_indices(len(samples))}
+        gathered = list(gather_records(records).values())
+        own_records = own_summary = None
+        if own_edits:
+            rows = own_edit_rows(world_root, own_edits) if world_root is not None else []
+            n_rows = len(rows)
+            own = _own_edits(model, rows, Path(world_root), shard_indices(n_rows), batch_size, image_config, eps, out) \
+                if n_rows else {}
+            keep = set(owned_indices(n_rows))
+            own_records = list(gather_records({i: r for i, r in own.items() if i in keep}).values())
+            own_summary = own_edit_summary(own_records) if own_records else None
+    finally:
+        model.train(was_training)
+    results = summarize(gathered, skipped_counts(samples))
+    if out is not None and writes_outputs():
+        write_outputs(out, gathered, results, {"eps": eps, **(info or {})}, own_records, own_summary)
+    if own_summary is not None:
+        results["own_edits"] = own_summary
+    return results, gathered

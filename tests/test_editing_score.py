@@ -1,0 +1,293 @@
+"""EditingScore (``unicon evaluate editing``): the components against a hand computation, Kendall tau_b
+against scipy on the per-sample file, the Table 4 ablations, the loader's refusals, ShapesWorld's exact
+candidate ratings, the embedding methods of the three backends (tiny random configs), and an
+end-to-end CLI run (one process, two shards + merge, the model's own edits) on a tiny world."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from scipy.stats import kendalltau
+
+from unicon.errors import UserError
+from unicon.evaluation.editing.data import CRITERIA, load_samples
+from unicon.evaluation.editing.metrics import EPS, editing_components
+from unicon.evaluation.editing.runner import score_images
+from unicon.models.base import EmbeddingNotSupported, UnifiedModel
+from unicon.worlds.shapes import Scene, load_world, parse
+from unicon.worlds.shapes_editscore import CANDIDATES, cells, write_editscore_set
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_edit_image import _decoupled, _janus, _ofa  # noqa: E402  (the tiny configs of the three backends)
+
+BACKENDS = ("ofa", "janus", "decoupled")
+
+
+@pytest.fixture(scope="module")
+def world(tiny_shapes_world) -> Path:
+    assert (tiny_shapes_world / "editscore" / "editscore.jsonl").is_file(), "the builder wrote no editscore set"
+    return tiny_shapes_world
+
+
+@pytest.fixture(scope="module")
+def ofa(world):
+    return _ofa(world).eval()
+
+
+def _images(world: Path, n: int = 2) -> list[Image.Image]:
+    rows = [json.loads(line) for line in (world / "editscore" / "editscore.jsonl").read_text().splitlines()]
+    paths = [world / "editscore" / rows[0]["source_image"]] + [world / "editscore" / r["edited_image"] for r in rows]
+    out = []
+    for p in paths:
+        with Image.open(p) as im:
+            out.append(im.convert("RGB"))
+    return out[:n]
+
+
+# ---- the score ---------------------------------------------------------------------------------
+def test_components_match_a_hand_computation_on_two_images(ofa, world):
+    a, b = _images(world, 3)[1:3]
+    src, edited, text = [a, a], [b, a], ["paint the red circle blue", "remove the star"]
+    got = score_images(ofa, src, edited, text)
+    z_s = ofa.image_latents(src).numpy().astype(np.float64)
+    z_t = ofa.image_latents(edited).numpy().astype(np.float64)
+    f_hat = ofa.embed_image(edited).numpy().astype(np.float64)
+    p = ofa.embed_text(text).numpy().astype(np.float64)
+    for k in range(2):
+        cos = z_s[k] @ z_t[k] / (np.sqrt(z_s[k] @ z_s[k]) * np.sqrt(z_t[k] @ z_t[k]))
+        sim = p[k] @ f_hat[k] / (np.sqrt(p[k] @ p[k]) * np.sqrt(f_hat[k] @ f_hat[k]))
+        rls = np.sqrt(((z_s[k] - z_t[k]) ** 2).sum()) / np.sqrt(z_s.shape[1])
+        # float64 arithmetic on the same float32 latents: only reduction-order rounding differs
+        tol = 64 * np.finfo(np.float64).eps
+        assert got["cos_image"][k] == pytest.approx(cos, rel=tol, abs=tol)
+        assert got["sim_text"][k] == pytest.approx(sim, rel=tol, abs=tol)
+        assert got["rls"][k] == pytest.approx(rls, rel=tol, abs=tol)
+        assert got["no_rls"][k] == pytest.approx(cos * sim, rel=4 * tol, abs=tol)
+        if k == 0:  # a real change: the denominator is rls^2 (eps negligible)
+            assert rls > 0
+            assert got["score"][k] == pytest.approx(cos * sim / (rls ** 2 + EPS), rel=1e-9)
+            assert got["no_cos"][k] == pytest.approx(sim / (rls ** 2 + EPS), rel=1e-9)
+            assert got["no_sim_text"][k] == pytest.approx(cos / (rls ** 2 + EPS), rel=1e-9)
+    # no change at all: rls == 0 exactly, and the raw score is cos * sim / eps (the paper's formula is
+    # largest for the smallest edit, against its "lower is better, in [0, 1]")
+    assert got["rls"][1] == 0.0
+    assert got["score"][1] == pytest.approx(got["sim_text"][1] / EPS, rel=1e-12)
+    assert abs(got["score"][1]) > abs(got["score"][0])
+
+
+def test_components_refuse_mismatched_shapes():
+    with pytest.raises(ValueError, match="latents"):
+        editing_components(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 5), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="embeddings"):
+        editing_components(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 5), torch.ones(2, 6))
+
+
+# ---- embeddings per backend --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def backends(world, ofa):
+    return {"ofa": ofa, "janus": _janus().eval(), "decoupled": _decoupled().eval()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_methods_shape_determinism_and_dependence_on_the_image(backends, world, backend):
+    model = backends[backend]
+    ims = _images(world, 3)
+    z = model.image_latents(ims)
+    e = model.embed_image(ims)
+    t = model.embed_text(["paint the red circle blue", "remove the star", "x"])
+    assert z.dtype == e.dtype == t.dtype == torch.float32
+    assert z.ndim == 2 and z.shape[0] == 3 and z.shape[1] > e.shape[1]  # flattened latents vs pooled embeddings
+    assert e.shape == t.shape and e.shape[0] == 3
+    assert torch.isfinite(z).all() and torch.isfinite(e).all() and torch.isfinite(t).all()
+    assert torch.equal(model.image_latents(ims), z) and torch.equal(model.embed_image(ims), e)
+    assert torch.equal(model.embed_text(["paint the red circle blue", "remove the star", "x"]), t)
+    # one image alone gives its row of the batch (no cross-row leakage)
+    torch.testing.assert_close(model.image_latents(ims[1:2])[0], z[1], rtol=1e-5, atol=1e-5)
+    for i in range(3):  # different images -> different latents and embeddings; different texts too
+        for j in range(i + 1, 3):
+            assert not torch.allclose(z[i], z[j]) and not torch.allclose(e[i], e[j]) and not torch.allclose(t[i], t[j])
+
+
+def test_a_backend_without_embeddings_refuses_naming_it():
+    class Bare(UnifiedModel):
+        backend = "bare"
+
+    for name in Bare.__abstractmethods__:
+        setattr(Bare, name, lambda *a, **k: None)
+    Bare.__abstractmethods__ = frozenset()
+    for call in (lambda m: m.image_latents([]), lambda m: m.embed_image([]), lambda m: m.embed_text([])):
+        with pytest.raises(EmbeddingNotSupported, match="bare backend"):
+            call(Bare())
+    from unicon.evaluation.editing.runner import check_model
+
+    with pytest.raises(UserError, match="bare backend"):
+        check_model(Bare())
+
+
+# ---- ShapesWorld candidates ----------------------------------------------------------------------
+def test_shapes_candidate_ratings_are_exact(world, tmp_path):
+    cfg = load_world(world).config
+    path = write_editscore_set(world, tmp_path / "es", n=5, seed=3)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows and {r["candidate"] for r in rows} <= set(CANDIDATES)
+    for r in rows:
+        s, t, c = (Scene.from_dict(r[k]) for k in ("source_scene", "target_scene", "edited_scene"))
+        with Image.open(path.parent / r["edited_image"]) as im:
+            assert parse(im, cfg) == c  # the rendered image is the rated scene
+        with Image.open(path.parent / r["source_image"]) as im:
+            assert parse(im, cfg) == s
+        S, T, C = cells(s, cfg), cells(t, cfg), cells(c, cfg)
+        R = [k for k in S if S[k] != T[k]]
+        U = [k for k in S if S[k] == T[k]]
+        acc = sum(C[k] == T[k] for k in R) / len(R)
+        keep = sum(C[k] == S[k] for k in U) / len(U)
+        assert r["ratings"] == {"editing_accuracy": acc, "content_preservation": keep, "overall": acc * keep}
+        expected = {"exact": 1.0, "no_change": 0.0, "collateral": (len(U) - 1) / len(U)}
+        if r["candidate"] in expected:
+            assert r["ratings"]["overall"] == expected[r["candidate"]], r["id"]
+        if r["candidate"] == "partial":
+            assert 0 < r["ratings"]["editing_accuracy"] < 1 and r["ratings"]["content_preservation"] == 1
+    again = write_editscore_set(world, tmp_path / "es2", n=5, seed=3)
+    assert again.read_bytes() == path.read_bytes()  # a function of the world and the seed
+
+
+# ---- the loader ----------------------------------------------------------------------------------
+def _row(**kw):
+    row = {"source_image": "a.png", "edited_image": "b.png", "instruction": "paint it blue",
+           "ratings": {"overall": 0.5}}
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", r"data.jsonl:2: not JSON"),
+    (json.dumps([1, 2]), r"data.jsonl:2: expected a JSON object"),
+    (json.dumps(_row(instruction="")), r"data.jsonl:2: 'instruction' is missing"),
+    (json.dumps({k: v for k, v in _row().items() if k != "edited_image"}), r"data.jsonl:2: 'edited_image' is missing"),
+    (json.dumps(_row(ratings=[0.5])), r"data.jsonl:2: 'ratings' must be an object"),
+    (json.dumps(_row(ratings={"beauty": 0.5})), r"data.jsonl:2: unknown rating key 'beauty'"),
+    (json.dumps(_row(source_image="gone.png")), r"data.jsonl:2: source_image .*gone.png does not exist"),
+])
+def test_loader_refuses_bad_rows_naming_file_and_line(tmp_path, line, message):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "b.png")
+    (tmp_path / "data.jsonl").write_text(json.dumps(_row()) + "\n" + line + "\n")
+    with pytest.raises(UserError, match=message):
+        load_samples(tmp_path / "data.jsonl")
+
+
+def test_unreadable_image_and_skipped_ratings(tmp_path):
+    from unicon.evaluation.editing.runner import skipped_counts
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "b.png").write_bytes(b"not a png")
+    rows = [_row(ratings={"overall": float("nan"), "visual_quality": 0.3}), _row(ratings={"overall": 1.5}),
+            _row(ratings={"overall": None, "editing_accuracy": "good"}), _row(ratings={})]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    samples = load_samples(tmp_path / "data.jsonl")
+    skipped = skipped_counts(samples)
+    assert skipped["overall"] == {"missing": 1, "invalid": 3}
+    assert skipped["editing_accuracy"] == {"missing": 3, "invalid": 1}
+    assert skipped["visual_quality"] == {"missing": 3, "invalid": 0}
+    with pytest.raises(UserError, match=r"data.jsonl:1: edited_image .*b.png cannot be read"):
+        samples[0].image("edited")
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def export(ofa, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("editing_model") / "export"
+    ofa.save_pretrained(str(path))
+    return path
+
+
+def _cli(*args: str) -> int:
+    from unicon.evaluation.editing.cli import cli
+
+    return cli([*args, "--device", "cpu", "--logger", "none"])
+
+
+def test_cli_end_to_end_tau_equals_scipy_from_the_samples_file_and_shards_merge(export, world, tmp_path, capsys):
+    data = world / "editscore" / "editscore.jsonl"
+    out = tmp_path / "one"
+    assert _cli("--ckpt", str(export), "--data", str(data), "--out", str(out), "--own-edits", "2",
+                "--batch-size", "4") == 0
+    report = json.loads((out / "editing.json").read_text())
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == report["results"]["n"] == len(data.read_text().splitlines())
+    assert report["model_fingerprint"] and report["eps"] == EPS
+    for r in records:  # the components and the ablations are consistent per sample
+        denom = r["rls"] ** 2 + EPS
+        assert r["score"] == pytest.approx(r["cos_image"] * r["sim_text"] / denom, rel=1e-12)
+        assert r["no_cos"] == pytest.approx(r["sim_text"] / denom, rel=1e-12)
+        assert r["no_sim_text"] == pytest.approx(r["cos_image"] / denom, rel=1e-12)
+        assert r["no_rls"] == pytest.approx(r["cos_image"] * r["sim_text"], rel=1e-12)
+    crit = report["results"]["criteria"]
+    assert crit == ["editing_accuracy", "content_preservation", "overall"]
+    for key in ("score", "no_cos", "no_sim_text", "no_rls", "cos_image", "sim_text", "rls"):
+        for c in crit:
+            xs = [r[key] for r in records if r["ratings"].get(c) is not None]
+            ys = [r["ratings"][c] for r in records if r["ratings"].get(c) is not None]
+            want = kendalltau(xs, ys, variant="b").statistic
+            got = report["results"]["kendall"][key][c]["tau_b"]
+            assert (got is None and math.isnan(want)) or got == pytest.approx(want, abs=1e-12), (key, c)
+            assert report["results"]["metrics"][f"tau_b/{key}/{c}"] == got
+    assert report["results"]["skipped_ratings"]["visual_quality"] == {"missing": len(records), "invalid": 0}
+    own = report["own_edits"]
+    assert own["all"]["n"] == 2 and 0 <= own["all"]["exact_match"] <= 1
+    assert len((out / "own_edits.jsonl").read_text().splitlines()) == 2
+    for name in ("table.md", "tau_by_variant.png", "score_vs_rating.png"):
+        assert (out / name).is_file()
+    assert "EditingScore (tau_b)" in capsys.readouterr().out
+    from unicon.report import render_html
+
+    page = render_html(out)  # the output folder's report.html section: the tau table and both figures
+    assert 'class="editing-tau"' in page and 'class="editing-own"' in page
+    assert "editing/fig/tau_by_variant" in page and "editing/fig/score_vs_rating" in page
+
+    # shards: byte-identical to one run with the same batch composition (batch size 1: a batched matmul's
+    # rounding depends on the rows beside it, so other batch sizes agree to float32 rounding only)
+    one = tmp_path / "one_by_one"
+    assert _cli("--ckpt", str(export), "--data", str(data), "--out", str(one), "--own-edits", "2",
+                "--batch-size", "1") == 0
+    single = json.loads((one / "editing.json").read_text())
+    sharded = tmp_path / "sharded"
+    for i in range(2):
+        assert _cli("--ckpt", str(export), "--data", str(data), "--out", str(sharded), "--own-edits", "2",
+                    "--batch-size", "1", "--shard", f"{i}/2") == 0
+    assert not (sharded / "editing.json").exists()
+    assert _cli("--ckpt", str(export), "--data", str(data), "--out", str(sharded), "--own-edits", "2",
+                "--batch-size", "1", "--merge") == 0
+    assert (sharded / "samples.jsonl").read_bytes() == (one / "samples.jsonl").read_bytes()
+    assert (sharded / "own_edits.jsonl").read_bytes() == (one / "own_edits.jsonl").read_bytes()
+    merged = json.loads((sharded / "editing.json").read_text())
+    assert merged["results"] == single["results"] and merged["own_edits"] == single["own_edits"]
+    batched = [json.loads(line) for line in (one / "samples.jsonl").read_text().splitlines()]
+    # batch size 4 vs 1: the latents differ by float32 rounding (2^-23 relative per element, grown by the
+    # encoder's reductions over d_model=32 features); cos/rls are smooth in them
+    for a, b in zip(records, batched):
+        for key in ("cos_image", "sim_text", "rls"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["id"], key)
+
+
+def test_cli_refuses_a_missing_data_file_and_a_bad_flag(export, tmp_path):
+    with pytest.raises(UserError, match="--data .*nope.jsonl does not exist"):
+        _cli("--ckpt", str(export), "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"))
+    (tmp_path / "d.jsonl").write_text("")
+    with pytest.raises(UserError, match="--own-edits must be >= 0"):
+        _cli("--ckpt", str(export), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o"),
+             "--own-edits", "-1")
+
+
+def test_suite_is_registered():
+    from unicon.evaluation.suites import suites
+
+    assert "editing" in suites()
+    assert all(c in CRITERIA for c in ("editing_accuracy", "overall"))
