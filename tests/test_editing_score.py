@@ -291,3 +291,29 @@ def test_suite_is_registered():
 
     assert "editing" in suites()
     assert all(c in CRITERIA for c in ("editing_accuracy", "overall"))
+
+
+def test_eval_group_argv_and_callback_from_config(world, ofa, tmp_path):
+    """``eval=editing``: the registry's argv for ``unicon evaluate all`` and the epoch-end callback, which
+    writes the suite's files under eval/editing/epoch-<e>/ and returns tau_b per variant and criterion."""
+    from types import SimpleNamespace
+
+    from unicon import config
+    from unicon.evaluation import suites
+    from unicon.evaluation.editing.callback import EditingCallback
+
+    cfg = config.compose(["eval=editing", f"data.root={world}", "eval.editing.max_samples=8"])
+    assert cfg.eval.editing.enabled and not cfg.eval.cococon.enabled and not config.compose([]).eval.editing.enabled
+    data = world / "editscore" / "editscore.jsonl"
+    assert suites.suite("editing").argv(cfg) == [f"--data={data}", "--batch-size=16", "--own-edits=0", "--limit=8"]
+    cb = EditingCallback.from_config(cfg)
+    assert len(cb.samples()) == 8 and cb.data == data
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), current_epoch=0, global_step=3, loggers=[],
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    metrics = cb.evaluate(trainer, ofa)
+    saved = json.loads((tmp_path / "eval" / "editing" / "epoch-1" / "editing.json").read_text())
+    assert saved["epoch"] == 1 and saved["results"]["n"] == 8
+    assert metrics == {f"editing/{k}": v for k, v in saved["results"]["metrics"].items() if k != "n"}
+    assert "editing/tau_b/score/overall" in metrics
+    with pytest.raises(Exception, match="editscore"):
+        EditingCallback(tmp_path / "editscore" / "editscore.jsonl")

@@ -167,12 +167,13 @@ def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkey
     monkeypatch.setattr(run, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
     registered = [(s.section, s.callback_class().__name__) for s in suites.suites().values() if s.callback]
     assert [section for section, _ in registered] == ["cococon", "drift", "ureason", "shapes", "realunify",
-                                                      "alignment"]
-    off = ("realunify", "alignment")  # off unless their own group (or enabled=true) turns them on
+                                                      "alignment", "editing"]
+    off = ("realunify", "alignment", "editing")  # off unless their own group (or enabled=true) turns them on
     assert run.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == \
         [r for r in registered if r[0] not in off]
     assert run.make_eval_callbacks(compose(["eval=realunify"])) == [r for r in registered if r[0] == "realunify"]
     assert run.make_eval_callbacks(compose(["eval=alignment"])) == [r for r in registered if r[0] == "alignment"]
+    assert run.make_eval_callbacks(compose(["eval=editing"])) == [r for r in registered if r[0] == "editing"]
     assert run.make_eval_callbacks(compose(["eval=shapes"])) == \
         [r for r in registered if r[0] not in ("shapes", *off)]
     assert run.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \

@@ -325,6 +325,19 @@ class AlignmentEvalConfig:
 
 
 @dataclass
+class EditingEvalConfig:
+    # EditingScore vs edit ratings (unicon evaluate editing); off unless an eval group turns it on
+    # (configs/eval/editing.yaml), so that stored run configs keep their epoch-end work
+    enabled: bool = False
+    every_n_epochs: int = bounded(1, 1)
+    data: Optional[str] = None  # Edit-1K-like .jsonl; default <data.root>/editscore/editscore.jsonl
+    max_samples: Optional[int] = bounded(120, 1)  # rows (the first ones of the file)
+    batch_size: int = bounded(16, 1)
+    own_edits: int = bounded(0, 0)  # the model's own edits of the world's first N test edit rows, scored too
+    table_rows: int = bounded(16, 0)  # samples in the W&B table
+
+
+@dataclass
 class EvalConfig:
     fail_on_error: bool = False  # an exception inside an epoch-end evaluation kills the run
     cococon: CocoConEvalConfig = field(default_factory=CocoConEvalConfig)
@@ -333,6 +346,7 @@ class EvalConfig:
     shapes: ShapesEvalConfig = field(default_factory=ShapesEvalConfig)
     realunify: RealUnifyEvalConfig = field(default_factory=RealUnifyEvalConfig)
     alignment: AlignmentEvalConfig = field(default_factory=AlignmentEvalConfig)
+    editing: EditingEvalConfig = field(default_factory=EditingEvalConfig)
 
 
 @dataclass

@@ -5,8 +5,10 @@ its Table 4 ablations and their Kendall correlations with the ratings, in one fo
 ratings to ``<world>/editscore/editscore.jsonl``). ``--own-edits N`` also edits the first N test edit rows
 of a ShapesWorld root (``--world``; default: the world the data file lies in, when it has a ``world.json``
 two folders up) with the model itself and reports the score per edit kind beside exact match.
-``--shard I/N`` and ``--merge`` split a run into jobs whose merged files equal one run's. This suite has
-no epoch-end counterpart (no ``eval.editing`` section). Writes ``--out`` (see
+``--shard I/N`` and ``--merge`` split a run into jobs whose merged files equal one run's. At epoch end
+it is ``eval.editing`` (:class:`unicon.config.EditingEvalConfig`, ``eval=editing``;
+:class:`~unicon.evaluation.editing.callback.EditingCallback`), whose fields :func:`argv_from_config`
+turns into this command's flags for ``unicon evaluate all``. Writes ``--out`` (see
 :mod:`unicon.evaluation.editing.runner`) and prints ``table.md``; ``editing.json`` also records the
 checkpoint, the weights fingerprint, the settings and the environment.
 """
@@ -18,10 +20,12 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-from unicon.config import LoggerConfig
+from omegaconf import OmegaConf
+
+from unicon.config import EditingEvalConfig, LoggerConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics
+from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     add_common_args,
     add_image_generation_args,
@@ -34,7 +38,7 @@ from unicon.evaluation.cli_common import (
 from unicon.evaluation.editing.data import load_samples
 from unicon.evaluation.editing.metrics import EPS
 from unicon.evaluation.editing.plots import FIGURES
-from unicon.evaluation.editing.runner import BATCH_SIZE, evaluate_editing
+from unicon.evaluation.editing.runner import BATCH_SIZE, TABLE_COLUMNS, evaluate_editing, table_rows
 from unicon.evaluation.suites import register_suite
 from unicon.loggers import environment_info, make_loggers
 
@@ -69,7 +73,23 @@ def world_of(args: argparse.Namespace) -> Path | None:
     return guess if (guess / "world.json").is_file() else None
 
 
-@register_suite("editing", "EditingScore vs edit-quality ratings (Kendall tau_b, Table 4 ablations)")
+def default_data(root: str | Path) -> Path:
+    """The EditingScore file of a ShapesWorld root (written by ``unicon build-data shapes``)."""
+    return Path(root) / "editscore" / "editscore.jsonl"
+
+
+def argv_from_config(cfg) -> list[str]:
+    """``eval.editing`` of a run config as this command's arguments (data: the world's editscore file
+    by default, as the epoch-end callback)."""
+    c = OmegaConf.to_container(cfg.eval.editing, resolve=True)
+    argv = [f"--data={c['data'] or default_data(cfg.data.root)}", f"--batch-size={c['batch_size']}",
+            f"--own-edits={c['own_edits']}"]
+    return argv + ([f"--limit={c['max_samples']}"] if c["max_samples"] is not None else [])
+
+
+@register_suite("editing", "EditingScore vs edit-quality ratings (Kendall tau_b, Table 4 ablations)",
+                section="editing", argv=argv_from_config,
+                callback="unicon.evaluation.editing.callback:EditingCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = check_common_args(args, ("limit", "batch_size"))
@@ -101,6 +121,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"editing-{out.name}")
     log_eval_config(loggers, args, fingerprint)
     log_metrics(loggers, {f"editing/{k}": v for k, v in results["metrics"].items()}, step=0)
+    log_table(loggers, "editing/samples", TABLE_COLUMNS, table_rows(records, samples, EditingEvalConfig.table_rows),
+              step=0)
     log_figures(loggers, "editing", out, FIGURES, step=0)
     for lg in loggers:
         lg.finalize("success")

@@ -77,6 +77,27 @@ def sample_record(s: EditSample, values: dict[str, float], root: Path | None) ->
     return rec
 
 
+#: the columns of the samples table (W&B, tables/editing_samples.jsonl)
+TABLE_COLUMNS = ["id", "instruction", "source", "edited", "cos_image", "sim_text", "rls", "score", "overall"]
+
+
+def table_rows(records: Sequence[dict], samples: Sequence[EditSample], limit: int | None = None) -> list[list[Any]]:
+    """The first ``limit`` records as table rows, the source and edited images as PIL images."""
+    from PIL import Image
+
+    by_id = {s.id: s for s in samples}
+    rows = []
+    for r in records[:limit] if limit is not None else records:
+        s = by_id.get(r["id"])
+        if s is None:
+            continue
+        with Image.open(s.source_image) as a, Image.open(s.edited_image) as b:
+            images = [a.convert("RGB"), b.convert("RGB")]
+        rows.append([r["id"], r["instruction"], *images, *(r.get(k) for k in ("cos_image", "sim_text", "rls", "score")),
+                     (r.get("ratings") or {}).get("overall")])
+    return rows
+
+
 def skipped_counts(samples: Sequence[EditSample]) -> dict[str, dict[str, int]]:
     """Per criterion: rows without the key (``missing``) and with an unusable value (``invalid``: null, NaN,
     not a number, outside [0, 1]). A criterion no row has is all ``missing``."""
