@@ -12,9 +12,9 @@ tests that need a trained model. ``shapes_pretrain`` (the start of ``make demo``
 with this recipe but the edit rows.
 
 Length. Without the edit rows the 450-step ``unicon train`` command took 3 min 38 s - 3 min 40 s on a
-2-core Cascade Lake (4 min 50 s - 5 min 19 s at 600 steps), so the schedule is 450 steps; the edit
-rows (a source image in, a target image out) make a step about 1.5 times longer (the full recipes:
-14 min against 8-10).
+2-core Cascade Lake (4 min 50 s - 5 min 19 s at 600 steps), so the schedule is 450 steps. On an idle
+2-core AMD EPYC, one after the other, the 450-step command took 334 s with the edit rows and 280 s
+without (1.19 times; an edit row reads a source image and writes a target image).
 
 Floors. Chance levels on the test split: VQA answers by question-type prior ~0.3 (yes/no, 8 colours,
 6 shapes, counts); a box with IoU >= 0.5 by guessing ~0.02; an exact caption, a generated image whose
