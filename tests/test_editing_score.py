@@ -167,7 +167,7 @@ def _row(**kw):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("not json", r"data.jsonl:2: not JSON"),
+    ("not json", r"data.jsonl:2: malformed JSON"),
     (json.dumps([1, 2]), r"data.jsonl:2: expected a JSON object"),
     (json.dumps(_row(instruction="")), r"data.jsonl:2: 'instruction' is missing"),
     (json.dumps({k: v for k, v in _row().items() if k != "edited_image"}), r"data.jsonl:2: 'edited_image' is missing"),

@@ -242,22 +242,21 @@ def create_app(url: str) -> Starlette:
         info["next"] = f"/s/{token}"
         return JSONResponse(info, status_code=code, headers=SECURITY_HEADERS)
 
-    async def page_input(request: Request) -> Response:
+    async def image(token: str | None, request: Request) -> Response:
+        """The sample's input image, or (with a ``letter`` path parameter) that generated output, as
+        PNG, for ``token``'s own assignment only."""
         try:
-            _, a = await run_in_threadpool(load, request.path_params["token"], sample_id_of(request))
+            _, a = await run_in_threadpool(load, token, sample_id_of(request))
+            letter = request.path_params.get("letter")
             with engine.connect() as conn:
-                return png(await run_in_threadpool(db.input_image, conn, a["sample_id"]))
+                if letter is None:
+                    return png(await run_in_threadpool(db.input_image, conn, a["sample_id"]))
+                return png(await run_in_threadpool(db.output_image, conn, a, "generation", letter))
         except HTTPProblem as e:
             return problem(e, html=False)
 
-    async def page_gen(request: Request) -> Response:
-        try:
-            _, a = await run_in_threadpool(load, request.path_params["token"], sample_id_of(request))
-            with engine.connect() as conn:
-                return png(await run_in_threadpool(db.output_image, conn, a, "generation",
-                                                   request.path_params["letter"]))
-        except HTTPProblem as e:
-            return problem(e, html=False)
+    async def page_image(request: Request) -> Response:
+        return await image(request.path_params["token"], request)
 
     # -- API (Bearer token) ----------------------------------------------------------------------------
     async def api_progress(request: Request) -> Response:
@@ -299,35 +298,21 @@ def create_app(url: str) -> Starlette:
         except HTTPProblem as e:
             return problem(e, html=False)
 
-    async def api_input(request: Request) -> Response:
-        try:
-            _, a = await run_in_threadpool(load, bearer(request), sample_id_of(request))
-            with engine.connect() as conn:
-                return png(await run_in_threadpool(db.input_image, conn, a["sample_id"]))
-        except HTTPProblem as e:
-            return problem(e, html=False)
-
-    async def api_gen(request: Request) -> Response:
-        try:
-            _, a = await run_in_threadpool(load, bearer(request), sample_id_of(request))
-            with engine.connect() as conn:
-                return png(await run_in_threadpool(db.output_image, conn, a, "generation",
-                                                   request.path_params["letter"]))
-        except HTTPProblem as e:
-            return problem(e, html=False)
+    async def api_image(request: Request) -> Response:
+        return await image(bearer(request), request)
 
     routes = [
         Route("/", home),
         Route("/s/{token}", resume),
         Route("/s/{token}/sample/{sid}", page, methods=["GET"]),
         Route("/s/{token}/sample/{sid}", page_submit, methods=["POST"]),
-        Route("/s/{token}/sample/{sid}/input.png", page_input),
-        Route("/s/{token}/sample/{sid}/gen/{letter}.png", page_gen),
+        Route("/s/{token}/sample/{sid}/input.png", page_image),
+        Route("/s/{token}/sample/{sid}/gen/{letter}.png", page_image),
         Route("/api/progress", api_progress),
         Route("/api/next", api_next),
         Route("/api/samples/{sid}", api_sample, methods=["GET", "POST"]),
-        Route("/api/samples/{sid}/input.png", api_input),
-        Route("/api/samples/{sid}/gen/{letter}.png", api_gen),
+        Route("/api/samples/{sid}/input.png", api_image),
+        Route("/api/samples/{sid}/gen/{letter}.png", api_image),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     app = Starlette(routes=routes)

@@ -20,7 +20,6 @@ one that cannot be decoded). A rating that is missing, null, NaN, not a number o
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 from PIL import Image
 
+from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 
 #: Edit-1K's five criteria, ``overall`` last (the paper's "Overall Effect")
@@ -76,37 +76,28 @@ def load_samples(path: str | Path, limit: int | None = None) -> list[EditSample]
         raise UserError(f"--data {path} does not exist (an Edit-1K-like .jsonl file, docs/editing_score.md)")
     base = path.parent
     out: list[EditSample] = []
-    with open(path) as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            for key in REQUIRED:
-                if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise UserError(f"{path}:{n}: '{key}' is missing or not a non-empty string")
-            ratings = row.get("ratings", {})
-            if not isinstance(ratings, dict):
-                raise UserError(f"{path}:{n}: 'ratings' must be an object of {', '.join(CRITERIA)}")
-            unknown = sorted(set(ratings) - set(CRITERIA))
-            if unknown:
-                raise UserError(f"{path}:{n}: unknown rating key '{unknown[0]}' (expected {', '.join(CRITERIA)})")
-            images = {}
-            for key in ("source_image", "edited_image"):
-                p = Path(row[key])
-                p = p if p.is_absolute() else base / p
-                if not p.is_file():
-                    raise UserError(f"{path}:{n}: {key} {p} does not exist")
-                images[key] = p
-            extra = {k: v for k, v in row.items() if k not in (*REQUIRED, "ratings", "id")}
-            out.append(EditSample(str(row.get("id", f"line {n}")), images["source_image"], images["edited_image"],
-                                  row["instruction"], dict(ratings), path, n, extra))
+    for n, row in read_jsonl(path, what="EditingScore data file"):
+        if limit is not None and len(out) >= limit:
+            break
+        for key in REQUIRED:
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise UserError(f"{path}:{n}: '{key}' is missing or not a non-empty string")
+        ratings = row.get("ratings", {})
+        if not isinstance(ratings, dict):
+            raise UserError(f"{path}:{n}: 'ratings' must be an object of {', '.join(CRITERIA)}")
+        unknown = sorted(set(ratings) - set(CRITERIA))
+        if unknown:
+            raise UserError(f"{path}:{n}: unknown rating key '{unknown[0]}' (expected {', '.join(CRITERIA)})")
+        images = {}
+        for key in ("source_image", "edited_image"):
+            p = Path(row[key])
+            p = p if p.is_absolute() else base / p
+            if not p.is_file():
+                raise UserError(f"{path}:{n}: {key} {p} does not exist")
+            images[key] = p
+        extra = {k: v for k, v in row.items() if k not in (*REQUIRED, "ratings", "id")}
+        out.append(EditSample(str(row.get("id", f"line {n}")), images["source_image"], images["edited_image"],
+                              row["instruction"], dict(ratings), path, n, extra))
     if not out:
         raise UserError(f"--data {path} has no rows")
     return out

@@ -22,7 +22,6 @@ to ``editing.json["own_edits"]``.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from unicon import jsonsafe
+from unicon.data.mixture import read_edits
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
@@ -125,12 +125,12 @@ def _score_samples(model, samples: Sequence[EditSample], indices: list[int], bat
 
 # ---- the model's own edits (ShapesWorld) ------------------------------------------------------
 def own_edit_rows(world_root: str | Path, n: int) -> list[dict]:
-    """The first ``n`` rows of ``<world_root>/edit_test.jsonl``."""
+    """The first ``n`` rows of ``<world_root>/edit_test.jsonl`` (:func:`unicon.data.mixture.read_edits`:
+    a malformed row is an error naming its line)."""
     path = Path(world_root) / "edit_test.jsonl"
     if not path.is_file():
         raise UserError(f"--own-edits needs a ShapesWorld root with edit_test.jsonl; {path} does not exist (--world)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[:n]
+    return read_edits(path)[:n]
 
 
 def _own_edits(model, rows: list[dict], world_root: Path, indices: list[int], batch_size: int,
