@@ -67,6 +67,7 @@ from unicon.worlds.shapes import (
     render,
     scene_boxes,
 )
+from data_builders.shapes_instruct import instruct_rows
 from unicon.worlds.shapes_edit import EDIT_KINDS, add_clutter, edit_row, route_marker, sample_edit
 from unicon.worlds.shapes_alignment import write_alignment_set
 from unicon.worlds.shapes_editscore import write_editscore_set
@@ -95,6 +96,8 @@ EDITS_PER_SCENE = 0.5
 REALUNIFY_PER_CATEGORY = 100
 ALIGNMENT_PAIRS = 200
 EDITSCORE_EDITS = 60
+#: instruction rows of the train mixture (data_builders.shapes_instruct): multiple choice, GEU, BagelScore
+INSTRUCT_MC, INSTRUCT_GEU, INSTRUCT_RATINGS = 6000, 1000, 6000
 #: RNG stream constants of the edit rows and the RealUnify files (beside 11..23 of the other files)
 EDIT_STREAM, REALUNIFY_STREAM = 41, 43
 # The OFA task prompts (owned by OFAUnifiedModel) are added to the BPE corpus so that their words
@@ -157,6 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="image-caption pairs with exact ratings (alignment/pairs.jsonl, over the test images; 0 = none)")
     t.add_argument("--editscore-edits", type=int, default=EDITSCORE_EDITS,
                    help="test edits whose candidates get exact ratings (editscore/editscore.jsonl; 0 = none)")
+    t.add_argument("--instruct-mc", type=int, default=INSTRUCT_MC,
+                   help="training VQA questions also asked as RealUnify's multiple-choice prompt (task instruct)")
+    t.add_argument("--instruct-geu-per-category", type=int, default=INSTRUCT_GEU,
+                   help="RealUnify GEU items per category drawn from training scenes (task instruct)")
+    t.add_argument("--instruct-ratings", type=int, default=INSTRUCT_RATINGS,
+                   help="BagelScore-prompt rows over training images (task instruct)")
     t.add_argument("--geneval-per-tag", type=int, default=50, help="max GenEval prompts per tag (unique)")
     t.add_argument("--num-drift-seeds", type=int, default=64)
     t.add_argument("--vocab-size", type=int, default=1000)
@@ -174,7 +183,8 @@ def validate(args: argparse.Namespace, cfg: WorldConfig) -> None:
         raise ValueError("--num-train must be >= 1 and --num-val/--num-test >= 0")
     for name in ("captions_per_scene", "vqa_per_scene", "grounding_per_scene", "t2i_per_scene",
                  "num_reason_train", "num_ureason", "geneval_per_tag", "num_drift_seeds", "edits_per_scene",
-                 "realunify_per_category", "alignment_pairs", "editscore_edits"):
+                 "realunify_per_category", "alignment_pairs", "editscore_edits", "instruct_mc",
+                 "instruct_geu_per_category", "instruct_ratings"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if not 1 <= args.min_contrast_sets <= args.max_contrast_sets <= 5:
@@ -558,7 +568,7 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
     counts: dict[str, Any] = {}
     evals, reason_train = reasoning_items(cfg, args, held_out)
     n_reason_images = len(reason_train) if args.reason_images is None else args.reason_images
-    drift = []
+    drift, train_rows = [], []
     pool = mp.get_context("fork").Pool(workers, _init_worker, (state,)) if workers > 1 else None
     if pool is None:
         _init_worker(state)
@@ -575,6 +585,8 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
                     for res in results:
                         for r in res["rows"]:
                             mix.write(json.dumps(r) + "\n")
+                        if split == "train":
+                            train_rows.extend(res["rows"])
                         n_rows += len(res["rows"])
                         if res["annotation"] is not None:
                             a = res["annotation"]
@@ -594,6 +606,10 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
                         for r in reason_image_rows(cfg, reason_train[:n_reason_images], out, args.seed, avoid):
                             mix.write(json.dumps(r) + "\n")
                         n_rows += n_reason_images
+                        for r in instruct_rows(train_rows, cfg, args.seed, out, held_out, args.instruct_mc,
+                                               args.instruct_geu_per_category, args.instruct_ratings):
+                            mix.write(json.dumps(r) + "\n")
+                            n_rows += 1
                     coco.write('\n], "images": ' + json.dumps(images) + "}\n")
                 counts[split] = {"scenes": sizes[split], "mixture_rows": n_rows, "cococon_annotations": n_ann,
                                  "contrast_sets": n_sets, "categories": by_cat}

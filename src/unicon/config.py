@@ -88,7 +88,7 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, *, l
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_zero2", "deepspeed_zero2_offload",
               "deepspeed_zero3", "deepspeed_zero3_offload")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "bf16-true", "16-true", "64-true", "64")
-MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i", "edit")  # data.tasks
+MIXTURE_TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i", "edit", "instruct")  # data.tasks
 OPTIMIZERS = ("adamw", "muon")  # optim.name (unicon.training.optim.build_optimizer)
 EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (compared with captioning)
 SHAPES_EVAL_TASKS = ("vqa", "caption", "grounding", "t2i", "edit")  # the tasks of `unicon evaluate shapes`
@@ -134,7 +134,7 @@ class DataConfig:
     num_workers: int = bounded(0, 0)
     image_cache_mb: float = bounded(256.0, 0.0)  # decoded mixture images kept per process (0: decode every time)
     # edit (image editing) rows come from the world's edit_<split>.jsonl; not trained on by default
-    tasks: list[str] = choice([t for t in MIXTURE_TASKS if t != "edit"], MIXTURE_TASKS, each=True)
+    tasks: list[str] = choice([t for t in MIXTURE_TASKS if t not in ("edit", "instruct")], MIXTURE_TASKS, each=True)
     # "by_task": every mixture batch holds one task (one encoder/decoder call per step instead of
     # one per task; training.datamodule.TaskGroupedSampler); "mixed": batches mix tasks
     # "auto": by_task under DeepSpeed (ZeRO needs every rank's step to use the same parameters), else mixed

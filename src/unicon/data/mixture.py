@@ -4,7 +4,7 @@ whose rows the COCO source (:mod:`unicon.data.coco_mixture`) also produces.
 One row per task example::
 
     {"id", "scene_id", "image": "images/train/00042.png" | null,
-     "task": "caption" | "vqa" | "grounding" | "t2i" | "reason" | "reason_t2i",
+     "task": "caption" | "vqa" | "grounding" | "t2i" | "reason" | "reason_t2i" | "instruct",
      "text": question / referring expression / t2i caption / think prompt / null,
      "target": caption / answer / [x, y, w, h] / reasoning trace / null, "qtype", "scene",
      "context": reasoning trace (reason_t2i only)}
@@ -14,7 +14,9 @@ write the trace ``R`` (ending in ``refined prompt: ...``) from the prompt alone,
 ``UnifiedModel.score_text(None, ...)`` -- the text-only format ``UnifiedModel.reason`` generates in.
 ``reason_t2i`` rows are the same items drawn: the image from ``[P, R]`` (prompt ``text``, trace
 ``context``), through ``UnifiedModel.score_image(..., contexts=...)`` -- the input UReason's
-setting 2 gives ``generate_image``. Every task but ``reason`` needs an image. Which tasks a run
+setting 2 gives ``generate_image``. ``instruct`` rows ask a suite's own prompt format about an image
+(RealUnify's multiple choice, BagelScore's rating; ``data_builders.shapes_instruct``): image + prompt ->
+short text, the prompt given as ``UnifiedModel.answer`` gives it. Every task but ``reason`` needs an image. Which tasks a run
 trains on is ``data.tasks``.
 
 ``edit`` rows (:data:`EDIT_TASK`) live in the world's ``edit_<split>.jsonl``, not in the mixture file
@@ -54,7 +56,7 @@ from unicon.errors import UserError
 
 log = logging.getLogger(__name__)
 
-TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i")
+TASKS = ("caption", "vqa", "grounding", "t2i", "reason", "reason_t2i", "instruct")
 IMAGE_FREE_TASKS = ("reason",)
 #: image editing: rows of ``edit_<split>.jsonl`` (module docstring); a task of data.tasks besides TASKS
 EDIT_TASK = "edit"
@@ -94,7 +96,9 @@ def read_mixture(path: str | Path, tasks: Sequence[str] = TASKS) -> list[dict[st
             raise _row_error(path, n, f"task {task} needs a non-empty 'text'")
         if task == "reason_t2i" and not (isinstance(row.get("context"), str) and row["context"]):
             raise _row_error(path, n, "task reason_t2i needs a non-empty string 'context' (the reasoning trace)")
-        if task in ("caption", "vqa", "reason") and not (isinstance(row.get("target"), str) and row["target"]):
+        if task == "instruct" and not (isinstance(row.get("text"), str) and row["text"].strip()):
+            raise _row_error(path, n, "task instruct needs a non-empty string 'text' (the prompt)")
+        if task in ("caption", "vqa", "reason", "instruct") and not (isinstance(row.get("target"), str) and row["target"]):
             raise _row_error(path, n, f"task {task} needs a non-empty string 'target'")
         if task == "grounding":
             box = row.get("target")

@@ -80,7 +80,7 @@ SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with
 #: Mixture tasks scored by one encoder/decoder call per standard step: caption and VQA rows are
 #: both "image + prompt -> text" (the caption prompt is the model's own), so they share one call.
 #: ``edit`` rows (source image + instruction -> target image) go through ``UnifiedModel.score_edit``.
-SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",), ("reason_t2i",), ("edit",))
+SCORING_GROUPS = (("caption", "vqa"), ("reason",), ("grounding",), ("t2i",), ("reason_t2i",), ("edit",), ("instruct",))
 if sorted(t for g in SCORING_GROUPS for t in g) != sorted(TRAINABLE_TASKS):  # pragma: no cover
     raise ImportError(f"SCORING_GROUPS {SCORING_GROUPS} must cover the trainable tasks {TRAINABLE_TASKS}")
 
@@ -281,6 +281,8 @@ class ConsistencyModule(L.LightningModule):
                 prompts = [self.model.caption_prompt if batch["tasks"][b] == "caption" else texts[i]
                            for i, b in enumerate(rows)]
                 sc = self.model.score_text(imgs, prompts, [[t] for t in targets])
+            elif group[0] == "instruct":  # a suite's long prompt format, given as answer() gives it
+                sc = self.model.score_text(imgs, [" " + t.strip() for t in texts], [[t] for t in targets])
             elif group[0] == "reason":  # think prompt -> trace, text only (the format reason() generates in)
                 sc = self.model.score_text(None, texts, [[t] for t in targets])
             elif group[0] == "grounding":
