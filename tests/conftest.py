@@ -1,6 +1,7 @@
 """Shared pytest fixtures. Tests never touch the network."""
 
 import json
+import sys
 import os
 from pathlib import Path
 
@@ -73,44 +74,42 @@ def ofa_fixture_dir(shared_dir) -> Path:
     return d
 
 
+#: the shipped base model (scripts/ship_base_model.py) and the command that rebuilds it
+SHIPPED_MODEL = REPO / "checkpoints" / "shapes_base"
+REBUILD = "make pretrained"
+
+
 @pytest.fixture(scope="session")
-def pretrained_shapes(tmp_path_factory) -> tuple[Path, Path]:
-    """``(export, world)`` of a ShapesWorld model trained by the pretraining recipe with image editing
-    (``experiment=shapes_pretrain_edit``: shapes_pretrain plus the world's edit rows).
+def shipped_world(tmp_path_factory) -> Path:
+    """The world the shipped model was trained on: ``data/shapes`` when its fingerprint is the one in
+    ``checkpoints/shapes_base/provenance.json``, else a world built here with the default options (whose
+    fingerprint ``test_shipped_model`` checks)."""
+    from unicon.worlds.shapes import load_world
 
-    ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name an existing one.
-    Otherwise a world is built and the recipe is trained from scratch with test_competence.STEPS steps
-    (about 4 minutes, on the recipe's two DDP ranks) through the real CLI; its ``unicon evaluate shapes``
-    accuracies are written beside the export as ``competence.json`` (asserted by test_competence). Under
+    provenance = json.loads((SHIPPED_MODEL / "provenance.json").read_text())
+    local = REPO / "data" / "shapes"
+    if (local / "world.json").is_file() and load_world(local).fingerprint() == provenance["world"]["fingerprint"]:
+        return local
+    sys.path.insert(0, str(REPO))
+    from data_builders.shapes import main as build_shapes
+    root = tmp_path_factory.mktemp("shipped_world")
+    assert build_shapes(["--out", str(root), "--quiet", "--overwrite", "--workers", "2"]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def pretrained_shapes(shipped_world) -> tuple[Path, Path]:
+    """``(export, world)`` of the shipped base model ``checkpoints/shapes_base`` and its world.
+
+    ``$UNICON_PRETRAINED`` (a ``save_pretrained`` folder) and ``$UNICON_WORLD`` name another one. Under
     pytest-xdist the tests that use it run in one worker (:func:`pytest_collection_modifyitems`)."""
-    import subprocess
-    import sys
-
     if os.environ.get("UNICON_PRETRAINED"):
         export = Path(os.environ["UNICON_PRETRAINED"])
         world = Path(os.environ.get("UNICON_WORLD", REPO / "data" / "shapes"))
         if not (export / "unicon_model.json").is_file() or not (world / "cococon_test.json").is_file():
             pytest.skip(f"$UNICON_PRETRAINED={export} / world {world} is not a pretrained model and its world")
         return export, world
-    from test_competence import RECIPE, SHORT_SCHEDULE, STEPS
-
-    root = tmp_path_factory.mktemp("competence")
-    world, runs = root / "world", root / "runs"
-    unicon = [sys.executable, "-m", "unicon.cli"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-
-    def run(*args: str) -> None:
-        proc = subprocess.run([*unicon, *args], cwd=REPO, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, f"unicon {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-
-    run("build-data", "shapes", "--out", str(world), "--quiet")
-    run("train", f"experiment={RECIPE}", f"data.root={world}", f"output_dir={runs}", "name=recipe",
-        f"trainer.max_steps={STEPS}", *SHORT_SCHEDULE, "logger=csv", "trainer.enable_progress_bar=false")
-    export = runs / "recipe" / "export"
-    run("evaluate", "shapes", "--ckpt", str(export), "--world", str(world), "--out", str(root / "eval"),
-        "--limit", "200", "--logger", "none", "--tasks", "vqa", "caption", "grounding", "t2i", "edit")
-    (runs / "recipe" / "competence.json").write_text((root / "eval" / "shapes_eval.json").read_text())
-    return export, world
+    return SHIPPED_MODEL, shipped_world
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +128,7 @@ def tiny_shapes_world(tmp_path_factory) -> Path:
 
 # ---- running under pytest-xdist ---------------------------------------------------------------------
 #: conftest fixtures too expensive to build once per worker: the tests using them share a worker
-BUILT_ONCE = {"pretrained_shapes"}
+BUILT_ONCE = {"pretrained_shapes", "shipped_world"}
 #: where the workers leave the units of work (test id -> unit) for the controller's scheduler
 UNITS_FILE = "xdist-units.json"
 

@@ -347,7 +347,7 @@ def test_cli_writes_results(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--max-samples must be >= 1, got 0"):
         cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--max-samples", "0"])
     with pytest.raises(UserError, match=r"image file not found: .*images/0\.png.*--images"):
-        cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(out), "--images", str(tmp_path / "cli")])
+        cli(["--ckpt", str(ckpt), "--data", str(path), "--out", str(tmp_path / "other"), "--images", str(out)])
     # the flags are eval.cococon's fields, with its defaults (--max-samples: the whole file; --images: images_root)
     args, config = parser().parse_args(["--ckpt", "x", "--data", "x", "--out", "x"]), CocoConEvalConfig()
     for name in ("batch_size", "table_rows", "tasks", "generative", "skip_missing", "probe_words", "images_root"):

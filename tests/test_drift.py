@@ -803,16 +803,19 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
                                                     / bench_result["sequential_steps_per_s"])
 
 
-def test_cli_defaults_are_the_epoch_end_settings():
+def test_cli_defaults_are_the_epoch_end_settings(tmp_path):
     from unicon.config import DriftEvalConfig
+    from unicon.evaluation.cli_common import check_common_args
 
-    args = drift_cli.build_parser().parse_args(["--ckpt", "x", "--out", "y"])
+    args = drift_cli.build_parser().parse_args(["--ckpt", "x", "--out", str(tmp_path / "y")])
     cfg = DriftEvalConfig()
     assert (args.generations, args.batch_size, args.i2t_prompt, args.clip, args.dino, args.sentence, args.strips,
             args.seeds, args.geneval, args.long) == (cfg.generations, cfg.batch_size, cfg.i2t_prompt, cfg.clip,
                                                      cfg.dino, cfg.sentence, cfg.strips, cfg.seeds,
                                                      cfg.geneval_prompts, cfg.long_prompts)
     assert args.embedders.split(",") == list(cfg.embedders)
+    assert args.device is None  # resolved when the command runs (building the parser imports no torch)
+    check_common_args(args)
     assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 

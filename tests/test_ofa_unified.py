@@ -745,11 +745,12 @@ def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, m
     expected = ImageGenerationConfig(do_sample=True, temperature=0.7, guidance_scale=2.0, seed=3)
     assert oracle.last_image_config == expected and result["image_generation"]["guidance_scale"] == 2.0
     assert result["image_generation"]["temperature"] == 0.7 and result["image_generation"]["seed"] == 3
-    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+    bad = tmp_path / "bad"  # refused flags: each fails with one line before writing anything
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(bad),
                  "--limit", "2", "--logger", "none", "--temperature", "0"]) == 2
-    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(bad),
                  "--limit", "2", "--logger", "none", "--candidates", "0"]) == 2
-    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(out),
+    assert main(["evaluate", "shapes", "--ckpt", str(ckpt), "--world", str(tiny_world), "--out", str(bad),
                  "--limit", "2", "--logger", "none", "--greedy", "--candidates", "4"]) == 2  # identical draws
     for key in ("vqa_accuracy", "caption_match", "loc_iou50", "t2i_match"):
         assert result["metrics"][key] == 1.0, key

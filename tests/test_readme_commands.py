@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import standins
+from conftest import SHIPPED_MODEL
 from unicon.cli import main as unicon_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,9 +95,9 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon evaluate editing --ckpt checkpoints/shapes_demo/export --data data/shapes/editscore/editscore.jsonl --out outputs/editing --own-edits 70": (
         ["--limit", "6", "--own-edits", "2", "--logger", "none"], 0),
     "unicon report checkpoints/shapes_demo": ([], 0),
-    "unicon evaluate drift --ckpt checkpoints/shapes_pretrain/export --world data/shapes --generations 20 --out outputs/drift-pretrain": (
+    "unicon evaluate drift --ckpt checkpoints/shapes_base --world data/shapes --generations 20 --out outputs/drift-base": (
         ["--generations", "2", "--logger", "none"], 0),
-    "unicon study create demo=outputs/drift pretrain=outputs/drift-pretrain --annotators 6 --overlap 2 --out outputs/study": (
+    "unicon study create demo=outputs/drift base=outputs/drift-base --annotators 6 --overlap 2 --out outputs/study": (
         [], 0),
     "unicon study serve outputs/study": (["--port", "0", "--stop-after", "1"], 0),
     "unicon study export outputs/study": ([], 0),
@@ -159,6 +160,7 @@ def sandbox(tmp_path_factory) -> Path:
     standins.janus_export(pretrained / "Janus-Pro-1B")
     shutil.copytree(pretrained / "Janus-Pro-1B", pretrained / "Janus-Pro-7B")
     standins.owlv2(top / "models" / "owlv2")
+    shutil.copytree(SHIPPED_MODEL, proj / "checkpoints" / "shapes_base")  # tracked in the project, as on a clone
     standins.qwen2_vl(top / "models" / "Qwen3-VL-8B")
     return proj
 
@@ -205,12 +207,11 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
     order = list(RUNS)
     build = order.pop(0)
     run(build, proj, monkeypatch, capsys)  # data/shapes, used by every command after it
-    # what `make demo` does before the README's commands are useful: pretrain and the demo run
+    # what `make demo` does before the README's commands are useful: the demo run from the shipped model
     monkeypatch.chdir(proj)
-    for overrides in (["experiment=shapes_pretrain", "trainer.max_steps=2", *ONE_PROCESS],
-                      ["experiment=shapes_demo", "trainer.limit_train_batches=2", "eval.cococon.max_samples=4",
-                       "eval.drift.num_chains=1", "eval.drift.generations=1", "eval.ureason.max_samples=2"]):
-        assert unicon_main(["train", *overrides]) == 0, capsys.readouterr().err
+    assert unicon_main(["train", "experiment=shapes_demo", "trainer.limit_train_batches=2", "eval.cococon.max_samples=4",
+                        "eval.drift.num_chains=1", "eval.drift.generations=1", "eval.ureason.max_samples=2"]) == 0, \
+        capsys.readouterr().err
     coco_images(proj, 3)
     for command in order:
         run(command, proj, monkeypatch, capsys)
@@ -225,10 +226,10 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_make_demo(sandbox, tmp_path):
-    """``make demo`` with the sandbox's world and pretrained export in place (so it skips the build and
-    the pretraining, as on a second run) and a shortened demo run; twice, as users do."""
+    """``make demo`` with the sandbox's world in place (so it skips the build, as on a second run), starting
+    from the shipped model, with a shortened demo run; twice, as users do. It ends with the headline table."""
     proj = sandbox
-    if not (proj / "checkpoints" / "shapes_pretrain" / "export" / "config.json").is_file():
+    if not (proj / "data" / "shapes" / "world.json").is_file():
         pytest.skip("needs the sandbox prepared by test_readme_commands_run")
     for name in ("Makefile", "constraints.txt", "pyproject.toml", "scripts"):
         if not (proj / name).exists():
@@ -245,5 +246,6 @@ def test_make_demo(sandbox, tmp_path):
                               cwd=proj, capture_output=True,
                               text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "report:" in proc.stdout and "build-data" not in proc.stdout and "shapes_pretrain" not in proc.stdout
+        assert "report:" in proc.stdout and "build-data" not in proc.stdout
+        assert proc.stdout.index("CocoCon at the first and last") < proc.stdout.index("checkpoint:")
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()

@@ -406,6 +406,45 @@ def test_cli_writes_results_refuses_stepwise_without_editing_and_merges_shards(t
     assert unicon_main([*common, "--judge", "vlm:/nonexistent", "--out", str(tmp_path / "none")]) == 2
 
 
+def test_cli_refuses_an_out_of_another_run_unless_overwrite_deletes_it(tmp_path, capsys, monkeypatch):
+    """A rerun into an ``--out`` that another run wrote (other data, other weights) is refused before
+    anything is written; ``--overwrite`` deletes the old outputs first, so no file mixes the two runs;
+    the same command again is the same run."""
+    monkeypatch.setattr(standins.FakeModel, "supports_editing", False)
+    first, second = _world_data(tmp_path / "first"), _world_data(tmp_path / "second")
+    (second / "realunify" / "ueg.jsonl").write_text(json.dumps(UEG_ROWS[0]) + "\n")  # other data: one UEG row
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    standins.FakeModel(answers=["A", "B"], draw="world", world=str(first)).save_pretrained(str(ckpt))
+    common = ["evaluate", "realunify", "--ckpt", str(ckpt), "--device", "cpu", "--logger", "csv",
+              "--settings", "direct", "--batch-size", "2", "--out", str(out)]
+    assert unicon_main([*common, "--data", str(first)]) == 0
+    capsys.readouterr()
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert {Path("realunify.json"), Path("metrics.jsonl"), Path("tables/realunify_samples.jsonl")} <= set(before)
+
+    assert unicon_main([*common, "--data", str(second)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--out {out} holds the outputs of another run" in err, err
+    assert f'data="{first}" (this run: "{second}")' in err and "--overwrite" in err, err
+    standins.FakeModel(scale=0.5, answers=["A", "B"], draw="world", world=str(first)).save_pretrained(str(ckpt))
+    assert unicon_main([*common, "--data", str(first)]) == 2  # the same settings, other weights
+    err = capsys.readouterr().err.strip()
+    assert "written by another model" in err and err.count("\n") == 0, err
+    assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+    assert unicon_main([*common, "--data", str(second), "--overwrite"]) == 0
+    assert "--overwrite: deleting the outputs of another run" in capsys.readouterr().out
+    assert json.loads((out / "realunify.json").read_text())["data"] == str(second)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # this run's row only
+    rows = [json.loads(line) for line in (out / "tables" / "realunify_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 + 2  # one UEG and two GEU instances: none of the first run's rows
+    images = [p.relative_to(out) for p in out.rglob("*.png")]
+    assert any("l0" in str(p) for p in before) and not any("l0" in str(p) for p in images)  # the first run's only
+    assert unicon_main([*common, "--data", str(second)]) == 0  # the same run again
+    owner = json.loads((out / "evaluate-run.json").read_text())
+    assert owner["command"] == "unicon evaluate realunify" and owner["settings"]["data"] == str(second)
+
+
 def test_eval_group_and_callback_from_config(tmp_path):
     from unicon import config
     from unicon.evaluation import suites

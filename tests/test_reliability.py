@@ -147,6 +147,21 @@ def test_resume_uses_the_checkpoint_config_and_lists_overrides(trained, capsys):
         compose_run([f"resume={trained / 'last.ckpt'}", "experiment=shapes_demo"])
 
 
+def test_a_resume_in_a_moved_run_folder_keeps_last_ckpt_the_newest(world, tmp_path):
+    """The checkpoint of a moved run folder names its old place; the resumed run still rewrites
+    ``last.ckpt`` (no ``last-v1.ckpt``), so ``resume=<run>/last.ckpt`` never goes back."""
+    import shutil
+
+    train(compose(run_args(world, tmp_path / "old", "name=r", "trainer.max_steps=2", "trainer.max_epochs=1")))
+    shutil.move(tmp_path / "old" / "r", tmp_path / "new" / "r")
+    run = tmp_path / "new" / "r"
+    result = train(compose_run([*run_args(world, tmp_path / "new", "name=r"), f"resume={run / 'last.ckpt'}",
+                                "trainer.max_steps=3", "trainer.max_epochs=2"]))
+    assert result["global_step"] == 3 and Path(result["ckpt_path"]) == run / "last.ckpt"
+    assert sorted(p.name for p in run.glob("last*.ckpt")) == ["last.ckpt"]
+    assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. one run per folder
 # ---------------------------------------------------------------------------------------------
@@ -647,3 +662,30 @@ def test_any_garbage_checkpoint_is_a_one_line_error_naming_it(tmp_path):
         f.write_bytes(rng.randbytes(rng.randrange(1, 4096)))
         with pytest.raises(UserError, match=re.escape(str(f))):
             read_training_checkpoint(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results files are strict JSON: a non-finite number is null (tables) or a string (metrics.jsonl)
+# ---------------------------------------------------------------------------------------------
+def test_tables_and_metrics_hold_no_bare_nan_or_infinity(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from unicon import jsonsafe
+    from unicon.evaluation.callbacks import log_metrics, log_table
+    from unicon.evaluation.cococon.runner import nan_to_none
+    from unicon.loggers import JsonlLogger
+
+    loggers = [JsonlLogger(tmp_path)]
+    rows = [[float("nan"), float("inf"), np.float32("-inf"), torch.tensor(float("nan")), 0.5, Image.new("RGB", (2, 2))],
+            [[1.0, float("nan")], {"x": float("inf")}, "text", None, 2, None]]
+    log_table(loggers, "suite/samples", ["a", "b", "c", "d", "e", "image"], rows, step=0)
+    lines = (tmp_path / "tables" / "suite_samples.jsonl").read_text().splitlines()
+    first, second = (jsonsafe.loads_strict(line) for line in lines)  # bare NaN / Infinity would raise
+    assert [first[k] for k in "abcde"] == [None, None, None, None, 0.5] and first["image"].endswith(".png")
+    assert second["a"] == [1.0, None] and second["b"] == {"x": None} and second["c"] == "text"
+    log_metrics(loggers, {"suite/x": float("nan"), "suite/y": 1.5}, step=0)
+    row = jsonsafe.loads_strict((tmp_path / "metrics.jsonl").read_text())
+    assert row["suite/x"] == "nan" and row["suite/y"] == 1.5
+    assert nan_to_none({"C_k": {1: float("nan"), 2: float("inf")}, "rho": [float("-inf")]}) == \
+        {"C_k": {1: None, 2: None}, "rho": [None]}

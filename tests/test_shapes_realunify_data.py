@@ -29,6 +29,7 @@ from unicon.worlds.shapes_realunify import (
     LEFT_OUT,
     LETTERS,
     UEG_CATEGORIES,
+    stepwise_truths,
     answer_poll,
     check_geu,
     geu_answer,
@@ -192,6 +193,26 @@ def test_geu_questions_need_the_transformation(geu):
                 truths = [False] * 4
             differ[row["category"]] += LETTERS[truths.index(True)] != row["answer"] if any(truths) else 1
     assert differ["mental_tracking"] == 40 and differ["mental_reconstruction"] >= 30
+
+
+def test_stepwise_questions_keep_their_answer_after_a_perfect_edit(geu):
+    """GEU stepwise asks the edited image its stepwise_question: on the exact target scene (a perfect edit)
+    exactly the answer's option is true, for every category. The direct question there loses its answer
+    (reconstruction and tracking ask about the board before the edit, navigation about empty cells the
+    route markers fill)."""
+    lost = collections.Counter()
+    for row, _ in geu:
+        target = Scene.from_dict(row["target_scene"])
+        truths = stepwise_truths(row, CFG, target)
+        assert sum(truths) == 1 and LETTERS[truths.index(True)] == row["answer"], row["stepwise_question"]
+        assert row["stepwise_question"].isascii() and row["stepwise_question"].endswith("?")
+        try:
+            direct = geu_truths(row, CFG, target)
+        except ValueError:  # e.g. no path through empty cells any more
+            direct = [False] * 4
+        lost[row["category"]] += direct != truths
+    assert lost["attentional_focusing"] == 0
+    assert lost["mental_reconstruction"] >= 30 and lost["cognitive_navigation"] >= 30
 
 
 def test_built_world_has_realunify_files(tiny_shapes_world):

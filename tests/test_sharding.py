@@ -1,6 +1,6 @@
 """``unicon evaluate <suite> --shard i/n`` + ``--merge`` == one run, byte for byte, for CocoCon, drift
 and UReason; the merge's refusals (a missing shard, other settings, other weights); the partition is
-the DistributedSampler's.
+the DistributedSampler's; the merge reads only the JSON parts the shards write, never a pickle.
 
 Every run goes through the real CLI and ``load_model`` on a saved ``standins.FakeModel`` whose
 outputs depend on their inputs (a wrong order, a lost or doubled sample changes the files). The
@@ -10,6 +10,8 @@ repeat, as a rank does."""
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -103,7 +105,14 @@ def test_merge_refuses_what_does_not_add_up(world, tmp_path, capsys):
     assert cococon_cli.cli([*common, "--shard", "0/2"]) == 0
     with pytest.raises(UserError, match=r"shard 1/2 has not finished \(no .*shard-1-of-2/done\.json\)"):
         cococon_cli.cli([*common, "--merge"])
-    assert cococon_cli.cli([*common, "--shard", "1/2", "--max-samples", "3"]) == 0
+    with pytest.raises(UserError, match=r"--out .*o holds the outputs of another run \(written with other settings: "
+                                        r"max_samples=null \(this run: 3\)\); use another --out, or pass --overwrite"):
+        cococon_cli.cli([*common, "--shard", "1/2", "--max-samples", "3"])  # refused before it runs
+    assert cococon_cli.cli([*common, "--shard", "1/2"]) == 0
+    done = tmp_path / "o" / "shards" / "shard-1-of-2" / "done.json"  # a shard folder of other settings, copied in
+    info = json.loads(done.read_text())
+    info["key"]["max_samples"] = 3
+    done.write_text(json.dumps(info))
     with pytest.raises(UserError, match=r"shard 1/2 .* was run with other settings: max_samples=3 \(merge: None\)"):
         cococon_cli.cli([*common, "--merge"])
     standins.FakeModel(scale=0.25).save_pretrained(str(ckpt))  # the checkpoint changed between the shards
@@ -144,3 +153,83 @@ def test_a_bad_shard_spec_creates_no_output_folder(suite, world, ckpt, tmp_path)
         cli(["--ckpt", str(ckpt), "--device", "cpu", "--logger", "none", *extra(world), "--out", str(out),
              "--shard", "2/2"])
     assert not out.exists()
+
+
+class _Payload:
+    """Unpickling it would run ``touch <marker>``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_merge_reads_no_pickle_and_refuses_any_file_but_a_shard_part(world, ckpt, tmp_path):
+    """A crafted part file (a pickle with a code payload, an unknown tag, an object dtype, a torn
+    file) is refused with one line naming it, and nothing in it runs; the rerun shard merges."""
+    cli, extra, files, _ = SUITES["cococon"]
+    common = ["--ckpt", str(ckpt), "--device", "cpu", "--logger", "none", *extra(world), "--out", str(tmp_path / "o")]
+    for i in range(2):
+        assert cli([*common, "--shard", f"{i}/2"]) == 0
+    part = tmp_path / "o" / "shards" / "shard-1-of-2" / "collective-000.json"
+    assert json.loads(part.read_text())["format"] == "unicon-shard-part"  # strict JSON, no pickle
+    marker = tmp_path / "payload-ran"
+    crafted = {
+        pickle.dumps(_Payload(marker)): r"binary data, a pickle\)",
+        json.dumps({"format": "unicon-shard-part", "version": 1, "value": {"$t": "os.system", "v": "id"}}).encode():
+            r"unknown value type 'os.system'",
+        json.dumps({"format": "unicon-shard-part", "version": 1,
+                    "value": {"$t": "ndarray", "dtype": "|O", "shape": [1], "data": ""}}).encode():
+            r"numpy dtype object is not one a part may hold",
+        json.dumps({"format": "unicon-shard-part", "version": 1,
+                    "value": {"$t": "tensor", "dtype": "float32", "shape": [1000000], "data": "AAAA"}}).encode():
+            r"tensor data of 3 bytes for shape \[1000000\]",
+        b'{"format": "unicon-shard-part", "version": 1, "value": [NaN]}': r"non-JSON constant NaN",
+        part.read_bytes()[:50]: r"not JSON",
+    }
+    for content, why in crafted.items():
+        part.write_bytes(content)
+        with pytest.raises(UserError, match=rf"merge: {re.escape(str(part))} is not a shard part file \({why}") as err:
+            cli([*common, "--merge"])
+        assert "\n" not in str(err.value) and not marker.exists()
+    part.unlink()
+    part.with_suffix(".pkl").write_bytes(pickle.dumps(_Payload(marker)))  # a pickle where a part should be
+    with pytest.raises(UserError, match=r"holds collective-000\.pkl, a pickle, and no collective-000\.json"):
+        cli([*common, "--merge"])
+    assert not marker.exists() and not (tmp_path / "o" / files[0]).exists()
+    assert cli([*common, "--shard", "1/2"]) == 0 and cli([*common, "--merge"]) == 0
+    assert not marker.exists() and (tmp_path / "o" / files[0]).is_file()
+
+
+def test_shard_parts_round_trip_what_the_suites_gather():
+    from collections import Counter, OrderedDict
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from unicon.evaluation.shard_parts import dumps_part, loads_part
+
+    image = Image.new("RGB", (5, 3), (10, 20, 30))
+    image.info["dpi"] = (72, 72)
+    value = {
+        3: {"similarity": [0.1, float("nan"), float("inf"), -0.0], "trail": ("a caption", image), "$t": None},
+        "counts": Counter({"truncated": 2}), "ordered": OrderedDict(b=1, a=2), "ids": {"x", "y"}, "raw": b"\x00\xff",
+        "state": torch.arange(6, dtype=torch.float64).reshape(2, 3), "half": torch.tensor([1.5], dtype=torch.bfloat16),
+        "flags": torch.tensor([True, False]), "empty": torch.empty(0, 4), "np": np.arange(3, dtype=np.int16),
+        "np_scalar": np.float32(0.1), (1, "k"): None,
+    }
+    back = loads_part(dumps_part(value))
+    assert set(back) == set(value) and back["counts"] == value["counts"] and type(back["counts"]) is Counter
+    assert list(back["ordered"]) == ["b", "a"] and back["ids"] == {"x", "y"} and back["raw"] == b"\x00\xff"
+    sim = back[3]["similarity"]
+    assert sim[0] == 0.1 and sim[1] != sim[1] and sim[2] == float("inf") and str(sim[3]) == "-0.0"
+    caption, img = back[3]["trail"]
+    assert caption == "a caption" and img.mode == "RGB" and img.tobytes() == image.tobytes() and img.info == image.info
+    for key in ("state", "half", "flags", "empty"):
+        assert back[key].dtype == value[key].dtype and torch.equal(back[key], value[key]), key
+    assert back["np"].dtype == np.int16 and back["np"].tolist() == [0, 1, 2]
+    assert type(back["np_scalar"]) is np.float32 and back["np_scalar"] == np.float32(0.1)
+    with pytest.raises(TypeError, match="cannot hold a pathlib"):
+        dumps_part(Path("x"))

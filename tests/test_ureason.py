@@ -384,10 +384,11 @@ def test_cli_and_loggers(tmp_path, monkeypatch):
                   zip(rows, [i for i in _color_instances() if i.category == cat])]
         _write(data / f"{cat}.jsonl", rows)
         _write(data / f"direct_{cat}.jsonl", direct)
+    import unicon.evaluation.ureason.judges as judges
     import unicon.models as models
 
     monkeypatch.setattr(models, "load_model", lambda path, **kw: ColorDouble(), raising=False)
-    monkeypatch.setattr(ureason_cli, "build_judge", lambda spec, **kw: ColorJudge())
+    monkeypatch.setattr(judges, "build_judge", lambda spec, **kw: ColorJudge())  # the command imports it late
 
     ckpt, vlm = tmp_path / "ckpt", tmp_path / "vlm"  # local directories (the doubles load nothing from them)
     ckpt.mkdir()

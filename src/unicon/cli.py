@@ -17,6 +17,7 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon bench pretrain``  ``unicon.bench.training.pretrain_cli``
 ``unicon bench chains``    ``unicon.bench.chains.bench_cli``
 ``unicon bench build-cococon`` ``data_builders.cococon.bench_main``
+``unicon bench help``      ``unicon.bench.help.cli``
 =========================  ==============================================
 
 User mistakes (:class:`unicon.errors.UserError`, :class:`unicon.config.ConfigError`, a missing
@@ -60,6 +61,7 @@ COMMANDS: dict = {
         "pretrain": ("unicon.bench.training", "pretrain_cli", "pretraining examples/s, FLOPs, share of a matmul peak"),
         "chains": ("unicon.bench.chains", "bench_cli", "batched vs one-at-a-time drift chains"),
         "build-cococon": ("data_builders.cococon", "bench_main", "CocoCon builder pairs/s and peak memory"),
+        "help": ("unicon.bench.help", "cli", "every command's --help: seconds, modules imported (fresh processes)"),
     },
 }
 

@@ -94,6 +94,12 @@ EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (c
 SHAPES_EVAL_TASKS = ("vqa", "caption", "grounding", "t2i", "edit")  # the tasks of `unicon evaluate shapes`
 SHAPES_DEFAULT_TASKS = ("vqa", "caption", "grounding", "t2i")  # its default: edit only for models that edit
 REALUNIFY_SETTINGS = ("direct", "stepwise")  # the settings of `unicon evaluate realunify`
+COCOCON_MAX_K = 5  # the largest CocoCon difficulty k reported (samples have at most 5 contrast sets)
+DRIFT_CHAINS = ("text-first", "image-first")  # the two chains of `unicon evaluate drift`
+# judge weight dtypes: the names of unicon.core.DTYPES, or "auto" (the checkpoint's own)
+JUDGE_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto")
+JUDGE_MAX_NEW_TOKENS = 512  # default token budget of a judge's reply
+EDITING_EPS = 1e-10  # EditingScore's epsilon in rls^2 + eps (the paper's)
 
 
 @dataclass

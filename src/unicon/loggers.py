@@ -135,7 +135,7 @@ class JsonlLogger(Logger):
             row[key] = value if math.isfinite(value) else str(value)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

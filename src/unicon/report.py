@@ -135,6 +135,31 @@ def collect(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return dict(series)
 
 
+#: the tasks of the headline table, compared with captioning by CocoCon
+HEADLINE_TASKS = ("vqa", "localization", "t2i")
+
+
+def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
+    """The run's CocoCon headline as plain text: per task, ``C_1`` and ``rho`` at the first and the
+    last epoch-end evaluation, and their change; None when the run logged no CocoCon evaluation."""
+    rows = []
+    for task in HEADLINE_TASKS:
+        c1, rho = series.get(f"cococon/{task}/C_1"), series.get(f"cococon/{task}/rho")
+        if not c1:
+            continue
+        nan = (0, float("nan"))
+        r0, r1 = (rho[0], rho[-1]) if rho else (nan, nan)
+        rows.append((task, c1[0][1], c1[-1][1], r0[1], r1[1]))
+    if not rows:
+        return None
+    n = len(series[f"cococon/{rows[0][0]}/C_1"])
+    head = f"{'task':<14}{'C_1 first':>10}{'C_1 last':>10}{'change':>8}{'rho first':>11}{'rho last':>10}{'change':>8}"
+    lines = [f"CocoCon at the first and last of {n} epoch-end evaluations:", head]
+    for task, a, b, ra, rb in rows:
+        lines.append(f"{task:<14}{_fmt(a):>10}{_fmt(b):>10}{_fmt(b - a):>8}{_fmt(ra):>11}{_fmt(rb):>10}{_fmt(rb - ra):>8}")
+    return "\n".join(lines)
+
+
 def _fmt(v: float) -> str:
     return "nan" if math.isnan(v) else f"{v:.4g}"
 

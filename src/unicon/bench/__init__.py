@@ -6,7 +6,9 @@ side in the same run (these machines are noisy; a bench compares, it does not ti
 * :mod:`unicon.bench.training` -- ``unicon bench train`` (consistency vs standard updates, the
   training loop's overhead, the rank loss's per-task gradient regime) and ``unicon bench pretrain``
   (examples/s, model FLOPs, the share of a matmul peak, data-parallel ranks);
-* :mod:`unicon.bench.chains` -- ``unicon bench chains``: batched vs one-at-a-time drift chains.
+* :mod:`unicon.bench.chains` -- ``unicon bench chains``: batched vs one-at-a-time drift chains;
+* :mod:`unicon.bench.help` -- ``unicon bench help``: every command's ``--help`` in a fresh process
+  (seconds, modules imported), against the budget of one second.
 
 The CocoCon builder's bench (``unicon bench build-cococon``) stays beside the builder in
 ``data_builders/cococon.py``, which sits outside the ``unicon`` package.

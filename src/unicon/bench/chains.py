@@ -16,28 +16,24 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-
-from unicon.config import compose
+from unicon.config import DRIFT_CHAINS, compose
 from unicon.data.drift_seeds import load_seeds
 from unicon.errors import UserError
 from unicon.evaluation.drift.cli import add_chain_args
 from unicon import jsonsafe
-from unicon.evaluation.drift.metrics import CHAINS
-from unicon.evaluation.drift.runner import run_chains
-from unicon.models import build_model, load_model
-from unicon.models.base import ImageGenerationConfig, UnifiedModel
-from unicon.models.ofa.configuration_ofa import preset_config
-from unicon.models.ofa.modeling_ofa import OFAModel
-from unicon.models.ofa.tokenization import BOS_ID, OFATokenizer
-from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
+
+if TYPE_CHECKING:  # heavy (torch, the model backends): each function imports what it runs, not --help
+    import torch
+
+    from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
 
 def _load_model(ckpt: str) -> UnifiedModel:
     if not Path(ckpt).exists():
         raise UserError(f"checkpoint not found: {ckpt}")
+    from unicon.models import load_model
 
     return load_model(ckpt)
 
@@ -48,6 +44,8 @@ def _time_image_codes(model, texts: list[str], cfg: ImageGenerationConfig, num_s
     KV cache and with the full-prefix recompute (the two alternate within each repeat, in one
     process), and whether both gave the same codes (they must: same seed, logits equal up to
     rounding)."""
+    import torch
+
     best = {"cached": math.inf, "uncached": math.inf}
     codes = {}
     for _ in range(max(repeats, 1)):
@@ -70,7 +68,10 @@ def _time_last_code(model, text: str, num_codes: int, codebook_size: int, repeat
     the newest token against a cache of the ``num_codes - 1`` tokens before it, vs the whole
     ``num_codes``-token prefix (the work each path does per code at the end of an image). The
     prefix codes are random: timing does not depend on their values."""
+    import torch
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from unicon.models.ofa.tokenization import BOS_ID
 
     lo = model.tokenizer.code_offset
     codes = torch.randint(codebook_size, (1, num_codes - 1), generator=torch.Generator().manual_seed(0))
@@ -91,7 +92,6 @@ def _time_last_code(model, text: str, num_codes: int, codebook_size: int, repeat
             "uncached_seconds": best["uncached"], "speedup": best["uncached"] / best["cached"]}
 
 
-@torch.no_grad()
 def bench_t2i_cache(model: UnifiedModel, source: str, prompts: Sequence[str], batch_size: int,
                     base_codes: int, repeats: int = 1, device: torch.device | str = "cpu") -> dict[str, Any]:
     """OFA text-to-image with the decoder's KV cache vs the full recompute, side by side.
@@ -106,45 +106,54 @@ def bench_t2i_cache(model: UnifiedModel, source: str, prompts: Sequence[str], ba
       of the codes drawn; only the first ``base_codes`` codes are timed (``0`` skips it), plus the
       single decoder pass for the grid's last code (``last_code``) both ways.
     """
-    result: dict[str, Any] = {}
-    if isinstance(model, OFAUnifiedModel) and model.image_tokenizer is not None:
-        h, w = model.image_tokenizer.grid_size
-        texts = [model._t2i_text(p) for p in prompts[:batch_size]]
-        cfg = dataclasses.replace(model.image_generation_config, seed=0)
-        result["chain_model"] = {"source": source, "grid": [h, w], "codes_timed": h * w,
-                                 "batch_size": len(texts), "generation": asdict(cfg),
-                                 **_time_image_codes(model, texts, cfg, h * w,
-                                                     model.image_tokenizer.codebook_size, repeats)}
-    else:
-        why = f"{type(model).__name__} is not an OFA model with an image tokenizer"
-        result["chain_model"] = {"source": source, "skipped": why}
-    if base_codes > 0:
-        preset = compose(["model=ofa_base"]).model.preset
-        config = preset_config(preset, code_image_size=256)  # OFA's image generation: 256 px / 8 = 32x32
-        grid = config.code_image_size // 8
-        num_codes = grid * grid
-        if base_codes > num_codes:
-            raise UserError(f"--t2i-base-codes {base_codes} exceeds the {grid}x{grid} grid's "
-                            f"{num_codes} codes")
-        torch.manual_seed(0)
-        base = OFAUnifiedModel(OFAModel(config), OFATokenizer.byte_level(config.vocab_size, num_codes=8192),
-                               OFAWrapperConfig(max_source_length=128)).to(device).eval()
-        cfg = ImageGenerationConfig(do_sample=True, seed=0)
-        result["ofa_base"] = {"preset": preset, "random_weights": True, "grid": [grid, grid],
-                              "codes_timed": base_codes, "codes_per_image": num_codes, "batch_size": 1,
-                              "generation": asdict(cfg),
-                              **_time_image_codes(base, [base._t2i_text(prompts[0])], cfg, base_codes, 8192,
-                                                  repeats)}
-        result["ofa_base"]["last_code"] = _time_last_code(base, base._t2i_text(prompts[0]), num_codes, 8192,
-                                                          repeats)
-        if base_codes < num_codes:
-            result["ofa_base"]["note"] = (
-                f"both paths timed on the first {base_codes} of {num_codes} codes (--t2i-base-codes): the "
-                "uncached decoder reruns the whole prefix at every code, so a full image would take it "
-                "tens of minutes on a CPU; the speed-up grows with the number of codes (last_code: the "
-                "decoder pass for the final code of a full image, timed both ways)")
-        del base
-    return result
+    import torch
+
+    from unicon.models.base import ImageGenerationConfig
+    from unicon.models.ofa.configuration_ofa import preset_config
+    from unicon.models.ofa.modeling_ofa import OFAModel
+    from unicon.models.ofa.tokenization import OFATokenizer
+    from unicon.models.ofa.unified import OFAUnifiedModel, OFAWrapperConfig
+
+    with torch.no_grad():
+        result: dict[str, Any] = {}
+        if isinstance(model, OFAUnifiedModel) and model.image_tokenizer is not None:
+            h, w = model.image_tokenizer.grid_size
+            texts = [model._t2i_text(p) for p in prompts[:batch_size]]
+            cfg = dataclasses.replace(model.image_generation_config, seed=0)
+            result["chain_model"] = {"source": source, "grid": [h, w], "codes_timed": h * w,
+                                     "batch_size": len(texts), "generation": asdict(cfg),
+                                     **_time_image_codes(model, texts, cfg, h * w,
+                                                         model.image_tokenizer.codebook_size, repeats)}
+        else:
+            why = f"{type(model).__name__} is not an OFA model with an image tokenizer"
+            result["chain_model"] = {"source": source, "skipped": why}
+        if base_codes > 0:
+            preset = compose(["model=ofa_base"]).model.preset
+            config = preset_config(preset, code_image_size=256)  # OFA's image generation: 256 px / 8 = 32x32
+            grid = config.code_image_size // 8
+            num_codes = grid * grid
+            if base_codes > num_codes:
+                raise UserError(f"--t2i-base-codes {base_codes} exceeds the {grid}x{grid} grid's "
+                                f"{num_codes} codes")
+            torch.manual_seed(0)
+            base = OFAUnifiedModel(OFAModel(config), OFATokenizer.byte_level(config.vocab_size, num_codes=8192),
+                                   OFAWrapperConfig(max_source_length=128)).to(device).eval()
+            cfg = ImageGenerationConfig(do_sample=True, seed=0)
+            result["ofa_base"] = {"preset": preset, "random_weights": True, "grid": [grid, grid],
+                                  "codes_timed": base_codes, "codes_per_image": num_codes, "batch_size": 1,
+                                  "generation": asdict(cfg),
+                                  **_time_image_codes(base, [base._t2i_text(prompts[0])], cfg, base_codes, 8192,
+                                                      repeats)}
+            result["ofa_base"]["last_code"] = _time_last_code(base, base._t2i_text(prompts[0]), num_codes, 8192,
+                                                              repeats)
+            if base_codes < num_codes:
+                result["ofa_base"]["note"] = (
+                    f"both paths timed on the first {base_codes} of {num_codes} codes (--t2i-base-codes): the "
+                    "uncached decoder reruns the whole prefix at every code, so a full image would take it "
+                    "tens of minutes on a CPU; the speed-up grows with the number of codes (last_code: the "
+                    "decoder pass for the final code of a full image, timed both ways)")
+            del base
+        return result
 
 
 def bench_cli(argv: Sequence[str] | None = None) -> int:
@@ -165,6 +174,10 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
                         "(32x32 = 1024 codes per image; 0 skips it; default: %(default)s)")
     p.set_defaults(generations=2, num_chains=8)
     args = p.parse_args(argv)
+    import torch  # heavy: imported when the command runs, not for --help
+
+    from unicon.evaluation.drift.runner import run_chains
+    from unicon.models import build_model
 
     seeds = load_seeds(args.seeds or Path(args.world))[: args.num_chains]
     if args.ckpt:
@@ -174,7 +187,7 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
         model = build_model(cfg.model, world_root=args.world)
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
-    result = {"num_chains": len(seeds), "generations": args.generations, "chains": list(CHAINS),
+    result = {"num_chains": len(seeds), "generations": args.generations, "chains": list(DRIFT_CHAINS),
               "device": str(device), "torch_threads": torch.get_num_threads()}
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
         for label, bs in (("batched", min(args.batch_size, len(seeds))), ("sequential", 1)):
@@ -185,7 +198,7 @@ def bench_cli(argv: Sequence[str] | None = None) -> int:
                                  i2t_prompt=args.i2t_prompt)
                 best = min(best, run.model_seconds)
                 shutil.rmtree(d)
-            steps = len(seeds) * args.generations * len(CHAINS)
+            steps = len(seeds) * args.generations * len(DRIFT_CHAINS)
             result[f"{label}_steps_per_s"] = steps / best
             result[f"{label}_seconds"] = best
             result[f"{label}_batch_size"] = bs

@@ -27,9 +27,9 @@ import os
 import time
 from pathlib import Path
 
-import torch
 from PIL import Image
 
+from unicon import jsonsafe
 from unicon.config import ModelConfig, config_dir
 from unicon.errors import UserError
 
@@ -57,6 +57,8 @@ def load_contrast_sets(path: Path, images_root: Path, k: int, limit: int) -> lis
 
 
 def _load(args) -> "object":
+    import torch
+
     from unicon.models.checkpoints import load_model  # lazy: pulls in every model backend (transformers)
     from unicon.models.factory import build_model  # lazy: pulls in every model backend (transformers)
 
@@ -76,11 +78,15 @@ def _load(args) -> "object":
 
 def float32_atol(nll: list[list[float]], num_tokens: int, prompt: str) -> float:
     """``2 * n * eps32 * max(1, max|nll|)``, ``n = num_tokens + len(prompt)`` (see the module docstring)."""
+    import torch
+
     scale = max([1.0] + [abs(v) for row in nll for v in row])
     return 2.0 * (num_tokens + len(prompt)) * torch.finfo(torch.float32).eps * scale
 
 
 def run(model, samples: list[dict], batch_size: int, atol: float | None = None) -> dict:
+    import torch
+
     prompt = model.caption_prompt
     batched, naive, longest = [], [], 0
     with torch.no_grad():
@@ -132,6 +138,8 @@ def cli(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.k < 2 or args.samples < 1 or args.batch_size < 1:
         raise UserError("--k must be >= 2, --samples and --batch-size >= 1")
+    import torch  # heavy: imported when the command runs, not for --help
+
     torch.set_num_threads(args.threads)
     world = Path(args.world)
     contrast = Path(args.contrast_file) if args.contrast_file else world / "cococon_test.json"
@@ -139,7 +147,7 @@ def cli(argv: list[str] | None = None) -> int:
     model = _load(args)
     result = run(model, samples, args.batch_size, args.atol)
     result["k"] = args.k
-    print(json.dumps(result))
+    print(jsonsafe.dumps(result))
     if not result["agree"]:
         raise UserError(f"batched and naive scores differ by {result['max_abs_diff']:.3g} > {result['atol']:.3g}")
     return 0

@@ -29,22 +29,20 @@ ranks merge, and the gradient it sends through each task, for each soft-rank var
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from unicon import jsonsafe
 from unicon.config import ConfigError, compose
-from unicon.data.coco_mixture import image_resize_for
-from unicon.data.mixture import collate_mixture
 from unicon.errors import UserError
-from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
-from unicon.training.optim import build_optimizer
-from unicon.training.run import build_training_model, train
+
+if TYPE_CHECKING:  # heavy (torch, the training code): each function imports what it runs, not --help
+    import torch
 
 
 def _take_mixture(dataset, n: int, start: int = 0) -> dict[str, Any]:
+    from unicon.data.mixture import collate_mixture
+
     return collate_mixture([dataset[(start + i) % len(dataset)] for i in range(n)])
 
 
@@ -65,6 +63,8 @@ def _take_contrast(dataset, sequences: int, start: int = 0) -> tuple[dict[str, A
 
 
 def _timed(step_fn, batches: list, warmup: int, device: torch.device) -> float:
+    import torch
+
     for b in batches[:warmup]:
         step_fn(b)
     if device.type == "cuda":
@@ -80,8 +80,11 @@ def _timed(step_fn, batches: list, warmup: int, device: torch.device) -> float:
 def _training_setup(cfg, device: str | None):
     """``(device, model, module, datamodule, trainable parameters)`` as a training run builds them:
     the seeded model in training mode, its :class:`ConsistencyModule` and the fitted data."""
+    import torch
+
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
     from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
+    from unicon.training.run import build_training_model
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
@@ -92,6 +95,8 @@ def _training_setup(cfg, device: str | None):
 
 
 def run_bench(cfg, steps: int = 10, warmup: int = 2, sequences: int = 32, device: str | None = None) -> dict:
+    import torch
+
     dev, model, module, dm, params = _training_setup(cfg, device)
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled="bf16" in str(cfg.trainer.precision))
@@ -160,12 +165,12 @@ def cli(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         raise UserError(str(e)) from None
     if args.rank_regime:
-        print(json.dumps(run_rank_regime(cfg, args.steps, args.device)))
+        print(jsonsafe.dumps(run_rank_regime(cfg, args.steps, args.device)))
         return 0
     if args.loop:
-        print(json.dumps(run_loop_bench(cfg, args.steps, max(args.warmup, 1), args.rounds, args.device)))
+        print(jsonsafe.dumps(run_loop_bench(cfg, args.steps, max(args.warmup, 1), args.rounds, args.device)))
         return 0
-    print(json.dumps(run_bench(cfg, args.steps, args.warmup, args.sequences, args.device)))
+    print(jsonsafe.dumps(run_bench(cfg, args.steps, args.warmup, args.sequences, args.device)))
     return 0
 
 
@@ -177,6 +182,8 @@ RANK_VARIANTS = (("torchsort", 1.0), ("sigmoid", 1.0), ("sigmoid", 0.5))
 
 
 def _grad_norm(loss: torch.Tensor, params: list) -> float:
+    import torch
+
     grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
 
@@ -195,6 +202,9 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
       sends to the model's parameters through the task's scores alone (``grad_task_side``, the
       anchor's scores detached) and through the anchor's alone (``grad_anchor_side``);
     * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale."""
+    import torch
+
+    from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
     from unicon.training.datamodule import collate_contrast  # lazy: pulls in Lightning
     from unicon.training.module import supported_tasks, token_weighted_ce  # lazy: pulls in Lightning
 
@@ -263,6 +273,7 @@ def _loop_config(cfg, steps: int, warmup: int, output_dir: str):
 def _step_clock(device: torch.device):
     """A Lightning callback that records the time at the end of every training step and the examples
     that step trained on (the contrast samples of a consistency update, else the mixture rows)."""
+    import torch
     from lightning.pytorch.callbacks import Callback
 
     class StepClock(Callback):
@@ -288,10 +299,14 @@ def _bare_step(cfg, device: torch.device):
     backward, gradient clipping (``trainer.gradient_clip_val``), the run's optimizer and LR
     scheduler -- and the batches of the training loader's first epoch, in its order (collated
     before timing: the bare step does not load data)."""
+    import torch
     from transformers import get_scheduler
 
+    from unicon.data.coco_mixture import image_resize_for
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
     from unicon.training.module import SCHEDULERS, ConsistencyModule  # lazy: pulls in Lightning
+    from unicon.training.optim import build_optimizer
+    from unicon.training.run import build_training_model
 
     torch.manual_seed(cfg.seed)
     model = build_training_model(cfg).to(device).train()
@@ -341,6 +356,10 @@ def run_loop_bench(cfg, steps: int = 20, warmup: int = 3, rounds: int = 2, devic
     import contextlib
     import io
     import tempfile
+
+    import torch
+
+    from unicon.training.run import train
 
     if warmup < 1:
         raise UserError("bench train --loop: need --warmup >= 1 (the loop's clock starts at the end of a step)")
@@ -399,6 +418,8 @@ def run_loop_bench(cfg, steps: int = 20, warmup: int = 3, rounds: int = 2, devic
 def matmul_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a float32 ``n x n`` matrix product on this machine at the current thread count
     (best of ``repeats``): the practical ceiling the training step is compared against."""
+    import torch
+
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)  # warm up the kernels
     best = float("inf")
@@ -413,10 +434,14 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     """``(module, step function, batches)`` of standard pretraining updates; with ``world > 1`` this
     rank takes every ``world``-th batch and the step all-reduces the gradients (one flat buffer:
     DDP's bucketed all-reduce without its overlap with the backward pass) before AdamW."""
+    import torch
     import torch.distributed as dist
 
+    from unicon.data.mixture import collate_mixture
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
     from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
+    from unicon.training.optim import build_optimizer
+    from unicon.training.run import build_training_model
 
     if cfg.trainer.cpu_threads:
         torch.set_num_threads(int(cfg.trainer.cpu_threads))
@@ -453,6 +478,7 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
 
 def _rank_worker(rank: int, world: int, port: int, cfg, steps: int, warmup: int, results) -> None:
     """One rank of :func:`ranks_throughput` (spawned): the timed steps, idle then beside a busy process."""
+    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -527,6 +553,7 @@ def run_pretrain_bench(cfg, steps: int = 10, warmup: int = 2) -> dict:
     import subprocess
     import sys
 
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     module, step, batches = _pretrain_step(cfg, steps, warmup)
@@ -591,5 +618,5 @@ def pretrain_cli(argv: list[str] | None = None) -> int:
         cfg = compose(["experiment=shapes_pretrain", *args.overrides])
     except ConfigError as e:
         raise UserError(str(e)) from None
-    print(json.dumps(run_pretrain_bench(cfg, args.steps, args.warmup)))
+    print(jsonsafe.dumps(run_pretrain_bench(cfg, args.steps, args.warmup)))
     return 0

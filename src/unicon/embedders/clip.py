@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from PIL import Image
 
+from unicon import jsonsafe
 from unicon.data.mixture import read_mixture
 from unicon.embedders.base import Embedder, EmbedderNotFound, normalize
 
@@ -225,7 +226,7 @@ def train_shapes_clip(
         "train_top1": retrieval_accuracy(model, images[:512], tokens[:512]),
         "val_top1": retrieval_accuracy(model, val_images, val_tokens) if val_images is not None else None,
     }
-    (out / "train_log.json").write_text(json.dumps(report, indent=2))
+    (out / "train_log.json").write_text(jsonsafe.dumps(report, indent=2))
     return report
 
 
@@ -245,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     report = train_shapes_clip(args.train_shapes, args.out, steps=args.steps, batch_size=args.batch_size,
                                lr=args.lr, seed=args.seed)
-    print(json.dumps(report, indent=2))
+    print(jsonsafe.dumps(report, indent=2))
     return 0
 
 

@@ -33,7 +33,6 @@ the loggers write on rank zero only.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import time
@@ -46,6 +45,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
 
+from unicon import jsonsafe
 from unicon.evaluation import preemption
 from unicon.loggers import environment_info, flatten_config
 
@@ -132,7 +132,7 @@ def log_table(
                         cell.save(p)
                         cell = str(p.relative_to(out))
                     rec[col] = cell
-                f.write(json.dumps(rec, default=str) + "\n")
+                f.write(jsonsafe.dumps(rec, default=str) + "\n")  # non-finite numbers: null
 
 
 def gathered_parameters(trainer: Trainer, model: torch.nn.Module):

@@ -9,6 +9,13 @@ from a suite's eval dataclass (:func:`add_config_args`); ``--shard``/``--merge``
 
 * ``--device cuda`` on a machine without CUDA, an ``--out`` that is a file or cannot be written,
   and a count below its minimum fail with one line naming the flag;
+* one run per ``--out`` (:func:`claim_out`): ``OUT/evaluate-run.json`` records the command, the
+  settings and the weights fingerprint of the run that writes the folder (the settings are checked
+  before any work, the weights once the model is loaded, before anything is written); a non-empty
+  ``--out`` written by another command, with other settings or weights, or by something else is
+  refused, unless ``--overwrite`` deletes its contents first. The same command with the same
+  settings and weights (a rerun, a resume, the shards and the merge of one split) is the same run
+  and goes on;
 * the model loads with :func:`unicon.models.load_model`; unpickling only with ``--allow-pickle``;
 * ``--logger`` defaults to the training default (``LoggerConfig.type``), for every suite;
 * commands that draw images expose the sampling recipe (:func:`add_image_generation_args`): each
@@ -28,19 +35,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import json
 import os
+import shutil
 import tempfile
 import typing
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-import torch
-
 from unicon.config import LoggerConfig, field_problem
 from unicon.errors import UserError
-from unicon.evaluation.distributed import Shard, merged_run, sharded_run
-from unicon.models.base import ImageGenerationConfig, UnifiedModel
 
 #: eval-section fields that only the epoch-end callbacks use
 EPOCH_END_ONLY = ("enabled", "every_n_epochs")
@@ -137,12 +143,16 @@ def config_from_args(args: argparse.Namespace, cls: type, flags: Mapping[str, Fl
 def add_common_args(p: argparse.ArgumentParser, out_help: str = "output directory") -> None:
     p.add_argument("--ckpt", required=True, help="model: save_pretrained directory or Lightning .ckpt")
     p.add_argument("--out", required=True, help=out_help)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    p.add_argument("--device", default=None,  # resolved by check_common_args: --help imports no torch
                    help="torch device (default: cuda when available)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept checkpoints that need unpickling (pytorch_model.bin; can run code: trusted files only)")
     p.add_argument("--logger", choices=["wandb", "csv", "none"], default=LoggerConfig.type,
                    help=f"where the metrics also go (default: {LoggerConfig.type}, offline without an API key)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="when --out holds the outputs of another run (another command, other settings, other "
+                        "files), delete them first (default: refuse)")
+    p.set_defaults(suite_command=p.prog)
 
 
 def add_image_generation_args(p: argparse.ArgumentParser) -> None:
@@ -186,14 +196,21 @@ def image_generation_config(model, args: argparse.Namespace):
 
 
 def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), minimum: dict | None = None) -> Path:
-    """Validate the shared arguments, ``--shard`` and the count flags ``counts`` (>= 1, or
-    ``minimum[name]``); then create ``--out``. Returns the output directory."""
+    """Validate the shared arguments (an unset ``--device`` becomes cuda when available, else cpu),
+    ``--shard`` and the count flags ``counts`` (>= 1, or ``minimum[name]``); then create ``--out``
+    and claim it for this run (:func:`claim_out`). Returns the output directory."""
+    import torch  # heavy: imported when the command runs, not for --help
+
+    from unicon.evaluation.distributed import Shard
+
     minimum = minimum or {}
     for name in counts:
         value = getattr(args, name)
         low = minimum.get(name, 1)
         if value is not None and value < low:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = str(args.device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine (torch.cuda.is_available() "
@@ -201,7 +218,10 @@ def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), mini
     if getattr(args, "shard", None):  # a bad --shard i/n fails before --out is created
 
         Shard.parse(args.shard)
-    return prepare_out(args.out)
+    out = prepare_out(args.out)
+    claim_out(out, getattr(args, "suite_command", None), _owner_settings(args),
+              overwrite=getattr(args, "overwrite", False), keep=("shards",) if getattr(args, "merge", False) else ())
+    return out
 
 
 def prepare_out(out: str | Path) -> Path:
@@ -218,6 +238,122 @@ def prepare_out(out: str | Path) -> Path:
     if not os.access(out, os.W_OK):  # pragma: no cover - covered by the write test above on POSIX
         raise UserError(f"--out {out}: not writable")
     return out
+
+
+#: the file of ``--out`` that names the run writing the folder: ``{"command": ..., "settings": {...}}``
+OUT_OWNER = "evaluate-run.json"
+
+
+def _canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` as the JSON values :data:`OUT_OWNER` stores (paths and other objects as text)."""
+    from unicon import jsonsafe  # numpy: imported when the command runs, not for --help
+
+    return jsonsafe.finite(json.loads(json.dumps(dict(settings), sort_keys=True, default=str)))
+
+
+def _read_owner(text: str) -> dict | None:
+    """The content of :data:`OUT_OWNER`, or None when it is empty or not one."""
+    try:
+        old = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return old if isinstance(old, dict) and isinstance(old.get("settings"), dict) else None
+
+
+def _other_run(owner_text: str, entries: Sequence[Path], want: Mapping[str, Any], fingerprint: str | None,
+               checkpoint: str | None) -> str | None:
+    """Why a non-empty ``--out`` (its :data:`OUT_OWNER` text and other ``entries``) belongs to another
+    run than ``want`` (and the weights ``fingerprint`` of ``checkpoint``, when known); None when it is
+    the same run."""
+    if not owner_text.strip():
+        return f"{len(entries)} entries, e.g. {entries[0].name}, and no {OUT_OWNER}"
+    old = _read_owner(owner_text)
+    if old is None:
+        return f"its {OUT_OWNER} is unreadable"
+    if old.get("command") != want["command"]:
+        return f"written by {json.dumps(old.get('command'))[:60]}"
+    was, now = old["settings"], want["settings"]
+    diff = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    if diff:
+        shown = ", ".join(f"{k}={json.dumps(was.get(k))[:200]} (this run: {json.dumps(now.get(k))[:200]})"
+                          for k in diff[:4])
+        return f"written with other settings: {shown}" + (f" and {len(diff) - 4} more" if len(diff) > 4 else "")
+    recorded = old.get("model_fingerprint")
+    if fingerprint and recorded and recorded != fingerprint:
+        return (f"written by another model ({old.get('checkpoint')}, weights {str(recorded)[:32]}) than "
+                f"{checkpoint} (weights {fingerprint})")
+    return None
+
+
+def _check_deletable(out: Path) -> None:
+    """``--overwrite`` deletes the contents of ``out``: never those of the working directory, one above
+    it or the home folder."""
+    target = out.resolve()
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents or target == Path.home().resolve():
+        raise UserError(f"--overwrite would delete everything in --out {out} ({target}: the working directory, "
+                        "one above it or the home folder); give the output folder itself")
+
+
+def claim_out(out: Path, command: str | None, settings: Mapping[str, Any], overwrite: bool = False,
+              keep: Sequence[str] = (), fingerprint: str | None = None, checkpoint: str | None = None) -> None:
+    """Claim ``out`` for the run of ``command`` with ``settings`` (see the module docstring) and, once
+    the model is loaded, its weights ``fingerprint`` (of ``checkpoint``, recorded for the messages):
+    record them in :data:`OUT_OWNER`. The checkpoint's path is not a setting: the weights decide.
+
+    A non-empty ``out`` that another run wrote (another command, other settings, other weights, or
+    files without :data:`OUT_OWNER`) is a :class:`UserError`, unless ``overwrite``: then its entries
+    are deleted first (except the names in ``keep``, e.g. a merge's ``shards``). The same run (a
+    rerun, a resume, sibling shards starting together) goes on; the claim holds a lock on
+    :data:`OUT_OWNER` while it decides, so concurrent jobs see one another's claim."""
+    want = {"command": command, "settings": _canonical(settings)}
+    path = out / OUT_OWNER
+    with open(path, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        owner_text = f.read()
+        entries = sorted(p for p in out.iterdir() if p.name != OUT_OWNER and not p.name.startswith(".write-test-"))
+        # nothing but the record (a run that stopped before writing anything): the folder is free
+        reason = _other_run(owner_text, entries, want, fingerprint, checkpoint) if entries else None
+        if reason is not None:
+            if not overwrite:
+                if not owner_text:
+                    path.unlink()  # created by this claim: the folder is left as it was
+                raise UserError(f"--out {out} holds the outputs of another run ({reason}); use another --out, "
+                                "or pass --overwrite to delete them first")
+            _check_deletable(out)
+            print(f"--overwrite: deleting the outputs of another run in {out} ({reason})")
+            for p in entries:
+                if p.name in keep:
+                    continue
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        old = _read_owner(owner_text)
+        record = dict(want)
+        if fingerprint:
+            record.update(model_fingerprint=fingerprint, checkpoint=checkpoint)
+        elif reason is None and old is not None and old.get("model_fingerprint") \
+                and old.get("command") == command and old["settings"] == want["settings"]:
+            # the same run, before its model is loaded: its weights stay recorded
+            record.update(model_fingerprint=old["model_fingerprint"], checkpoint=old.get("checkpoint"))
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(record, indent=1, allow_nan=False) + "\n")
+        f.flush()
+
+
+def claim_out_weights(args: argparse.Namespace, out: Path, fingerprint: str) -> None:
+    """:func:`claim_out` once the model is loaded: ``--out`` must not hold the outputs of other weights
+    (the checkpoint file may have changed since the outputs were written). Call it before writing."""
+    ckpt = getattr(args, "ckpt", None)
+    claim_out(out, getattr(args, "suite_command", None), _owner_settings(args),
+              overwrite=getattr(args, "overwrite", False), keep=("shards",) if getattr(args, "merge", False) else (),
+              fingerprint=fingerprint, checkpoint=str(Path(ckpt).resolve()) if ckpt else None)
+
+
+def _owner_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings :func:`claim_out` compares: :func:`settings_key` but the checkpoint's path (the
+    weights fingerprint stands for the model)."""
+    return {k: v for k, v in settings_key(args).items() if k != "ckpt"}
 
 
 def load_model_for(args: argparse.Namespace):
@@ -259,7 +395,14 @@ def config_argv(section: Mapping[str, Any], cls: type, flags: Mapping[str, Flag]
 # --shard i/n and --merge (unicon.evaluation.distributed: sharded_run, merged_run)
 # ---------------------------------------------------------------------------------------------
 #: arguments that do not change a suite's results files: shards and their merge may differ in them
-NOT_IN_SHARD_KEY = ("shard", "merge", "out", "device", "logger", "name", "allow_pickle", "table_rows")
+NOT_IN_SHARD_KEY = ("shard", "merge", "out", "device", "logger", "name", "allow_pickle", "table_rows", "overwrite",
+                    "suite_command")
+
+
+def settings_key(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments that decide a suite's results files (all but :data:`NOT_IN_SHARD_KEY`): what the
+    shards and their merge must share, and what makes a rerun into ``--out`` the same run."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in NOT_IN_SHARD_KEY}
 
 
 def add_shard_args(p: argparse.ArgumentParser) -> None:
@@ -283,6 +426,8 @@ class RecordedModel:
     it, and no weights; every model call raises. A merge job needs no GPU and no memory for the model."""
 
     def __new__(cls, recorded: Mapping[str, Any]):
+        from unicon.models.base import ImageGenerationConfig, UnifiedModel
+
         class Recorded(UnifiedModel):
             backend = "recorded"
 
@@ -312,6 +457,7 @@ class ShardState:
     mode: str | None
     extra: dict
     done: list[dict]
+    out: Path | None = None
 
     def load_model(self, args: argparse.Namespace, loader=None):
         """``(model, weights fingerprint)``: the model of ``--ckpt`` (``loader(args)``, default
@@ -322,8 +468,10 @@ class ShardState:
         if self.mode != "merge":
             model = (loader or load_model_for)(args)
             fingerprint = weights_fingerprint(model)
-            if self.mode == "shard":
+            if self.mode == "shard":  # the merge checks the weights of every shard against --out
                 self.extra["model"] = model_record(model, fingerprint)
+            elif self.out is not None:
+                claim_out_weights(args, self.out, fingerprint)
             return model, fingerprint
         records = [info["extra"]["model"] for info in self.done]
         for info, record in zip(self.done, records):
@@ -331,6 +479,8 @@ class ShardState:
                 diff = sorted(k for k in record if record[k] != records[0].get(k))
                 raise UserError(f"merge: shard {info['shard']} evaluated another model than shard 0 ({', '.join(diff)} "
                                 "differ); rerun it")
+        if self.out is not None:
+            claim_out_weights(args, self.out, records[0]["model_fingerprint"])
         return RecordedModel(records[0]), records[0]["model_fingerprint"]
 
     def record(self, name: str, value: Any) -> Any:
@@ -349,13 +499,15 @@ class ShardState:
 @contextmanager
 def sharding(args: argparse.Namespace, out: Path) -> Iterator[ShardState]:
     """Run the block as one run, as ``--shard I/N`` or as ``--merge`` of ``OUT/shards``."""
-    key = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_IN_SHARD_KEY}
+    from unicon.evaluation.distributed import Shard, merged_run, sharded_run  # heavy: torch.distributed
+
+    key = settings_key(args)
     root = out / "shards"
     if getattr(args, "shard", None):
         with sharded_run(root, Shard.parse(args.shard), key) as extra:
-            yield ShardState("shard", extra, [])
+            yield ShardState("shard", extra, [], out)
     elif getattr(args, "merge", False):
         with merged_run(root, key) as done:
-            yield ShardState("merge", {}, done)
+            yield ShardState("merge", {}, done, out)
     else:
-        yield ShardState(None, {}, [])
+        yield ShardState(None, {}, [], out)

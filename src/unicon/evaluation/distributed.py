@@ -24,7 +24,6 @@ files equal an ``n``-rank run and one process, byte for byte.
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from unicon.errors import UserError
+from unicon.evaluation.shard_parts import dump_part, load_part
 
 T = TypeVar("T")
 
@@ -129,17 +129,18 @@ def gather_objects(obj: T) -> list[T]:
 # A shard ``i/n`` is rank ``i`` of a world of ``n``: it evaluates ``shard_indices(N, i, n)`` (the
 # DistributedSampler partition, padding repeats included), and every collective call the suite makes
 # (``gather_records``, ``gather_objects``, a torchmetrics state sync through :func:`metric_sync_kwargs`)
-# saves this rank's part as ``<folder>/shard-<i>-of-<n>/collective-<k>.pkl`` (``k``: the call's
-# position) and returns what a world of one would. The shard writes no final output
-# (:func:`writes_outputs` is False). ``done.json`` marks a finished shard: its number of collective
-# calls, the settings key and any extra information (e.g. its seconds).
+# saves this rank's part as ``<folder>/shard-<i>-of-<n>/collective-<k>.json`` (``k``: the call's
+# position; the format of :mod:`unicon.evaluation.shard_parts`) and returns what a world of one
+# would. The shard writes no final output (:func:`writes_outputs` is False). ``done.json`` marks a
+# finished shard: its number of collective calls, the settings key and any extra information (e.g.
+# its seconds).
 #
 # The merge runs the same suite code with no sample of its own (``shard_indices`` is empty): each
 # collective call ``k`` returns the parts every shard saved at call ``k``, in shard order, exactly
 # what ``all_gather_object`` / torchmetrics' sync return on ``n`` ranks. So the merge computes the
 # metrics and writes the files from the same inputs as an ``n``-rank run, hence as one process.
-# The pickles are the shards' own output (same user, same folder): read them only from a folder
-# you trust, as with any pickle.
+# The parts are strict JSON (:mod:`unicon.evaluation.shard_parts`): reading a shard folder runs no
+# code, whoever wrote it, and a file that is not such a part is refused with its name.
 
 @dataclass(frozen=True)
 class Shard:
@@ -179,19 +180,21 @@ class _Virtual:
     def collective(self, obj: Any) -> list[Any]:
         """Collective call number ``self.calls``: save (shard) or load every shard's part (merge)."""
         k, self.calls = self.calls, self.calls + 1
-        name = f"collective-{k:03d}.pkl"
+        name = f"collective-{k:03d}.json"
         if self.shard is not None:
-            with open(self.folder / name, "wb") as f:
-                pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+            dump_part(obj, self.folder / name)
             return [obj]
         out = []
         for part in self.parts:
             path = part / name
             if not path.is_file():
+                pickled = path.with_suffix(".pkl")
+                if pickled.is_file():
+                    raise UserError(f"merge: {part} holds {pickled.name}, a pickle, and no {name}: the merge reads "
+                                     "no pickle (unpickling can run code); rerun that shard")
                 raise UserError(f"merge: {path} is missing: the merge made more collective calls than the "
                                  "shards did (were they run with the same settings?)")
-            with open(path, "rb") as f:
-                out.append(pickle.load(f))
+            out.append(load_part(path))
         return out
 
 
@@ -235,6 +238,20 @@ def sharded_run(root: str | Path, shard: Shard, key: Mapping[str, Any]) -> Itera
         _VIRTUAL = None
 
 
+def _read_done(path: Path) -> dict:
+    """A shard's ``done.json``; a file that is not one (not JSON, missing fields) is a :class:`UserError`
+    naming it."""
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"merge: {path} is unreadable ({str(e).splitlines()[0][:120]}); rerun that shard") from None
+    fields = {"shard": str, "collectives": int, "key": dict, "extra": dict}
+    if not isinstance(info, dict) or any(not isinstance(info.get(k), t) for k, t in fields.items()):
+        raise UserError(f"merge: {path} is not the done.json a shard writes (it needs {', '.join(fields)}); "
+                         "rerun that shard")
+    return info
+
+
 def finished_shards(root: str | Path, key: Mapping[str, Any]) -> list[dict]:
     """The ``done.json`` of every shard under ``root``, in shard order; a missing or unfinished
     shard, shards of different counts, or a shard run with other settings than ``key`` is a
@@ -253,7 +270,7 @@ def finished_shards(root: str | Path, key: Mapping[str, Any]) -> list[dict]:
         path = Shard(i, count).folder(root) / "done.json"
         if not path.is_file():
             raise UserError(f"merge: shard {i}/{count} has not finished (no {path}); run or rerun it")
-        info = json.loads(path.read_text())
+        info = _read_done(path)
         want = json.loads(json.dumps(dict(key), sort_keys=True, default=str))
         if info["key"] != want:
             diff = sorted(k for k in set(info["key"]) | set(want) if info["key"].get(k) != want.get(k))

@@ -125,6 +125,8 @@ def all_cli(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--allow-pickle", action="store_true", help="accept checkpoints that need unpickling")
     p.add_argument("--shard", default=None, metavar="I/N", help="run shard I of N of every suite")
     p.add_argument("--merge", action="store_true", help="merge every suite's finished shards")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the outputs of another run in a suite's folder first (default: refuse)")
     p.add_argument("overrides", nargs="*", metavar="eval=<group> | key=value",
                    help="config choices and overrides as for `unicon train` (e.g. eval=shapes data.root=data/shapes)")
     args = p.parse_args(argv)
@@ -133,7 +135,7 @@ def all_cli(argv: Sequence[str] | None = None) -> int:
     for flag, value in (("--device", args.device), ("--logger", args.logger), ("--shard", args.shard)):
         if value is not None:
             common += [flag, value]
-    common += ["--allow-pickle"] * args.allow_pickle + ["--merge"] * args.merge
+    common += ["--allow-pickle"] * args.allow_pickle + ["--merge"] * args.merge + ["--overwrite"] * args.overwrite
     ran = []
     for s in suites().values():
         if s.section is None or s.argv is None or not cfg.eval[s.section].enabled:

@@ -327,7 +327,7 @@ def cli(argv: list[str] | None = None) -> int:
         description="CocoCon Table 2 rows K (continued pretraining), M (soft-rank Spearman), M_paper and hinge, "
                     "from one checkpoint across seeds, with paired 95% intervals against K.",
         epilog="example: unicon experiment table2 --seeds 0 1 2 --out results/table2 -- "
-               "init_from=checkpoints/shapes_pretrain/export",
+               "init_from=checkpoints/shapes_base",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                    help="seeds; each one is shared by every method (data order and gamma draws)")

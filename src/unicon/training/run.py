@@ -52,7 +52,7 @@ from unicon.data.jsonl import read_json
 from unicon.errors import UserError
 from unicon.evaluation.preemption import Preempted
 from unicon.evaluation.suites import suites
-from unicon.report import write_report
+from unicon.report import collect, headline_table, write_report
 
 EXAMPLES = """\
 examples:
@@ -111,10 +111,14 @@ def cli(argv: list[str] | None = None) -> int:
         return 0
 
     result = train(cfg)
+    report = write_report(result["run_dir"])
+    table = headline_table(collect(Path(result["run_dir"])))
+    if table:
+        print(table)
     print(f"checkpoint: {result['ckpt_path']}")
     print(f"export:     {result['export_dir']}")
     print(f"W&B run:    {result['wandb_dir'] or '(no W&B logger)'}")
-    print(f"report:     {write_report(result['run_dir'])}  (metrics: {result['run_dir']}/metrics.jsonl)")
+    print(f"report:     {report}  (metrics: {result['run_dir']}/metrics.jsonl)")
     return 0
 
 
@@ -568,8 +572,12 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
     loggers = make_loggers(cfg, run_dir, persist_run_id=True)  # resume / requeue: the same W&B run
     log_run_config(loggers, cfg, model)  # flattened config, git commit, versions, weights fingerprint
 
+    # no version counter: last.ckpt is always the newest checkpoint. With one, a resume whose checkpoint
+    # names another folder (the run folder moved, output_dir= changed) does not own the last.ckpt it
+    # finds, so it writes last-v1.ckpt and leaves last.ckpt at the old step (resume=<run>/last.ckpt
+    # would then go back); "{epoch}-{step}" names never collide between steps
     checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
-                                 every_n_train_steps=tcfg.checkpoint_every_n_steps)
+                                 every_n_train_steps=tcfg.checkpoint_every_n_steps, enable_version_counter=False)
     # SlurmRequeue's hooks before the LR monitor's and the evaluations': a stop requested at a batch
     # start or an epoch end comes before anything logs a row for a step the checkpoint does not hold
     callbacks = [checkpoint, LogFilesCallback(loggers), *([requeue.callback] if requeue else []),

@@ -622,6 +622,23 @@ class World:
     def image(self, rel: str) -> Image.Image:
         return Image.open(self.root / rel).convert("RGB")
 
+    #: the files whose bytes :meth:`fingerprint` hashes: everything a model trained on the world learned from
+    FINGERPRINT_FILES = ("world.json", "tokenizer.json", "mixture_train.jsonl", "edit_train.jsonl", "cococon_train.json")
+
+    def fingerprint(self) -> str:
+        """``sha256`` over the bytes of :data:`FINGERPRINT_FILES` (each prefixed by its name; absent ones
+        skipped): two builds with the same options give the same fingerprint, since every file is a function
+        of ``--seed``. A shipped model records the fingerprint of the world it was trained on."""
+        digest = hashlib.sha256()
+        for name in self.FINGERPRINT_FILES:
+            path = self.root / name
+            if path.is_file():
+                digest.update(name.encode() + b"\0")
+                with path.open("rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+        return digest.hexdigest()
+
     def _split_file(self, pattern: str, split: str) -> Path:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")

@@ -44,8 +44,16 @@ GEU row (ShapesWorld JSONL; ``image`` relative to the world root)::
     {"id", "category", "image", "question", "options": [4 str], "answer": "A".."D",
      "target_scene": <the exact scene the category's stepwise edit produces>,
      "edit_instruction": <that edit's instruction, in the words of the edit rows>,
+     "stepwise_question": <the question as it reads of the edited image>,
      "scene": <the image's scene>, "check": {"transform"?: {...}, "query": {...}, "values": [4 values]}}
 
+``stepwise_question`` is what GEU stepwise asks of the edited image: a perfect edit changes the board the
+question is about (the quarters are back in place, the moves are made, the route is marked), so the
+direct question would no longer have its answer there ("... on the original board ...", "through empty
+cells"). It asks for the same value of the edited board, with the same options and the same answer
+letter: "in which quarter is the red circle?", "in which cell is the red circle?", "the shortest path from
+the A to the B is marked with blue crosses in the cells between them. how many moves does it take?"
+(attentional focusing keeps its question: its edit removes only what the question does not need).
 ``check.values`` are the options' machine values; :func:`geu_truths` evaluates which options are true on
 a scene (the row's own by default) and exactly one is. GEU categories (:data:`GEU_CATEGORIES`; the
 stepwise edit kind of each is :data:`GEU_EDIT_KIND`):
@@ -428,6 +436,23 @@ def geu_truths(row: Mapping[str, Any], cfg: WorldConfig, scene: Scene | None = N
     return [v == result for v in check["values"]]
 
 
+def stepwise_truths(row: Mapping[str, Any], cfg: WorldConfig, scene: Scene) -> list[bool]:
+    """Which options of a GEU row are true for its ``stepwise_question`` on ``scene``, the edited board:
+    the row's query without its transform (the edit has made it); for a navigation row, the marked route
+    (``check.marker`` objects): its length is the number of markers plus one, and an option cell is on it
+    when it holds a marker."""
+    check, values = row["check"], row["check"]["values"]
+    kind = check["query"].get("q")
+    if kind in ("path_length", "path_cells"):
+        marker = tuple(check["marker"])
+        cells = [[o.row, o.col] for o in scene.objects if o.kind == marker]
+        if kind == "path_length":
+            return [v == len(cells) + 1 for v in values]
+        return [list(v) in cells for v in values]
+    result = evaluate_geu_query({"query": check["query"]}, scene, cfg)
+    return [v == result for v in values]
+
+
 def geu_answer(row: Mapping[str, Any], cfg: WorldConfig, scene: Scene | None = None) -> str:
     """The letter of the one true option (``ValueError`` unless exactly one option is true)."""
     truths = geu_truths(row, cfg, scene)
@@ -471,7 +496,8 @@ def _reconstruction(scene: Scene, rng, cfg: WorldConfig):
         values = [quarter_of(o.row, o.col, cfg)] + [q for q in QUARTERS if q != quarter_of(o.row, o.col, cfg)]
         question = f"{RESTORE_RULE} on the original board, in which quarter was the {e}?"
         check = {"transform": {"op": "unrotate"}, "query": {"q": "quarter_of", "ref": e}}
-        return shuffled, question, check, values, list(values), scene, RESTORE_INSTRUCTION
+        return (shuffled, question, check, values, list(values), scene, RESTORE_INSTRUCTION,
+                f"in which quarter is the {e}?")
     o = _pick(rng, scene.objects)
     r, c = o.row, o.col
     answer = _cell_value(scene, r, c)
@@ -480,7 +506,8 @@ def _reconstruction(scene: Scene, rng, cfg: WorldConfig):
     values = [answer] + [v for v in dict.fromkeys(pool) if v != answer][:3]
     question = f"{RESTORE_RULE} on the original board, what was in {cell_phrase(r, c)}?"
     check = {"transform": {"op": "unrotate"}, "query": {"q": "cell", "row": r, "col": c}}
-    return shuffled, question, check, values, list(values), scene, RESTORE_INSTRUCTION
+    return (shuffled, question, check, values, list(values), scene, RESTORE_INSTRUCTION,
+            f"what is in {cell_phrase(r, c)}?")
 
 
 def _tracking(scene: Scene, rng, cfg: WorldConfig):
@@ -511,7 +538,8 @@ def _tracking(scene: Scene, rng, cfg: WorldConfig):
     steps_text = ", then ".join(words)
     question = f"make these moves on the board: {steps_text}. after the moves, in which cell is the {e}?"
     check = {"transform": {"op": "steps", "steps": specs}, "query": {"q": "position_of", "ref": e}}
-    return scene, question, check, values, [_cell_words(v) for v in values], final, steps_text
+    return (scene, question, check, values, [_cell_words(v) for v in values], final, steps_text,
+            f"in which cell is the {e}?")
 
 
 def _focusing(scene: Scene, rng, cfg: WorldConfig):
@@ -532,7 +560,8 @@ def _focusing(scene: Scene, rng, cfg: WorldConfig):
         values = [fq.answer] + shape_alternatives(fq.answer, cfg)[:3]
         options = list(values)
     target = keep_only(busy, relevant_objects(fq.query, busy, cfg))
-    return busy, fq.text, {"query": fq.query}, values, options, target, f"keep only the objects needed to answer: {fq.text}"
+    return (busy, fq.text, {"query": fq.query}, values, options, target,
+            f"keep only the objects needed to answer: {fq.text}", fq.text)
 
 
 def _navigation(scene: Scene, rng, cfg: WorldConfig):
@@ -547,12 +576,14 @@ def _navigation(scene: Scene, rng, cfg: WorldConfig):
     a, b, steps, cells = _pick(rng, pairs)
     ea, eb = f"{a.color} {a.shape}", f"{b.color} {b.shape}"
     lead = "moving one cell at a time to a side-by-side empty cell,"
+    marked = f"the shortest path from the {ea} to the {eb} is marked with {marker[0]} {plural(marker[1])} in the cells between them."
     if rng.random() < 0.5:
         manhattan = abs(a.row - b.row) + abs(a.col - b.col)
         values = _number_options(steps, rng, extra=[manhattan])
         options = [number_word(v) for v in values]
         question = f"{lead} how many moves does the shortest path from the {ea} to the {eb} take?"
-        check = {"query": {"q": "path_length", "from": ea, "to": eb}}
+        after = f"{marked} how many moves does it take?"
+        check = {"query": {"q": "path_length", "from": ea, "to": eb}, "marker": list(marker)}
     else:
         on = [list(c) for c in cells]
         empty = {(r, c) for r in range(cfg.grid) for c in range(cfg.grid)} - {(o.row, o.col) for o in busy.objects}
@@ -566,9 +597,10 @@ def _navigation(scene: Scene, rng, cfg: WorldConfig):
         values = [_pick(rng, on)] + [list(c) for c in ordered[:3]]
         options = [_cell_words(v) for v in values]
         question = f"{lead} which of these cells does the shortest path from the {ea} to the {eb} pass through?"
-        check = {"query": {"q": "path_cells", "from": ea, "to": eb}}
+        after = f"{marked} which of these cells holds one of them?"
+        check = {"query": {"q": "path_cells", "from": ea, "to": eb}, "marker": list(marker)}
     target = mark_route(busy, cells, marker)
-    return busy, question, check, values, options, target, route_instruction(a, b, marker)
+    return busy, question, check, values, options, target, route_instruction(a, b, marker), after
 
 
 GEU_GENERATORS = {"mental_reconstruction": _reconstruction, "mental_tracking": _tracking,
@@ -598,13 +630,13 @@ def geu_items(cfg: WorldConfig, scenes: Sequence[Scene], per_category: int, seed
             drawn.append(item)
         # the answer (values[0]) goes to a letter of a balanced, shuffled list; distractors in random order
         letters = np.tile(np.arange(4), -(-len(drawn) // 4))[:len(drawn)][rng.permutation(len(drawn))]
-        for k, (image_scene, question, check, values, options, target, instruction) in enumerate(drawn):
+        for k, (image_scene, question, check, values, options, target, instruction, after) in enumerate(drawn):
             pos = int(letters[k])
             order = [1 + i for i in rng.permutation(3)]
             order.insert(pos, 0)
             row = {"id": f"geu-{cat}-{k:04d}", "category": cat, "question": question,
                    "options": [options[i] for i in order], "answer": LETTERS[pos],
-                   "target_scene": target.to_dict(), "edit_instruction": instruction,
+                   "target_scene": target.to_dict(), "edit_instruction": instruction, "stepwise_question": after,
                    "scene": image_scene.to_dict(), "check": {**check, "values": [values[i] for i in order]}}
             if geu_answer(row, cfg, image_scene) != row["answer"]:  # the world verifies the one answer
                 raise RuntimeError(f"GEU {cat} item {question!r}: the world's answer is not the drawn one")
@@ -614,5 +646,5 @@ def geu_items(cfg: WorldConfig, scenes: Sequence[Scene], per_category: int, seed
 
 __all__ = [
     "UEG_CATEGORIES", "GEU_CATEGORIES", "ALL_UEG_CATEGORIES", "LEFT_OUT", "GEU_EDIT_KIND", "LETTERS", "RESTORE_RULE",
-    "answer_poll", "poll_image", "ueg_rows", "geu_items", "geu_truths", "geu_answer", "check_geu", "evaluate_geu_query",
+    "answer_poll", "poll_image", "ueg_rows", "geu_items", "geu_truths", "stepwise_truths", "geu_answer", "check_geu", "evaluate_geu_query",
 ]

@@ -20,15 +20,10 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from unicon.config import AlignmentEvalConfig, LoggerConfig
+from unicon.config import JUDGE_DTYPES, AlignmentEvalConfig, LoggerConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.alignment.data import load_pairs, subset
-from unicon.evaluation.alignment.judges import build_judge, check_judge
-from unicon.evaluation.alignment.metrics import flat_metrics
-from unicon.evaluation.alignment.plots import FIGURES
-from unicon.evaluation.alignment.runner import evaluate_alignment, table_columns, table_rows
-from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -41,8 +36,6 @@ from unicon.evaluation.cli_common import (
     sharding,
 )
 from unicon.evaluation.suites import register_suite
-from unicon.evaluation.ureason.judges import JUDGE_DTYPES
-from unicon.loggers import environment_info, make_loggers
 
 #: how ``eval.alignment``'s fields appear here (the standalone defaults that differ are marked)
 FLAGS = {
@@ -102,6 +95,14 @@ def load_clip(source: str | None, device: str = "cpu"):
                 argv=argv_from_config, callback="unicon.evaluation.alignment.callback:AlignmentCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.evaluation.alignment.judges import build_judge, check_judge
+    from unicon.evaluation.alignment.metrics import flat_metrics
+    from unicon.evaluation.alignment.plots import FIGURES
+    from unicon.evaluation.alignment.runner import evaluate_alignment, table_columns, table_rows
+    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.loggers import environment_info, make_loggers
+
     cfg = config_from_args(args, AlignmentEvalConfig, FLAGS)
     out = check_common_args(args, ("judge_max_new_tokens",))
     check_judge(cfg.judge)

@@ -19,16 +19,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from omegaconf import OmegaConf
 
-from unicon.config import CocoConEvalConfig, LoggerConfig
+from unicon.config import COCOCON_MAX_K, CocoConEvalConfig, LoggerConfig
 from unicon.data.cococon import CocoConSample, load_cococon
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.suites import register_suite
-from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -42,11 +39,6 @@ from unicon.evaluation.cli_common import (
     load_model_for,
     sharding,
 )
-from unicon.evaluation.cococon.callback import TABLE_COLUMNS, table_rows
-from unicon.evaluation.cococon.metrics import MAX_K, TASKS, evaluated_tasks
-from unicon.evaluation.cococon.plots import FIGURES
-from unicon.evaluation.cococon.runner import evaluate_model, generation_settings, write_outputs
-from unicon.loggers import environment_info, make_loggers
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +46,8 @@ log = logging.getLogger(__name__)
 def check_can_score_t2i(model, sample: CocoConSample) -> None:
     """Score one sample's text-to-image likelihood before the run: a model whose image tokenizer
     cannot encode these images (the ShapesWorld model on COCO photos) fails here, in seconds."""
+    import torch
+
     try:
         with torch.no_grad():
             model.score_image([[sample.caption]], [sample.load_image()])
@@ -88,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
                                 description="CocoCon cross-task consistency (C_k, rho) and task accuracies.")
     add_common_args(p, out_help="output folder (results.json, per_sample.jsonl, plots)")
     add_config_args(p, CocoConEvalConfig, FLAGS)
-    p.add_argument("--max-k", type=int, default=MAX_K, help="report C_k, acc@k for k = 1..max_k")
+    p.add_argument("--max-k", type=int, default=COCOCON_MAX_K, help="report C_k, acc@k for k = 1..max_k")
     p.add_argument("--fid-weights", default=None, help="local Inception weights for FID (else 'unavailable')")
     p.add_argument("--cider-tokenizer", choices=["auto", "ptb", "simple"], default="auto")
     p.add_argument("--name", default=None, help="run name for the logger")
@@ -110,6 +104,14 @@ def argv_from_config(cfg) -> list[str]:
                 callback="unicon.evaluation.cococon.callback:CocoConCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.cococon.callback import TABLE_COLUMNS, table_rows
+    from unicon.evaluation.cococon.metrics import evaluated_tasks
+    from unicon.evaluation.cococon.plots import FIGURES
+    from unicon.evaluation.cococon.runner import evaluate_model, generation_settings, write_outputs
+    from unicon.loggers import environment_info, make_loggers
+
     cfg = config_from_args(args, CocoConEvalConfig, FLAGS)
     out = check_common_args(args, ("max_k",))
 

@@ -64,12 +64,12 @@ from scipy.stats import rankdata
 from torchvision.ops import box_convert
 from torchvision.ops import box_iou as box_iou_matrix
 
-from unicon.config import EVAL_TASKS
+from unicon.config import COCOCON_MAX_K, EVAL_TASKS
 
 TASKS = EVAL_TASKS  # the tasks t compared with the anchor t_0 = captioning
 SCORED = ("caption",) + TASKS
 GENERATED = ("vqa_match", "vqa_soft", "loc_iou", "t2i_match")  # per-sample generative outcomes
-MAX_K = 5  # the largest difficulty k reported (CocoCon samples have at most 5 contrast sets)
+MAX_K = COCOCON_MAX_K  # the largest difficulty k reported (CocoCon samples have at most 5 contrast sets)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from typing import Any, Collection, Iterable, Sequence
 import numpy as np
 import torch
 
+from unicon import jsonsafe
 from unicon.data.cococon import CocoConSample
 from unicon.errors import UserError
 from unicon.evaluation import preemption
@@ -349,23 +350,18 @@ def generation_settings(model, evaluator_kwargs: dict) -> dict:
 def write_outputs(result: CocoConResult, out_dir: Path) -> None:
     """``results.json``, ``per_sample.jsonl`` and the two plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = json.dumps(nan_to_none(result.results), indent=2, default=_json_default)
+    results = json.dumps(nan_to_none(result.results), indent=2, default=_json_default, allow_nan=False)
     (out_dir / "results.json").write_text(results + "\n")
     with (out_dir / "per_sample.jsonl").open("w") as f:
         for row in result.per_sample:
-            f.write(json.dumps(nan_to_none(row), default=_json_default) + "\n")
+            f.write(json.dumps(nan_to_none(row), default=_json_default, allow_nan=False) + "\n")
     plot_results(result.results, out_dir)
 
 
 def nan_to_none(x):
-    """NaN (an undefined metric, e.g. C_k with n_k = 0) becomes JSON ``null``."""
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [nan_to_none(v) for v in x]
-    return x
+    """A copy of ``x`` where every non-finite float (NaN: an undefined metric, e.g. C_k with n_k = 0;
+    an infinity) becomes JSON ``null`` (:func:`unicon.jsonsafe.finite`)."""
+    return jsonsafe.finite(x)
 
 
 def _json_default(x):

@@ -22,25 +22,17 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from unicon.config import DriftEvalConfig, LoggerConfig
+from unicon.config import DRIFT_CHAINS, DriftEvalConfig, LoggerConfig
 from unicon.data.drift_seeds import balanced, geneval_seeds, is_geneval_file, load_seeds, nd400_seeds
 from unicon.data.geneval import geneval_r_path
-from unicon.embedders.factory import load_embedders
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
-from unicon.evaluation.drift.plots import log_plots
-from unicon.evaluation.drift.runner import chains_for, evaluate_drift
 from unicon.evaluation.suites import register_suite
-from unicon.evaluation.callbacks import log_eval_config, log_metrics
 from unicon.evaluation.cli_common import (
     Flag, add_common_args, add_config_args, add_image_generation_args, add_shard_args, check_common_args,
     config_argv, config_from_args, image_generation_config, load_model_for, sharding,
 )
 from unicon import jsonsafe
-from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
-from unicon.loggers import make_loggers
-from unicon.worlds.shapes import load_world
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, DriftEvalConfig, {k: v for k, v in FLAGS.items() if k not in CHAIN_FIELDS},
                     skip=(*CHAIN_FIELDS, *SKIP))
     add_image_generation_args(p)
-    p.add_argument("--chains", default="both", choices=["both", *CHAINS])
+    p.add_argument("--chains", default="both", choices=["both", *DRIFT_CHAINS])
     p.add_argument("--nocaps", help="ND400: nocaps_val_4500_captions.json (use instead of --seeds)")
     p.add_argument("--nocaps-images", help="ND400: folder of NoCaps val images")
     p.add_argument("--docci", help="ND400: docci_descriptions.jsonlines")
@@ -132,6 +124,15 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate drift --ckpt ... --seeds ... --generations 20 --out DIR``."""
     args = build_parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.embedders.factory import load_embedders
+    from unicon.evaluation.callbacks import log_eval_config, log_metrics
+    from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
+    from unicon.evaluation.drift.metrics import drift_metrics
+    from unicon.evaluation.drift.plots import log_plots
+    from unicon.evaluation.drift.runner import chains_for, evaluate_drift
+    from unicon.loggers import make_loggers
+    from unicon.worlds.shapes import load_world
 
     config_from_args(args, DriftEvalConfig, FLAGS, skip=SKIP)  # ranges and choices, naming the flag
     out = check_common_args(args, ("nd_n", "geneval_limit"))
@@ -153,7 +154,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"no seeds: give --seeds FILE or a built world (no {args.world}/world.json)")
     if args.num_chains:
         seeds = seeds[: args.num_chains]
-    chains = chains_for(seeds, CHAINS if args.chains == "both" else (args.chains,))
+    chains = chains_for(seeds, DRIFT_CHAINS if args.chains == "both" else (args.chains,))
 
     names = [n for n in args.embedders.split(",") if n]
     if world is None and "scene" in names:

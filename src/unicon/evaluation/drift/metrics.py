@@ -73,9 +73,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from unicon.config import DRIFT_CHAINS
 from unicon.evaluation.drift.geneval import summarize
 
-CHAINS = ("text-first", "image-first")
+CHAINS = DRIFT_CHAINS
 #: the paper's number of generations per chain
 PAPER_G = 20
 #: mapping -> (chain, parity of its generations, source modality, target modality)

@@ -22,10 +22,9 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from unicon.config import EditingEvalConfig, LoggerConfig
+from unicon.config import EDITING_EPS, EditingEvalConfig, LoggerConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     add_common_args,
     add_image_generation_args,
@@ -36,11 +35,7 @@ from unicon.evaluation.cli_common import (
     sharding,
 )
 from unicon.evaluation.editing.data import load_samples
-from unicon.evaluation.editing.metrics import EPS
-from unicon.evaluation.editing.plots import FIGURES
-from unicon.evaluation.editing.runner import BATCH_SIZE, TABLE_COLUMNS, evaluate_editing, table_rows
 from unicon.evaluation.suites import register_suite
-from unicon.loggers import environment_info, make_loggers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="Edit-1K-like .jsonl (docs/editing_score.md), e.g. "
                                                   "data/shapes/editscore/editscore.jsonl")
     p.add_argument("--limit", type=int, default=None, help="the first N rows only (default: all)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="samples per model call (default: %(default)s)")
-    p.add_argument("--eps", type=float, default=EPS, help="epsilon of rls^2 + eps (default: %(default)s, the paper's)")
+    p.add_argument("--batch-size", type=int, default=EditingEvalConfig.batch_size, help="samples per model call (default: %(default)s)")
+    p.add_argument("--eps", type=float, default=EDITING_EPS, help="epsilon of rls^2 + eps (default: %(default)s, the paper's)")
     p.add_argument("--own-edits", type=int, default=0,
                    help="also edit the first N test edit rows of the ShapesWorld --world with the model and report "
                         "the score per edit kind beside exact match (default: 0 = off)")
@@ -92,6 +87,12 @@ def argv_from_config(cfg) -> list[str]:
                 callback="unicon.evaluation.editing.callback:EditingCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.editing.plots import FIGURES
+    from unicon.evaluation.editing.runner import TABLE_COLUMNS, evaluate_editing, table_rows
+    from unicon.loggers import environment_info, make_loggers
+
     out = check_common_args(args, ("limit", "batch_size"))
     if args.own_edits < 0:
         raise UserError(f"--own-edits must be >= 0, got {args.own_edits}")

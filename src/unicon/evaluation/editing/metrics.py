@@ -38,9 +38,10 @@ import numpy as np
 import torch
 from scipy.stats import kendalltau
 
+from unicon.config import EDITING_EPS
 from unicon.evaluation.editing.data import CRITERIA
 
-EPS = 1e-10
+EPS = EDITING_EPS
 COMPONENTS = ("cos_image", "sim_text", "rls")
 #: the full score and the ablations of Table 4 (one factor dropped each)
 VARIANTS = ("score", "no_cos", "no_sim_text", "no_rls")

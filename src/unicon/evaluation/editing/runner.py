@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from unicon import jsonsafe
+from unicon.config import EditingEvalConfig
 from unicon.data.mixture import read_edits
 from unicon.errors import UserError
 from unicon.evaluation import preemption
@@ -40,7 +41,7 @@ from unicon.evaluation.editing.plots import plot_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 
-BATCH_SIZE = 16
+BATCH_SIZE = EditingEvalConfig.batch_size  # samples per model call: the eval section's default
 
 
 def check_model(model: UnifiedModel) -> None:

@@ -21,9 +21,8 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from unicon.config import LoggerConfig, RealUnifyEvalConfig
+from unicon.config import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS, LoggerConfig, RealUnifyEvalConfig
 from unicon.evaluation import preemption
-from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -38,13 +37,7 @@ from unicon.evaluation.cli_common import (
     sharding,
 )
 from unicon.evaluation.realunify.data import load_instances, subset, world_root_of
-from unicon.evaluation.realunify.judges import build_judge, check_judge_fits
-from unicon.evaluation.realunify.plots import FIGURES
-from unicon.evaluation.realunify.runner import TABLE_COLUMNS, check_settings, evaluate_realunify, table_rows
 from unicon.evaluation.suites import register_suite
-from unicon.evaluation.ureason.judges import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS, check_judge_spec
-from unicon.loggers import environment_info, make_loggers
-from unicon.worlds.shapes import load_world
 
 #: how ``eval.realunify``'s fields appear here (the standalone defaults that differ are marked)
 FLAGS = {
@@ -100,6 +93,15 @@ def argv_from_config(cfg) -> list[str]:
                 argv=argv_from_config, callback="unicon.evaluation.realunify.callback:RealUnifyCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.realunify.judges import build_judge, check_judge_fits
+    from unicon.evaluation.realunify.plots import FIGURES
+    from unicon.evaluation.realunify.runner import TABLE_COLUMNS, check_settings, evaluate_realunify, table_rows
+    from unicon.evaluation.ureason.judges import check_judge_spec
+    from unicon.loggers import environment_info, make_loggers
+    from unicon.worlds.shapes import load_world
+
     cfg = config_from_args(args, RealUnifyEvalConfig, FLAGS)
     settings = check_settings(cfg.settings)
     out = check_common_args(args, ("judge_max_new_tokens",))

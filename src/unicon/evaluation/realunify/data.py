@@ -86,6 +86,8 @@ class GEUInstance:
     image_path: str | None = None
     target_scene: dict | None = None
     edit_instruction: str | None = None
+    #: the question as it reads of the stepwise edit's result (ShapesWorld rows; None: ``question`` is asked)
+    stepwise_question: str | None = None
     axis: str = "geu"
     _image: Any = field(default=None, repr=False, compare=False)
 
@@ -272,7 +274,8 @@ def read_geu_jsonl(path: str | Path, root: str | Path) -> list[GEUInstance]:
         out.append(GEUInstance(id=str(row["id"]), category=category, question=row["question"],
                                options=[str(o) for o in row["options"]], answer=answer, source=where,
                                image_path=str(image), target_scene=row.get("target_scene"),
-                               edit_instruction=row.get("edit_instruction")))
+                               edit_instruction=row.get("edit_instruction"),
+                               stepwise_question=row.get("stepwise_question")))
     return out
 
 

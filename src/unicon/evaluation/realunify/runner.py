@@ -15,9 +15,16 @@ For every instance, in the settings asked for (``direct``, ``stepwise``):
   option does not win by being short; the first option on a tie), recorded as that letter;
   GEU stepwise: ``model.edit_image([image], [Tables 10-13])`` (or, with ``edit_prompt="row"``, the
   row's own ``edit_instruction``: the words ShapesWorld's edit rows train), then the question asked
-  of the **edited** image in the same answer mode. For ShapesWorld rows with a ``target_scene`` the
-  edited image is also checked
-  against it exactly (the stepwise edit accuracy).
+  of the **edited** image alone in the same answer mode. A ShapesWorld row asks its
+  ``stepwise_question`` there: the direct question's wording is about the board before the edit
+  ("on the original board", "through empty cells"), which a perfect edit changes; the stepwise wording
+  asks for the same value of the edited board, so that a perfect edit keeps the answer
+  (:mod:`unicon.worlds.shapes_realunify`). Real GEU rows ask their one question. The public release's
+  stepwise runner (lmms-eval's RealUnify tasks) gives the model the original image **and** the
+  generated one and says so in the prompt; the paper leaves it open. Our backends take one image per
+  question, so the edited image is the one shown: a model that needs the original to answer is
+  scored lower here than there. For ShapesWorld rows with a ``target_scene`` the edited image is also
+  checked against it exactly (the stepwise edit accuracy).
 
 A GEU stepwise run on a model whose ``supports_editing`` is False is a :class:`UserError` naming the
 backend, raised before any generation (:func:`check_editing`). A failed ``generate_image`` /
@@ -160,12 +167,15 @@ def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_co
                 batch[k].images["stepwise"], batch[k].errors["stepwise"] = im, err
 
 
-def answer_choices(model: UnifiedModel, images: list, insts: Sequence[GEUInstance], answer_mode: str) -> list[str]:
+def answer_choices(model: UnifiedModel, images: list, insts: Sequence[GEUInstance], answer_mode: str,
+                   stepwise: bool = False) -> list[str]:
     """One reply per GEU question: generated after Table 8 (``"generate"``), or the letter of the
-    likeliest option text (``"likelihood"``; module docstring)."""
+    likeliest option text (``"likelihood"``; module docstring). ``stepwise``: the questions are asked of
+    the edited images, in their ``stepwise_question`` wording where the row has one."""
+    questions = [(i.stepwise_question or i.question) if stepwise else i.question for i in insts]
     if answer_mode == "generate":
-        return model.answer(images, [multiple_choice_prompt(i.question, i.options) for i in insts])
-    scores = model.score_text(images, [i.question for i in insts], [list(i.options) for i in insts])
+        return model.answer(images, [multiple_choice_prompt(q, i.options) for q, i in zip(questions, insts)])
+    scores = model.score_text(images, questions, [list(i.options) for i in insts])
     return [LETTERS[int(scores.nll[b, :len(inst.options)].argmin())] for b, inst in enumerate(insts)]
 
 
@@ -191,7 +201,8 @@ def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_sou
             s.replies["stepwise"] = None
         done = [k for k, im in enumerate(edited) if im is not None]
         if done:
-            replies = answer_choices(model, [edited[k] for k in done], [insts[k] for k in done], answer_mode)
+            replies = answer_choices(model, [edited[k] for k in done], [insts[k] for k in done], answer_mode,
+                                     stepwise=True)
             for k, reply in zip(done, replies):
                 batch[k].replies["stepwise"] = reply
         for s in batch:

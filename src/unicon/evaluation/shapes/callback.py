@@ -10,10 +10,10 @@ numbers, as ``unicon evaluate shapes`` writes them) and ``shapes_eval.png`` (its
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
+from unicon import jsonsafe
 from unicon.config import ShapesEvalConfig
 from unicon.evaluation.callbacks import EvalCallback, log_figures
 from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, logged_scalars
@@ -64,7 +64,7 @@ class ShapesCallback(EvalCallback):
             out = self.output_dir(trainer)
             result = {"metrics": metrics, "world": str(self.world.resolve()), "split": self.split,
                       "limit": self.max_samples, "epoch": trainer.current_epoch + 1}
-            (out / "shapes_eval.json").write_text(json.dumps(result, indent=1) + "\n")
+            (out / "shapes_eval.json").write_text(jsonsafe.dumps(result, indent=1) + "\n")
             if examples and self.examples:
                 plot_examples(examples, out / "shapes_eval.png", self.examples)
                 log_figures(trainer.loggers, "shapes", out, FIGURES, step=trainer.global_step)

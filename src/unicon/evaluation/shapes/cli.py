@@ -19,31 +19,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Sequence
 
 from omegaconf import OmegaConf
 
+from unicon import jsonsafe
 from unicon.config import LoggerConfig, ShapesEvalConfig
 from unicon.evaluation import preemption
-from unicon.evaluation.callbacks import log_metrics
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
     add_config_args,
     add_image_generation_args,
     check_common_args,
+    claim_out_weights,
     config_argv,
     config_from_args,
     image_generation_config,
     load_model_for,
 )
-from unicon.evaluation.shapes.metrics import logged_scalars
-from unicon.evaluation.shapes.plots import plot_examples
-from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
 from unicon.evaluation.suites import register_suite
-from unicon.loggers import environment_info, make_loggers
 
 #: how ``eval.shapes``'s fields appear here: the old flag names, and the standalone defaults
 FLAGS = {
@@ -79,6 +75,13 @@ def argv_from_config(cfg) -> list[str]:
                 argv=argv_from_config, callback="unicon.evaluation.shapes.callback:ShapesCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.evaluation.callbacks import log_metrics
+    from unicon.evaluation.shapes.metrics import logged_scalars
+    from unicon.evaluation.shapes.plots import plot_examples
+    from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
+    from unicon.loggers import environment_info, make_loggers
+
     cfg = config_from_args(args, ShapesEvalConfig, FLAGS)
     out = check_common_args(args)
     world = Path(cfg.data)
@@ -86,16 +89,18 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.core import weights_fingerprint  # lazy: tests patch it at its source, unicon.core
 
     model = load_model_for(args)
+    fingerprint = weights_fingerprint(model)
+    claim_out_weights(args, out, fingerprint)
     image_config = image_generation_config(model, args)
     examples: list[dict] = []
     with preemption.watch_signals():
         metrics = shapes_task_accuracies(model, world, cfg.split, cfg.max_samples, cfg.batch_size, cfg.tasks,
                                          examples=examples, num_examples=cfg.examples, image_config=image_config)
     result = {"metrics": metrics, "checkpoint": str(Path(args.ckpt).resolve()),
-              "model_fingerprint": weights_fingerprint(model), "world": str(world.resolve()),
+              "model_fingerprint": fingerprint, "world": str(world.resolve()),
               "split": cfg.split, "limit": cfg.max_samples, "image_generation": dataclasses.asdict(image_config),
               "environment": environment_info()}
-    (out / "shapes_eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "shapes_eval.json").write_text(jsonsafe.dumps(result, indent=1) + "\n")
     if examples and cfg.examples:
         plot_examples(examples, out / "shapes_eval.png", cfg.examples)
     if args.logger != "none":
@@ -103,6 +108,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
         log_metrics(loggers, logged_scalars(metrics), step=0)
         for lg in loggers:
             lg.finalize("success")
-    print(json.dumps(metrics, indent=1))
+    print(jsonsafe.dumps(metrics, indent=1))
     print(f"wrote {out / 'shapes_eval.json'}" + (f" and {out / 'shapes_eval.png'}" if examples else ""))
     return 0

@@ -18,12 +18,11 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from unicon.config import LoggerConfig, UReasonEvalConfig
+from unicon.config import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS, LoggerConfig, UReasonEvalConfig
 from unicon.data.ureason import SPLITS, load_instances, subset, world_root_of
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.suites import register_suite
-from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -37,18 +36,6 @@ from unicon.evaluation.cli_common import (
     load_model_for,
     sharding,
 )
-from unicon.evaluation.ureason.judges import (
-    Judge,
-    JUDGE_DTYPES,
-    JUDGE_MAX_NEW_TOKENS,
-    build_judge,
-    check_judge_fits,
-    check_judge_spec,
-)
-from unicon.evaluation.ureason.plots import FIGURES
-from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
-from unicon.loggers import environment_info, make_loggers
-
 
 #: how ``eval.ureason``'s fields appear here (the standalone defaults that differ are marked)
 FLAGS = {
@@ -60,22 +47,6 @@ FLAGS = {
     "batch_size": Flag("instances per model call"),
     "table_rows": Flag("samples in the W&B image table"),
 }
-
-
-class RecordedJudge(Judge):
-    """The merge's stand-in for the shards' judge: its name and abilities; it judges nothing (a
-    merge has no instance of its own)."""
-
-    def __init__(self, name: str, judges_reasoning: bool):
-        self.name, self.judges_reasoning = name, judges_reasoning
-
-    def judge_images(self, instances, images):
-        if instances:
-            raise RuntimeError("a merge of shards judges no image")
-        return []
-
-    def judge_reasoning(self, instances, traces, refined_prompts):
-        return self.judge_images(instances, [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +79,12 @@ def argv_from_config(cfg) -> list[str]:
                 argv=argv_from_config, callback="unicon.evaluation.ureason.callback:UReasonCallback")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # heavy: imported once the arguments parse, not for --help
+    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.ureason.judges import Judge, RecordedJudge, build_judge, check_judge_fits, check_judge_spec
+    from unicon.evaluation.ureason.plots import FIGURES
+    from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
+    from unicon.loggers import environment_info, make_loggers
 
     cfg = config_from_args(args, UReasonEvalConfig, FLAGS)
     out = check_common_args(args, ("judge_max_new_tokens",))

@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 from PIL import Image
 
+from unicon.config import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS
 from unicon.core import DTYPES
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
@@ -85,9 +86,6 @@ REASONING_CHAIN_PROMPT = (
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _PLACEHOLDER = re.compile(r"\{(description|user_prompt|model_thought|criteria)\}")
-
-#: default token budget of a judge's reply
-JUDGE_MAX_NEW_TOKENS = 512
 
 #: verdict statuses; only "yes" counts as a pass
 STATUSES = ("yes", "no", "unparseable", "no_input")
@@ -172,6 +170,22 @@ class JudgePanel(Judge):
         return self.chain_judge.judge_reasoning(instances, traces, refined_prompts)
 
 
+class RecordedJudge(Judge):
+    """The merge's stand-in for the shards' judge: its name and abilities; it judges nothing (a
+    merge has no instance of its own)."""
+
+    def __init__(self, name: str, judges_reasoning: bool):
+        self.name, self.judges_reasoning = name, judges_reasoning
+
+    def judge_images(self, instances, images):
+        if instances:
+            raise RuntimeError("a merge of shards judges no image")
+        return []
+
+    def judge_reasoning(self, instances, traces, refined_prompts):
+        return self.judge_images(instances, [])
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers-backed judges
 # ---------------------------------------------------------------------------------------------
@@ -198,10 +212,6 @@ def _generate_replies(model, tokenizer, inputs: dict, max_new_tokens: int) -> li
     eos = _eos_ids(model, tokenizer)
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     return [(text.strip(), not any(int(t) in eos for t in row)) for text, row in zip(texts, new)]
-
-
-#: judge weight dtypes: the names of :data:`unicon.core.DTYPES`, or "auto" (the checkpoint's own)
-JUDGE_DTYPES = (*DTYPES, "auto")
 
 
 def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:

@@ -35,7 +35,6 @@ by side for :func:`unicon.evaluation.callbacks.log_table`.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from typing import Any, Sequence
 import torch
 from PIL import Image
 
+from unicon import jsonsafe
 from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
@@ -293,8 +293,8 @@ def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, flo
     figures of :mod:`.plots` (``settings_by_category.png``)."""
     with (out_dir / "samples.jsonl").open("w") as f:
         for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    (out_dir / "ureason.json").write_text(json.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
+            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
+    (out_dir / "ureason.json").write_text(jsonsafe.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
     (out_dir / "table.md").write_text(markdown_table(metrics, metric_categories(metrics)))
     plot_results(metrics, out_dir)
 

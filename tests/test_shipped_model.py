@@ -1,0 +1,92 @@
+"""The shipped base model ``checkpoints/shapes_base`` (``make pretrained``, scripts/ship_base_model.py): it
+loads under the current code, its provenance is complete, its world is rebuilt bit for bit from the
+default options, and a live ``unicon evaluate shapes`` finds the numbers its provenance table holds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REBUILD, REPO, SHIPPED_MODEL
+from unicon.cli import main as unicon_main
+
+PROVENANCE = SHIPPED_MODEL / "provenance.json"
+
+
+def provenance() -> dict:
+    return json.loads(PROVENANCE.read_text())
+
+
+def test_shipped_model_loads_under_the_current_code():
+    from unicon.models import load_model
+
+    try:
+        model = load_model(SHIPPED_MODEL)
+    except Exception as e:  # noqa: BLE001 - any failure is the one-line message below
+        pytest.fail(f"{SHIPPED_MODEL} no longer loads under the current code ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); rebuild it with `{REBUILD}`", pytrace=False)
+    assert model.settings.max_source_length >= 200, "the source length must fit BagelScore's prompt"
+
+
+def test_provenance_names_command_commit_world_time_and_table():
+    p = provenance()
+    assert p["command"].startswith("unicon train experiment=shapes_base")
+    assert len(p["git_commit"]) == 40
+    ancestor = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{p['git_commit']}^{{commit}}"])
+    if ancestor.returncode:
+        pytest.skip(f"commit {p['git_commit']} is not in this clone's history (a shallow clone)")
+    assert len(p["world"]["fingerprint"]) == 64 and p["world"]["seed"] == 0
+    assert p["wall_time_s"] > 0
+    names = {row["name"] for row in p["table"]}
+    assert {"VQA", "exact caption", "localization IoU>=0.5", "exact edits", "RealUnify GEU direct (generate) accuracy"} <= names
+    for row in p["table"]:
+        assert row["value"] is None or -1.0 <= row["value"] <= 1.0, row
+
+
+def test_the_shipped_world_is_rebuilt_bit_for_bit(shipped_world):
+    from unicon.worlds.shapes import load_world
+
+    assert load_world(shipped_world).fingerprint() == provenance()["world"]["fingerprint"], (
+        "`unicon build-data shapes` with the default options no longer builds the world the shipped model was "
+        f"trained on; rebuild the model with `{REBUILD}`")
+
+
+@pytest.mark.slow
+def test_live_evaluation_finds_the_provenance_numbers(pretrained_shapes, tmp_path):
+    """The provenance's `unicon evaluate shapes` (VQA, caption, grounding; 500 examples each), run again.
+    Beam search and greedy boxes are deterministic up to float32 summation order, which differs between
+    CPUs and thread counts: a near-tie can flip, so each accuracy may move by a few examples of 500."""
+    export, world = pretrained_shapes
+    recorded = provenance()["evaluations"]["shapes"]["metrics"]
+    out = tmp_path / "eval"
+    assert unicon_main(["evaluate", "shapes", "--ckpt", str(export), "--world", str(world), "--out", str(out),
+                        "--limit", "500", "--tasks", "vqa", "caption", "grounding", "--logger", "none",
+                        "--device", "cpu"]) == 0
+    live = json.loads((out / "shapes_eval.json").read_text())
+    live = live.get("metrics", live)
+    for key in ("vqa_accuracy", "caption_match", "loc_iou50"):
+        assert live[f"{key}_n"] == recorded[f"{key}_n"]
+        assert live[key] == pytest.approx(recorded[key], abs=3 / recorded[f"{key}_n"]), key
+
+
+def test_make_demo_refuses_without_the_shipped_model_with_the_rebuild_command(tmp_path):
+    """Without checkpoints/shapes_base, `make demo` stops at once and names `make pretrained`."""
+    proj = tmp_path / "p"
+    (proj / "data" / "shapes").mkdir(parents=True)
+    (proj / "data" / "shapes" / "world.json").write_text("{}")
+    (proj / "Makefile").symlink_to(REPO / "Makefile")
+    venv = REPO / ".venv"
+    proc = subprocess.run(["make", "-o", str(venv / ".unicon-installed"), "demo", f"VENV={venv}"], cwd=proj,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert REBUILD in proc.stdout + proc.stderr
+
+
+def test_ship_script_help():
+    """`scripts/ship_base_model.py --help` runs (the rebuild command's entry point)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "ship_base_model.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "train" in proc.stdout and "evaluate" in proc.stdout
