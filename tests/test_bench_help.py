@@ -28,7 +28,8 @@ PRINT_MODULES = ("import sys\n"
 
 @pytest.mark.parametrize("command", ["evaluate cococon", "evaluate drift", "evaluate ureason", "evaluate shapes",
                                      "evaluate realunify", "evaluate alignment", "evaluate editing", "evaluate all",
-                                     "bench chains", "bench scoring", "bench help"])
+                                     "bench chains", "bench scoring", "bench train", "bench pretrain",
+                                     "bench help"])
 def test_help_imports_no_heavy_library(command):
     done = subprocess.run([sys.executable, "-c", PRINT_MODULES, *command.split(), "--help"], capture_output=True,
                           text=True, timeout=300)
