@@ -99,8 +99,8 @@ def _split_scenes(world, split: str) -> dict[int, dict[str, Any]]:
         return e
 
     for lineno, r in read_jsonl(world.mixture_path(split), what="ShapesWorld mixture file"):
-        if r.get("scene") is None or r.get("image") is None:
-            continue  # text-only reasoning rows
+        if r.get("scene") is None or r.get("image") is None or r.get("scene_id") is None:
+            continue  # rows not about one of the split's scenes: think-then-draw, instruction rows
         e = entry(int(r["scene_id"]), r["scene"], r["image"])
         if r["task"] in ("caption", "t2i"):
             text = r["target"] if r["task"] == "caption" else r["text"]

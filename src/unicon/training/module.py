@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any, Sequence
 
 import lightning as L
@@ -153,8 +154,13 @@ class ConsistencyModule(L.LightningModule):
         self.model = model
         self.cfg = cfg
         self.gamma_rng = torch.Generator().manual_seed(int(cfg.seed))
-        # read once: every checkpoint carries the vocabulary files the run started with
+        # read once: every checkpoint carries the vocabulary files the run started with; a model loaded
+        # from an init_from directory brings its own (a shipped model's tokenizer, whatever data.root's is)
         self.world_files = world_vocabulary(cfg.model, cfg.data.root)
+        if cfg.get("init_from") and Path(cfg.init_from).is_dir():
+            for name in self.world_files:
+                if (Path(cfg.init_from) / name).is_file():
+                    self.world_files[name] = (Path(cfg.init_from) / name).read_text()
         self.counts = {"consistency_updates": 0, "standard_updates": 0, "skipped_no_contrast": 0,
                        "skipped_nonfinite": 0, "truncated": 0}
         self.rho_ema: dict[str, float] = {}  # each task's training-batch ρ, moving average (RHO_EMA_RATE)
