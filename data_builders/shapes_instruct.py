@@ -31,9 +31,9 @@ import numpy as np
 
 from unicon.evaluation.alignment.prompts import ANSWERS, VALUES, bagelscore_prompt
 from unicon.evaluation.realunify.prompts import LETTERS, multiple_choice_prompt
-from unicon.worlds.shapes import Scene, WorldConfig, render
+from unicon.worlds.shapes import RELATIONS, Scene, WorldConfig, render
 from unicon.worlds.shapes_alignment import make_pair
-from unicon.worlds.shapes_realunify import GEU_CATEGORIES, geu_items
+from unicon.worlds.shapes_realunify import geu_items
 from unicon.worlds.shapes_text import NUMBER_WORDS, mentions_kind
 
 #: the RNG stream of the instruction rows (beside the builder's 11..23, 41, 43 and alignment's 53)
@@ -41,7 +41,6 @@ INSTRUCT_STREAM = 61
 TASK = "instruct"
 #: VQA question types asked as multiple choice (yes/no questions have two options, not four)
 MC_QTYPES = ("color", "shape", "count", "relation")
-RELATION_ANSWERS = ("left", "right", "above", "below")
 
 
 def rating_answer(share: float) -> str:
@@ -63,8 +62,8 @@ def _mc_options(qtype: str, answer: str, cfg: WorldConfig, rng: np.random.Genera
         pool = [w for w in NUMBER_WORDS[: cfg.grid * cfg.grid + 1] if w != answer]
         pool.sort(key=lambda w: abs(NUMBER_WORDS.index(w) - n))
         pool = pool[:6]
-    elif qtype == "relation" and answer in RELATION_ANSWERS:
-        pool = [r for r in RELATION_ANSWERS if r != answer]
+    elif qtype == "relation" and answer in RELATIONS:
+        pool = [r for r in RELATIONS if r != answer]
     else:
         return None
     if len(pool) < 3:
@@ -80,7 +79,7 @@ def _row(rid: str, image: str, text: str, target: str, qtype: str, scene: dict) 
 def mc_rows(vqa_rows: Sequence[dict[str, Any]], cfg: WorldConfig, seed: int, n: int) -> Iterator[dict[str, Any]]:
     """Up to ``n`` Table 8 rows from VQA rows (every k-th eligible one), the answer's letter balanced."""
     eligible = [r for r in vqa_rows if r.get("qtype") in MC_QTYPES and
-                (r["qtype"] != "relation" or r["target"] in RELATION_ANSWERS)]
+                (r["qtype"] != "relation" or r["target"] in RELATIONS)]
     step = max(1, len(eligible) // max(n, 1))
     for i, r in enumerate(eligible[::step][:n]):
         rng = np.random.default_rng([seed, INSTRUCT_STREAM, 0, i])
@@ -133,5 +132,5 @@ def instruct_rows(train_rows: Sequence[dict[str, Any]], cfg: WorldConfig, seed: 
     yield from rating_rows(list(images.items()), cfg, seed, ratings, held_out)
 
 
-__all__ = ["INSTRUCT_STREAM", "TASK", "GEU_CATEGORIES", "instruct_rows", "rating_answer", "mc_rows", "geu_rows",
+__all__ = ["INSTRUCT_STREAM", "TASK", "instruct_rows", "rating_answer", "mc_rows", "geu_rows",
            "rating_rows"]
