@@ -100,6 +100,9 @@ EDITSCORE_EDITS = 60
 INSTRUCT_MC, INSTRUCT_GEU, INSTRUCT_RATINGS = 6000, 1000, 6000
 #: RNG stream constants of the edit rows and the RealUnify files (beside 11..23 of the other files)
 EDIT_STREAM, REALUNIFY_STREAM = 41, 43
+#: the tasks that a knowledge gap (``--<task>-gap``) can take a concept from, and the train rows it drops
+TASK_GAP_ROWS = {"vqa": "VQA question or answer", "grounding": "referring expression",
+                 "t2i": "text-to-image prompt"}
 # The OFA task prompts (owned by OFAUnifiedModel) are added to the BPE corpus so that their words
 # are whole tokens too.
 TASK_PROMPTS = (" what does the image describe?", ' which region does the text " X " describe?',
@@ -144,12 +147,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--reason-images", type=int, default=None,
                    help="[P, R] -> image rows (task reason_t2i) made from the first N think-then-draw rows "
                         "(default: all of them; 0 = none)")
-    g = p.add_argument_group("knowledge gap (issue 17: a concept captioning rarely sees but VQA does)")
+    g = p.add_argument_group("knowledge gaps (a concept one task's training rows never or rarely name, "
+                             "while the other tasks and every split's contrast sets keep it)")
     g.add_argument("--caption-gap", default=None, metavar="CONCEPT",
                    help="a colour or shape of the world that the train split's caption rows rarely name; "
                         "VQA, grounding and text-to-image rows keep it (default: no gap)")
     g.add_argument("--caption-gap-keep", type=float, default=0.05,
                    help="fraction of the train caption rows naming --caption-gap that are kept")
+    for task, rows in TASK_GAP_ROWS.items():
+        g.add_argument(f"--{task}-gap", default=None, metavar="CONCEPT",
+                       help=f"a colour or shape that no train {rows} names (default: no gap)")
     t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
     t.add_argument("--edits-per-scene", type=float, default=EDITS_PER_SCENE,
                    help="image-edit rows (edit_<split>.jsonl) per scene of every split, on average (0.5: every "
@@ -222,6 +229,21 @@ def validate(args: argparse.Namespace, cfg: WorldConfig) -> None:
                          f"nor a shape ({', '.join(cfg.shapes)}) of the world")
     if not 0.0 <= args.caption_gap_keep <= 1.0:
         raise ValueError(f"--caption-gap-keep={args.caption_gap_keep} must be in [0, 1]")
+    for task in TASK_GAP_ROWS:
+        concept = getattr(args, f"{task}_gap")
+        if concept is not None and concept not in (*cfg.color_names, *cfg.shapes):
+            raise ValueError(f"--{task}-gap={concept!r} is neither a colour ({', '.join(cfg.color_names)}) "
+                             f"nor a shape ({', '.join(cfg.shapes)}) of the world")
+    gaps = task_gaps(args)
+    if len(set(gaps.values())) < len(gaps):
+        raise ValueError(f"two tasks share a gap concept ({gaps}): each task's gap must be its own concept, "
+                         "so that the contrast sets can tell which task lacks what")
+
+
+def task_gaps(args: argparse.Namespace | dict) -> dict[str, str]:
+    """``{task: concept}`` of every knowledge gap the build options ask for (the caption gap included)."""
+    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
+    return {task: get(f"{task}_gap") for task in ("caption", *TASK_GAP_ROWS) if get(f"{task}_gap") is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,14 +333,21 @@ def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
 
     rows = []
     captions = []
-    # the knowledge gap: a train caption naming the gap concept is kept with probability keep (its
-    # own RNG stream, so a world without a gap is unchanged by the option)
-    gap, keep = args["caption_gap"], args["caption_gap_keep"]
+    # the knowledge gaps: a train caption naming the caption gap's concept is kept with probability
+    # keep (its own RNG stream, so a world without a gap is unchanged by the option); a train row of
+    # another task naming that task's gap concept is dropped. Rows are drawn first and dropped after,
+    # so every other row of the scene is the one a world without gaps has.
+    gaps = task_gaps(args) if split == "train" else {}
+    gap, keep = gaps.get("caption"), args["caption_gap_keep"]
     gap_rng = np.random.default_rng([args["seed"], SPLITS.index(split), index, 2])
+
+    def in_gap(task_name: str, *texts: str) -> bool:
+        return task_name in gaps and any(mentions_concept(t, gaps[task_name]) for t in texts)
+
     for k in range(args["captions_per_scene"]):
         cap = describe_scene(scene, rng)
         captions.append(cap)
-        if split == "train" and gap is not None and mentions_concept(cap, gap) and gap_rng.random() >= keep:
+        if gap is not None and mentions_concept(cap, gap) and gap_rng.random() >= keep:
             continue
         rows.append(row("caption", k, None, cap))
     questions = candidate_questions(scene, cfg, rng)
@@ -329,22 +358,30 @@ def process_scene(task: tuple[str, int, int, dict]) -> dict[str, Any]:
         qtype = types[(index + k) % len(types)]
         pool = [q for q in questions[qtype] if ok(q)]
         q = pool[rng.integers(len(pool))]
-        rows.append(row("vqa", k, q, answer_question(q, scene, cfg), question_category(q)))
+        answer = answer_question(q, scene, cfg)
+        if not in_gap("vqa", q, answer):
+            rows.append(row("vqa", k, q, answer, question_category(q)))
     refs = [(e, i) for i, o in enumerate(scene.objects) for e in referring_expressions(o, scene)]
     for k in range(min(args["grounding_per_scene"], len(refs))):
         e, i = refs[rng.integers(len(refs))]
-        rows.append(row("grounding", k, e, list(boxes[i])))
+        if not in_gap("grounding", e):
+            rows.append(row("grounding", k, e, list(boxes[i])))
     for k in range(args["t2i_per_scene"]):
-        rows.append(row("t2i", k, captions[k % len(captions)] if captions else describe_scene(scene, rng), None))
+        prompt = captions[k % len(captions)] if captions else describe_scene(scene, rng)
+        if not in_gap("t2i", prompt):
+            rows.append(row("t2i", k, prompt, None))
 
     # One contrast sample per scene. Categories take turns by scene index; when the scene cannot
     # host its turn's category, a random feasible one is used (so no category absorbs the misses).
-    # With a caption gap, a scene holding the gap concept gets a sample about it (gold answer = the
-    # concept: attribute for a colour, object for a shape), so the contrast sets probe it.
+    # With knowledge gaps, a scene holding a gap concept gets a sample about it (gold answer = the
+    # concept: attribute for a colour, object for a shape), so the contrast sets probe every gap.
     ann = None
     cats = list(args["categories"])
     preferred = cats[index % len(cats)]
-    if gap is not None and any(gap in (o.color, o.shape) for o in scene.objects):
+    present = [c for c in task_gaps(args).values() if any(c in (o.color, o.shape) for o in scene.objects)]
+    # with several gap concepts in one scene, scenes take turns (index), so no RNG draw is added
+    gap = present[index % len(present)] if present else None
+    if gap is not None:
         gap_category = "attribute" if gap in cfg.colors else "object"
         preferred = gap_category if gap_category in cats else preferred
     others = [c for c in cats if c != preferred]
@@ -562,7 +599,8 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
              "args": {k: getattr(args, k) for k in ("seed", "captions_per_scene", "vqa_per_scene",
                                                      "grounding_per_scene", "t2i_per_scene", "categories",
                                                      "min_contrast_sets", "max_contrast_sets",
-                                                     "caption_gap", "caption_gap_keep")}}
+                                                     "caption_gap", "caption_gap_keep",
+                                                     *(f"{t}_gap" for t in TASK_GAP_ROWS))}}
     workers = args.workers or (1 if total < 20_000 else min(8, os.cpu_count() or 1))
     offsets = {"train": 0, "val": sizes["train"], "test": sizes["train"] + sizes["val"]}
     counts: dict[str, Any] = {}
@@ -653,6 +691,7 @@ def write_world(args: argparse.Namespace, cfg: WorldConfig, out: Path) -> dict[s
         "reason_train_rows": len(reason_train),
         "reason_image_rows": n_reason_images,
         "caption_gap": None if args.caption_gap is None else {"concept": args.caption_gap, "keep": args.caption_gap_keep},
+        **({"task_gaps": task_gaps(args)} if any(getattr(args, f"{t}_gap") for t in TASK_GAP_ROWS) else {}),
         "drift_seeds": len(drift),
         "vocab_size": vocab,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
@@ -674,7 +713,8 @@ def _default_new_option(key: str, value: Any) -> bool:
     """Is ``key`` an option added after format_version 1 and left at its default? Such options stay out
     of ``world.json``, so that a default build's world.json is the same as before they existed."""
     return (key, value) in (("edits_per_scene", EDITS_PER_SCENE), ("realunify_per_category", REALUNIFY_PER_CATEGORY),
-                            ("alignment_pairs", ALIGNMENT_PAIRS), ("editscore_edits", EDITSCORE_EDITS))
+                            ("alignment_pairs", ALIGNMENT_PAIRS), ("editscore_edits", EDITSCORE_EDITS),
+                            *((f"{t}_gap", None) for t in TASK_GAP_ROWS))
 
 
 def write_edits(cfg: WorldConfig, args: argparse.Namespace, out: Path, scenes: dict[str, list[Scene]],

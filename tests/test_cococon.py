@@ -281,24 +281,29 @@ def test_scoring_end_to_end_matches_reference(tmp_path):
 def test_probe_words_report_the_samples_that_name_them(tmp_path):
     """probe_words (a knowledge-gap concept): the samples whose gold answer names a word are
     aggregated on their own, equal to the reference over exactly those rows."""
-    path = _mini_file(tmp_path)
+    path = _mini_file(tmp_path, n=8)
     raw = json.loads(path.read_text())
-    for i, answer in ((0, "Grays"), (3, "gray"), (4, "grayish"), (5, "a gray one")):
+    for i, answer in ((0, "Grays"), (3, "gray"), (4, "grayish"), (5, "a gray one"), (6, "cubes"), (7, "cube")):
         raw["annotations"][i]["answer"] = answer
     path.write_text(json.dumps(raw))
     data = load_cococon(path)
-    result = runner.evaluate_model(HashModel(), data.samples, batch_size=3, cider_tokenizer="simple", probe_words=["Gray"])
+    result = runner.evaluate_model(HashModel(), data.samples, batch_size=3, cider_tokenizer="simple",
+                                   probe_words=["Gray", "cube"])
     runner.write_outputs(result, tmp_path / "out")
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "out" / "per_sample.jsonl").read_text().splitlines()]
-    named = [r for r in rows if r["id"] in (0, 3, 5)]  # "grayish" is another word
+    named = {"Gray": [r for r in rows if r["id"] in (0, 3, 5)],  # "grayish" is another word
+             "cube": [r for r in rows if r["id"] in (6, 7)]}
     probe = results["probe"]
-    assert probe["num_samples"] == 3 and probe["words"] == ["Gray"]
-    check_against_reference(probe, named)
+    assert probe["num_samples"] == 5 and probe["words"] == ["Gray", "cube"]
+    check_against_reference(probe, named["Gray"] + named["cube"])
     flat = result.flat()
-    hardest = [r["nll"]["caption"][0] < r["nll"]["caption"][1 + r["vqa"]["order"][0]] for r in named]
-    assert flat["cococon/probe/caption/acc@1"] == pytest.approx(100.0 * sum(hardest) / len(hardest))
-    assert flat["cococon/probe/vqa/C_1"] == probe["vqa"]["C_k"]["1"] and flat["cococon/probe/num_samples"] == 3
+    for word, word_rows in named.items():  # each concept on its own
+        check_against_reference(probe["by_word"][word], word_rows)
+        assert flat[f"cococon/probe/{word}/num_samples"] == len(word_rows)
+        hardest = [r["nll"]["caption"][0] < r["nll"]["caption"][1 + r["vqa"]["order"][0]] for r in word_rows]
+        assert flat[f"cococon/probe/{word}/caption/acc@1"] == pytest.approx(100.0 * sum(hardest) / len(hardest))
+    assert flat["cococon/probe/vqa/C_1"] == probe["vqa"]["C_k"]["1"] and flat["cococon/probe/num_samples"] == 5
     assert "probe" not in runner.evaluate_model(HashModel(), data.samples, cider_tokenizer="simple").results
 
 

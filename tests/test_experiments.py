@@ -71,6 +71,14 @@ def test_probe_columns_appear_only_for_runs_with_probe_words():
     md = table2.markdown(table2.summarize({"K": {0: probed}, "M": {0: probed}}), [0], [])
     assert "probe caption acc@1" in md and "55.0" in md
     assert "probe" not in table2.markdown(table2.summarize({"K": {0: plain}}), [0], [])
+    per_word = {"cococon/probe/star/num_samples": 9, "cococon/probe/star/caption/acc@1": 80.0,
+                "cococon/probe/star/vqa/C_1": 40.0, "cococon/probe/star/vqa/acc@1": 30.0}
+    k_run = table2.summarize_run({**flat, "cococon/probe/num_samples": 9, **per_word})
+    m_run = table2.summarize_run({**flat, "cococon/probe/num_samples": 9, **per_word, "cococon/probe/star/vqa/C_1": 55.0})
+    assert k_run["probe/star/vqa/C_1"] == 40.0 and k_run["probe/star/caption/acc@1"] == 80.0
+    md = table2.markdown(table2.summarize({"K": {0: k_run, 1: k_run}, "M": {0: m_run, 1: m_run}}), [0, 1], [])
+    assert "| star | K | 80.0 ± 0.0 | 40.0 ± 0.0 |" in md
+    assert "| star | M − K | +0.0 [+0.0, +0.0] | +15.0 [+15.0, +15.0] |" in md
 
 
 def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_shapes_world, tmp_path):

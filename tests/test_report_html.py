@@ -279,3 +279,35 @@ def test_report_without_evaluations_thumbnails_and_bad_files(tmp_path):
     (ev / "results.json").write_text("{not json")
     with pytest.raises(UserError, match=re.escape(str(ev / "results.json"))):
         write_report(run)
+
+
+def test_report_against_a_baseline_run(tmp_path, capsys):
+    """``unicon report RUN --baseline RUN_K``: per task, C_1 and rho at each run's last epoch end and
+    their difference, printed and at the top of report.md and report.html; a baseline without
+    CocoCon is an error naming it."""
+    from unicon import cli
+
+    def run(name, values):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"step": 10 * (e + 1), **{f"cococon/{t}/{m}": v[e] for (t, m), v in values.items()}} for e in range(2)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    m = run("M", {("vqa", "C_1"): [80.0, 90.0], ("vqa", "rho"): [0.5, 0.75], ("t2i", "C_1"): [70.0, 60.0],
+                  ("t2i", "rho"): [0.25, 0.25]})
+    k = run("K", {("vqa", "C_1"): [80.0, 85.0], ("vqa", "rho"): [0.5, 0.5], ("t2i", "C_1"): [70.0, 62.5],
+                  ("t2i", "rho"): [0.25, 0.5]})
+    assert cli.main(["report", str(m), "--baseline", str(k), "--brief"]) == 0
+    out = capsys.readouterr().out
+    assert "M (run) against K (base)" in out
+    assert re.search(r"^vqa\s+90\s+85\s+5\s+0\.75\s+0\.5\s+0\.25$", out, re.M), out
+    assert re.search(r"^t2i\s+60\s+62\.5\s+-2\.5\s+0\.25\s+0\.5\s+-0\.25$", out, re.M), out
+    assert "localization" not in out  # logged by neither run
+    assert "## Against the baseline run" in (m / "report.md").read_text()
+    summary = _section((m / "report.html").read_text(encoding="utf-8"), "summary")
+    assert '<td class="num ok">5</td>' in summary and '<td class="num bad">-2.5</td>' in summary
+    plain = run("plain", {})
+    (plain / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
+    assert cli.main(["report", str(m), "--baseline", str(plain)]) != 0
+    assert f"baseline {plain}: no CocoCon" in capsys.readouterr().err

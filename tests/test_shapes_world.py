@@ -510,6 +510,49 @@ def test_caption_gap_removes_one_concept_from_training_captions_only(tmp_path):
         b.main(["--out", str(tmp_path / "bad"), *small, "--caption-gap", "teal"])
 
 
+def test_task_gaps_remove_each_concept_from_its_own_task_only(tmp_path):
+    """--vqa-gap / --grounding-gap / --t2i-gap (with --caption-gap): each task's train rows naming its
+    concept are dropped, every other train row and the val/test splits are those of the same world
+    without gaps, and the contrast sets hold samples about every gap concept."""
+    small = ["--num-train", "80", "--num-val", "10", "--num-test", "10", "--num-reason-train", "4",
+             "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--quiet", "--seed", "5",
+             "--instruct-mc", "0", "--instruct-geu-per-category", "0", "--instruct-ratings", "0"]
+    gaps = {"caption": "purple", "vqa": "star", "grounding": "orange", "t2i": "cross"}
+    b = _builder()
+    assert b.main(["--out", str(tmp_path / "base"), *small]) == 0
+    assert b.main(["--out", str(tmp_path / "gap"), *small, "--caption-gap-keep", "0",
+                   *[a for t, c in gaps.items() for a in (f"--{t}-gap", c)]]) == 0
+
+    def rows(name, split):
+        return [json.loads(line) for line in open(tmp_path / name / f"mixture_{split}.jsonl")]
+
+    def texts(r):
+        return [x for x in (r["text"], r["target"]) if isinstance(x, str)]
+
+    def in_gap(r):
+        return r["task"] in gaps and any(mentions_concept(x, gaps[r["task"]]) for x in texts(r))
+
+    base, gap = rows("base", "train"), rows("gap", "train")
+    for task in gaps:
+        assert any(in_gap(r) for r in base if r["task"] == task), task  # the small world names every concept
+    assert gap == [r for r in base if not in_gap(r)]
+    for task, concept in gaps.items():  # the other tasks keep each concept
+        assert any(r["task"] != task and any(mentions_concept(x, concept) for x in texts(r)) for r in gap), concept
+    for split in ("val", "test"):
+        assert rows("gap", split) == rows("base", split)
+    answers = [a["answer"] for split in ("train", "test")
+               for a in json.loads((tmp_path / "gap" / f"cococon_{split}.json").read_text())["annotations"]]
+    for concept in gaps.values():
+        assert answers.count(concept) >= 3, (concept, answers.count(concept))
+    info = json.loads((tmp_path / "gap" / "world.json").read_text())
+    assert info["task_gaps"] == gaps
+    assert "task_gaps" not in json.loads((tmp_path / "base" / "world.json").read_text())
+    with pytest.raises(UserError, match="two tasks share a gap concept"):
+        b.main(["--out", str(tmp_path / "bad"), *small, "--vqa-gap", "star", "--t2i-gap", "star"])
+    with pytest.raises(UserError, match="--grounding-gap='teal' is neither a colour"):
+        b.main(["--out", str(tmp_path / "bad"), *small, "--grounding-gap", "teal"])
+
+
 def test_splits_are_disjoint_and_held_out_compositions_stay_out_of_training(world):
     w, _ = world
     held = w.held_out

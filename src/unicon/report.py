@@ -160,21 +160,54 @@ def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
     return "\n".join(lines)
 
 
+def comparison(series: dict, baseline: dict) -> list[dict[str, Any]]:
+    """Per CocoCon task, ``C_1`` and ``rho`` at the last epoch-end evaluation of a run (e.g. the
+    consistency-trained row M) and of a baseline run (e.g. its control K, the same data, seed and
+    steps), with their difference ``run - baseline``. Tasks logged by both runs only."""
+    rows = []
+    for task in HEADLINE_TASKS:
+        row: dict[str, Any] = {"task": task}
+        for metric in ("C_1", "rho"):
+            mine, base = series.get(f"cococon/{task}/{metric}"), baseline.get(f"cococon/{task}/{metric}")
+            if not mine or not base:
+                break
+            row[metric] = {"run": mine[-1][1], "baseline": base[-1][1], "difference": mine[-1][1] - base[-1][1]}
+        else:
+            rows.append(row)
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]], run: str, baseline: str) -> str:
+    """:func:`comparison` as plain text, one line per task."""
+    head = f"{'task':<14}{'C_1 run':>9}{'C_1 base':>10}{'change':>8}{'rho run':>9}{'rho base':>10}{'change':>8}"
+    lines = [f"CocoCon at the last epoch end: {run} (run) against {baseline} (base)", head]
+    for r in rows:
+        c, p = r["C_1"], r["rho"]
+        lines.append(f"{r['task']:<14}{_fmt(c['run']):>9}{_fmt(c['baseline']):>10}{_fmt(c['difference']):>8}"
+                     f"{_fmt(p['run']):>9}{_fmt(p['baseline']):>10}{_fmt(p['difference']):>8}")
+    return "\n".join(lines)
+
+
 def _fmt(v: float) -> str:
     return "nan" if math.isnan(v) else f"{v:.4g}"
 
 
-def write_report(run_dir: str | Path) -> Path:
+def write_report(run_dir: str | Path, baseline: str | Path | None = None) -> Path:
     """Write ``report.md`` (+ ``report_curves.png``) and ``report.html`` (:func:`write_html`) into
-    ``run_dir`` and return the path of ``report.md``."""
+    ``run_dir`` and return the path of ``report.md``. With ``baseline`` (another run folder, e.g.
+    the control run K of a consistency run M), both files start with :func:`comparison`."""
     run_dir = Path(run_dir)
     series = collect(run_dir)
+    compared = _compared(series, baseline)
     groups: dict[str, list[str]] = defaultdict(list)
     for key in sorted(series):
         groups[key.split("/", 1)[0] if "/" in key else "other"].append(key)
 
     lines = [f"# unicon report: {run_dir.name}", "", f"Run directory: `{run_dir}`", "",
              "The same run as one page with every figure: [report.html](report.html)", ""]
+    if compared:
+        lines += [f"## Against the baseline run `{baseline}`", "", "```", comparison_table(compared, run_dir.name, Path(baseline).name),
+                  "```", ""]
     for group, keys in groups.items():
         lines += [f"## {group}", "", "| metric | final | first | n |", "| --- | ---: | ---: | ---: |"]
         for k in keys:
@@ -186,8 +219,20 @@ def write_report(run_dir: str | Path) -> Path:
         lines += ["## Curves", "", f"![curves]({plot.name})", ""]
     out = run_dir / "report.md"
     _atomic_write(out, "\n".join(lines).encode("utf-8"))
-    write_html(run_dir, series)
+    write_html(run_dir, series, baseline)
     return out
+
+
+def _compared(series: dict, baseline: str | Path | None) -> list[dict[str, Any]] | None:
+    """:func:`comparison` of a run's series with the baseline run folder's (None without one); a
+    baseline that logged no CocoCon task of the run is an error naming it."""
+    if baseline is None:
+        return None
+    rows = comparison(series, collect(Path(baseline)))
+    if not rows:
+        raise UserError(f"baseline {baseline}: no CocoCon C_1 and rho logged for a task that this run logged too "
+                        "(the baseline must be a run with eval.cococon enabled)")
+    return rows
 
 
 def _curves_figure(series: dict, keys: Sequence[str], max_cols: int = 5, cell: tuple[float, float] = (3.2, 2.6)):
@@ -367,6 +412,23 @@ def _earlier(evals: list[tuple[str, Path]], render) -> str:
         parts.append(f"<details><summary>{_e(label)}</summary>{render(label, out)}</details>")
     label, out = evals[-1]
     return f"<h3>{_e(label or 'Evaluation')}</h3>" + render(label, out) + "".join(parts)
+
+
+def _section_comparison(baseline: str | Path | None, rows: list[dict[str, Any]] | None) -> str:
+    """The run against its baseline run (:func:`comparison`), differences coloured by sign."""
+    if not rows:
+        return ""
+
+    def diff(v: float) -> str:
+        cls = "ok" if v > 0 else "bad" if v < 0 else ""
+        return f'<td class="num {cls}">{_num(v)}</td>'
+
+    body = [[f"<td>{_e(r['task'])}</td>", _td(r["C_1"]["run"]), _td(r["C_1"]["baseline"]), diff(r["C_1"]["difference"]),
+             _td(r["rho"]["run"]), _td(r["rho"]["baseline"]), diff(r["rho"]["difference"])] for r in rows]
+    return (f"<h3>Against the baseline run {_e(baseline)}</h3>"
+            + _table(["task", "C_1 this run", "C_1 baseline", "change", "rho this run", "rho baseline", "change"],
+                     body, "comparison")
+            + '<p class="note">CocoCon at the last epoch-end evaluation of each run.</p>')
 
 
 def _section_summary(run_dir: Path, series: dict) -> str:
@@ -700,12 +762,12 @@ def _section_config(run_dir: Path) -> str:
     return _table(["key", "value"], rows, "config")
 
 
-def render_html(run_dir: Path, series: dict | None = None) -> str:
+def render_html(run_dir: Path, series: dict | None = None, baseline: str | Path | None = None) -> str:
     """The page of :func:`write_html` as a string."""
     run_dir = Path(run_dir)
     series = collect(run_dir) if series is None else series
     bodies = {
-        "summary": _section_summary(run_dir, series),
+        "summary": _section_comparison(baseline, _compared(series, baseline)) + _section_summary(run_dir, series),
         "training": _section_training(series),
         "cococon": _section_cococon(run_dir),
         "drift": _section_drift(run_dir),
@@ -732,11 +794,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def write_html(run_dir: str | Path, series: dict | None = None) -> Path:
+def write_html(run_dir: str | Path, series: dict | None = None, baseline: str | Path | None = None) -> Path:
     """Write ``<run_dir>/report.html`` (see the module docstring) and return its path."""
     run_dir = Path(run_dir)
     out = run_dir / "report.html"
-    _atomic_write(out, render_html(run_dir, series).encode("utf-8"))
+    _atomic_write(out, render_html(run_dir, series, baseline).encode("utf-8"))
     return out
 
 
@@ -762,10 +824,20 @@ def cli(argv: list[str]) -> int:
         "training curves, CocoCon, drift and UReason results with their figures, the run config).",
     )
     parser.add_argument("run_dir", type=Path, help="a run directory, e.g. checkpoints/shapes_demo")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="RUN_DIR",
+                        help="another run to compare with (e.g. the control run K of a consistency run M): "
+                             "CocoCon C_1 and rho per task at each run's last epoch end, and the change")
+    parser.add_argument("--brief", action="store_true",
+                        help="print only the comparison (with --baseline), not every metric")
     args = parser.parse_args(argv)
-    if not args.run_dir.is_dir():
-        raise UserError(f"{args.run_dir} is not a directory")
-    print_summary(args.run_dir)
-    print(f"report: {write_report(args.run_dir)}")
+    for path in (args.run_dir, args.baseline):
+        if path is not None and not path.is_dir():
+            raise UserError(f"{path} is not a directory")
+    if not args.brief:
+        print_summary(args.run_dir)
+    report = write_report(args.run_dir, args.baseline)
+    if args.baseline is not None:
+        print(comparison_table(_compared(collect(args.run_dir), args.baseline), args.run_dir.name, args.baseline.name))
+    print(f"report: {report}")
     print(f"html:   {args.run_dir / 'report.html'}")
     return 0

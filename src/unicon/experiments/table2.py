@@ -117,7 +117,18 @@ def summarize_run(flat: dict[str, float], train_rho: dict[str, float] | None = N
         probe_c1 = [get(f"cococon/probe/{t}/C_1") for t in TASKS]
         probe_c1 = [v for v in probe_c1 if not math.isnan(v)]
         out["probe/mean/C_1"] = float(np.mean(probe_c1)) if probe_c1 else math.nan
+    for word in probe_words(flat):  # each probed concept on its own
+        out[f"probe/{word}/caption/acc@1"] = get(f"cococon/probe/{word}/caption/acc@1")
+        for t in TASKS:
+            out[f"probe/{word}/{t}/C_1"] = get(f"cococon/probe/{word}/{t}/C_1")
+            out[f"probe/{word}/{t}/acc@1"] = get(f"cococon/probe/{word}/{t}/acc@1")
     return out
+
+
+def probe_words(flat: dict[str, Any]) -> list[str]:
+    """The concepts probed one by one (``cococon/probe/<word>/num_samples``), in logged order."""
+    return [k.split("/")[2] for k in flat if k.startswith("cococon/probe/") and k.count("/") == 3
+            and k.endswith("/num_samples")]
 
 
 def paired_interval(diffs: Sequence[float], level: float = 0.95) -> dict[str, float]:
@@ -209,6 +220,23 @@ def markdown(summary: dict[str, Any], seeds: Sequence[int], overrides: Sequence[
     for method, diffs in summary["paired_vs_K"].items():
         cells = [_fmt_diff(diffs.get(f"train_rho/{t}/rise", {"mean": math.nan, "low": math.nan}), 3) for t in TASKS]
         lines.append(f"| {method} − K | " + " | ".join(cells) + " |")
+    words = sorted({c.split("/")[1] for s in summary["methods"].values() for c in s
+                    if c.startswith("probe/") and c.endswith("/caption/acc@1") and c.count("/") == 3})
+    if words:
+        probe_cols = [("caption/acc@1", "caption acc@1")] + [
+            (f"{t}/{m}", f"{TASK_LABELS[t]} {label}") for t in TASKS for m, label in (("C_1", "C₁"), ("acc@1", "acc@1"))]
+        lines += ["", "Probed concepts (the samples whose gold answer names the concept; a knowledge-gap world "
+                  "hides each from one task's training rows):", "",
+                  "| concept | method | " + " | ".join(label for _, label in probe_cols) + " |",
+                  "| --- | --- | " + " | ".join("---:" for _ in probe_cols) + " |"]
+        for word in words:
+            for method, stats_ in summary["methods"].items():
+                cells = [_fmt(stats_.get(f"probe/{word}/{c}", {"mean": math.nan, "std": math.nan}), 1) for c, _ in probe_cols]
+                lines.append(f"| {word} | {method} | " + " | ".join(cells) + " |")
+            for method, diffs in summary["paired_vs_K"].items():
+                cells = [_fmt_diff(diffs.get(f"probe/{word}/{c}", {"mean": math.nan, "low": math.nan}), 1)
+                         for c, _ in probe_cols]
+                lines.append(f"| {word} | {method} − K | " + " | ".join(cells) + " |")
     lines += ["", "C_k per task (mean over seeds):", "",
               "| method | task | " + " | ".join(f"C_{k}" for k in range(1, MAX_K + 1)) + " |",
               "| --- | --- | " + " | ".join("---:" for _ in range(MAX_K)) + " |"]

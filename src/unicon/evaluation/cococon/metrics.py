@@ -251,10 +251,13 @@ def aggregate(per_sample: list[dict], max_k: int) -> dict:
 
 
 def consistency_metrics(nll: dict[str, np.ndarray], categories: Sequence[str | None] | None = None, max_k: int = MAX_K,
-                        tasks: Sequence[str] = TASKS, probe: Sequence[bool] | None = None) -> tuple[dict, list[dict]]:
-    """:func:`aggregate` per task, per category, and over the ``probe`` samples, from NLL arrays
-    ``[N, 1 + K]`` (NaN = absent). Returns ``(results, per_sample)`` where ``per_sample[i][task]``
-    is :func:`sample_consistency`."""
+                        tasks: Sequence[str] = TASKS,
+                        probe: dict[str, Sequence[bool]] | None = None) -> tuple[dict, list[dict]]:
+    """:func:`aggregate` per task, per category, and over the probed samples, from NLL arrays
+    ``[N, 1 + K]`` (NaN = absent). ``probe[word][i]``: sample i is about the probed concept ``word``;
+    ``results["probe"]`` aggregates the samples about any of the words, and ``results["probe"]["by_word"]``
+    each word's own (a world with one knowledge gap per task probes one concept per task). Returns
+    ``(results, per_sample)`` where ``per_sample[i][task]`` is :func:`sample_consistency`."""
     N = nll["caption"].shape[0]
     per_sample = [{t: sample_consistency(nll["caption"][i].tolist(), nll[t][i].tolist(), max_k) for t in tasks}
                   for i in range(N)]
@@ -265,8 +268,12 @@ def consistency_metrics(nll: dict[str, np.ndarray], categories: Sequence[str | N
             rows = [p for p, c in zip(per_sample, categories) if c == cat]
             results["categories"][cat] = {t: aggregate([p[t] for p in rows], max_k) for t in tasks}
     if probe is not None:
-        rows = [p for p, flag in zip(per_sample, probe) if flag]
-        results["probe"] = {"num_samples": len(rows), **{t: aggregate([p[t] for p in rows], max_k) for t in tasks}}
+        def over(flags):
+            rows = [p for p, flag in zip(per_sample, flags) if flag]
+            return {"num_samples": len(rows), **{t: aggregate([p[t] for p in rows], max_k) for t in tasks}}
+
+        results["probe"] = over([any(flags) for flags in zip(*probe.values())])
+        results["probe"]["by_word"] = {word: over(flags) for word, flags in probe.items()}
     return results, per_sample
 
 
@@ -307,11 +314,13 @@ def flat_metrics(results: dict, prefix: str = "cococon") -> dict[str, float]:
         for t in tasks:
             out[f"{prefix}/category/{cat}/{t}/C_1"] = res[t]["C_k"][1]
     if "probe" in results:
-        probe = results["probe"]
-        out[f"{prefix}/probe/num_samples"] = probe["num_samples"]
-        for t in tasks:
-            out[f"{prefix}/probe/{t}/C_1"] = probe[t]["C_k"][1]
-            out[f"{prefix}/probe/{t}/acc@1"] = probe[t]["acc@k"][1]
-            out[f"{prefix}/probe/{t}/rho"] = probe[t]["rho"]
-        out[f"{prefix}/probe/caption/acc@1"] = probe[tasks[0]]["caption_acc@k"][1]
+        groups = {"probe": results["probe"],
+                  **{f"probe/{w}": r for w, r in results["probe"].get("by_word", {}).items()}}
+        for name, probe in groups.items():
+            out[f"{prefix}/{name}/num_samples"] = probe["num_samples"]
+            for t in tasks:
+                out[f"{prefix}/{name}/{t}/C_1"] = probe[t]["C_k"][1]
+                out[f"{prefix}/{name}/{t}/acc@1"] = probe[t]["acc@k"][1]
+                out[f"{prefix}/{name}/{t}/rho"] = probe[t]["rho"]
+            out[f"{prefix}/{name}/caption/acc@1"] = probe[tasks[0]]["caption_acc@k"][1]
     return out

@@ -24,9 +24,10 @@ truncation can make gold and contrast identical and so produce ties.
 With ``generative`` the model also captions, answers, locates and (with a ShapesWorld root or FID
 weights) draws every sample; :mod:`.metrics` turns those outputs into accuracies.
 
-Probed concepts (``probe_words``, e.g. the concept that a knowledge-gap world hides from
-captioning): the samples whose gold answer names one of the words (:func:`.metrics.names_any`) are
-also aggregated on their own, under ``results["probe"]`` / ``cococon/probe/...``.
+Probed concepts (``probe_words``, e.g. the concepts that a knowledge-gap world hides from one task
+each): the samples whose gold answer names one of the words (:func:`.metrics.names_any`) are also
+aggregated on their own, under ``results["probe"]`` / ``cococon/probe/...``, and each word's under
+``results["probe"]["by_word"][word]`` / ``cococon/probe/<word>/...``.
 
 Distributed evaluation (:mod:`unicon.evaluation.distributed`): :func:`evaluate_model` takes this
 rank's :func:`shard_indices`; each rank keeps one record per sample (NLL rows, generated caption
@@ -270,7 +271,8 @@ class CocoConEvaluator:
         truncated = sum(gather_objects(self.truncated), Counter())
         samples = [self.samples[i] for i in records]
         nll = {t: np.array([r["nll"][t] for r in records.values()], dtype=np.float64) for t in SCORED}
-        probe = [names_any(s.answer, self.probe_words) for s in samples] if self.probe_words else None
+        probe = ({w: [names_any(s.answer, [w]) for s in samples] for w in self.probe_words}
+                 if self.probe_words else None)
         results, per_task = consistency_metrics(nll, [s.category for s in samples], self.max_k, self.tasks, probe)
         if probe is not None:
             results["probe"]["words"] = list(self.probe_words)
