@@ -283,3 +283,32 @@ def test_both_soft_ranks_keep_the_loss_properties(soft_rank):
     padded0[:8, 3:], paddedi[:8, 3:] = 1e6, -1e6
     alone = (loss(s0[:8, :3], si[:8, :3]) * 8 + loss(s0[8:], si[8:]) * 24) / 32
     assert loss(padded0, paddedi, mask) == pytest.approx(alone, rel=1e-12)
+
+
+def test_gold_rank_terms_are_the_gold_candidates_term_of_eq3():
+    """loss.rank_terms=gold: ½(R(z0)_0 − R(zi)_0)² per example, by hand with hard-like ranks (gaps of
+    20 rank steps at ε = 0.01); 0 when both tasks put the gold at the same place, whatever the order of
+    the contrasts; a gold ranked first by one task and last by the other gives (K − 1)²/2; every
+    gold-vs-contrast pair gets a gradient with sigmoid ranks, and a few SGD steps on the task alone
+    bring its gold to where the anchor ranks it."""
+    kw = dict(soft_rank="sigmoid", regularization_strength=0.01, rank_terms="gold")
+    anchor = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])  # gold ranked first (lowest NLL)
+    shuffled = torch.tensor([[0.0, 4.0, 3.0, 1.0, 2.0]])  # gold first, contrasts reordered
+    assert float(spearman_rank_loss(anchor, shuffled, **kw)) == pytest.approx(0.0, abs=1e-6)
+    assert float(spearman_rank_loss(anchor, shuffled, soft_rank="sigmoid", regularization_strength=0.01)) > 1.0
+    gold_last = torch.tensor([[4.0, 0.0, 1.0, 2.0, 3.0]])
+    assert float(spearman_rank_loss(anchor, gold_last, **kw)) == pytest.approx(0.5 * 4 ** 2, rel=1e-4)
+    assert float(spearman_rank_loss(anchor, torch.tensor([[2.0, 0.0, 1.0, 3.0, 4.0]]), **kw)) == pytest.approx(2.0, rel=1e-4)
+    si = gold_last.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(spearman_rank_loss(anchor, si, soft_rank="sigmoid", rank_terms="gold"), si)
+    assert (grad != 0).all()
+    for _ in range(20):
+        (grad,) = torch.autograd.grad(spearman_rank_loss(anchor, si, soft_rank="sigmoid", rank_terms="gold"), si)
+        with torch.no_grad():
+            si -= 2.0 * float(si.std(unbiased=False)) ** 2 * grad
+        if int(si.detach().argmin()) == 0:
+            break
+    else:
+        raise AssertionError(f"20 SGD steps did not bring the gold first: {si.detach().tolist()}")
+    with pytest.raises(ValueError, match="loss.rank_terms must be one of all, gold"):
+        spearman_rank_loss(anchor, gold_last, rank_terms="pairs")

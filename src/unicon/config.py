@@ -206,6 +206,9 @@ class LossConfig:
     # the Spearman loss's soft ranks: "torchsort" (the paper's projection) or "sigmoid" (ours: pairwise
     # logistic ranks at temperature ε, a gradient for every misordered pair; losses/consistency.py)
     soft_rank: str = choice("torchsort", ("torchsort", "sigmoid"))
+    # the Spearman loss's terms: "all" (Eq. 3: every candidate's soft rank) or "gold" (ours: only the
+    # gold candidate's soft rank, the order that C_1 measures; losses/consistency.py)
+    rank_terms: str = choice("all", ("all", "gold"))
     hinge_margin: float = bounded(0.1, 0.0)
     # "mutual" (Eq. 3: both tasks move) or "toward_gold" (ours: where only one task ranks the gold
     # first, only the other one moves; losses/consistency.py)

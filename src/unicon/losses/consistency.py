@@ -57,6 +57,18 @@ Spearman (the paper's, ``loss.type=spearman``) -- Eq. 3 as written, per example:
     ``K_b``, one batched ``soft_rank`` call per group, so padding can never change a rank); the
     mean over examples (the paper's Eq. 3 is per example).
 
+Rank terms (``loss.rank_terms``; ``gold`` is ours, a deviation from the paper). ``all`` is Eq. 3:
+    every candidate's squared soft-rank difference. ``gold`` keeps the gold candidate's (index 0)
+    term only::
+
+        L_b = ½ (R(z0_b)_0 − R(zi_b)_0)²
+
+    the disagreement on where the gold ranks among its contrasts, which is what ``C_k`` measures;
+    the order of the contrasts among themselves gets no push. With ``sigmoid`` ranks,
+    ``R_0 = ½ + Σ_k σ((z_0 − z_k)/ε)``, so every gold-vs-contrast pair still has a gradient. For
+    hard ranks the term is 0 when both tasks put the gold at the same place, and ``(K − 1)²/2``
+    (8 at K = 5) when one ranks it first and the other last.
+
 Hinge (``loss.type=hinge``, the paper's "+ Hinge Loss" baseline; the paper does not give
     its formula, this is ours) -- a pairwise margin-ranking version of the same idea on the same
     standardised scores ``z``: for every ordered pair ``(j, k)`` of real candidates, let
@@ -93,6 +105,7 @@ import torch
 
 LOSS_TYPES = ("spearman", "hinge", "none")
 SOFT_RANKS = ("torchsort", "sigmoid")
+RANK_TERMS = ("all", "gold")
 
 
 def _check(s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -162,9 +175,13 @@ def spearman_rank_loss(
     all_reduce=None,
     soft_rank: str = "torchsort",
     weight: torch.Tensor | None = None,
+    rank_terms: str = "all",
 ) -> torch.Tensor:
     """Eq. 3, ``½‖R(z0) − R(zi)‖²`` per example on rank-scaled scores, mean over examples (module
-    docstring); ``weight``: ``[B]`` factors of the examples' terms (see :func:`_reduce`)."""
+    docstring); ``rank_terms="gold"``: the gold candidate's term only; ``weight``: ``[B]`` factors
+    of the examples' terms (see :func:`_reduce`)."""
+    if rank_terms not in RANK_TERMS:
+        raise ValueError(f"loss.rank_terms must be one of {', '.join(RANK_TERMS)}, got {rank_terms!r}")
     mask = _check(s0, si, mask)
     dtype = torch.float64 if s0.dtype == torch.float64 else torch.float32
     per_example = s0.new_zeros(s0.shape[0], dtype=dtype)
@@ -177,7 +194,8 @@ def spearman_rank_loss(
         # a non-finite score is never hidden as "no order": it makes the loss NaN (the training guard)
         broken = ~(torch.isfinite(s0[rows, :k]).all(1) & torch.isfinite(si[rows, :k]).all(1))
         ok = (ok0 & oki) | broken
-        value = torch.where(broken, float("nan"), 0.5 * ((r0 - ri) ** 2).sum(1))
+        diff = (r0 - ri)[:, :1] if rank_terms == "gold" else r0 - ri
+        value = torch.where(broken, float("nan"), 0.5 * (diff ** 2).sum(1))
         per_example = per_example.index_put((rows,), torch.where(ok, value, 0.0))
         valid = valid.index_put((rows,), ok)
     return _reduce(per_example, valid, reduction, all_reduce, weight)
@@ -262,19 +280,20 @@ def consistency_loss(
     margin: float = 0.1,
     direction: str = "mutual",
     soft_rank: str = "torchsort",
+    rank_terms: str = "all",
     all_reduce=None,
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``) after ``loss.direction``
-    (``mutual`` | ``toward_gold``); ``soft_rank``: the Spearman loss's ranks; ``all_reduce`` and
-    ``weight`` (``[B]``, e.g. each example's task λ factor): see :func:`_reduce`."""
+    (``mutual`` | ``toward_gold``); ``soft_rank`` and ``rank_terms``: the Spearman loss's ranks and
+    terms; ``all_reduce`` and ``weight`` (``[B]``, e.g. each example's task λ factor): see :func:`_reduce`."""
     if direction not in DIRECTIONS:
         raise ValueError(f"loss.direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     if direction == "toward_gold" and loss_type != "none":
         s0, si = toward_gold(s0, si, _check(s0, si, mask))
     if loss_type == "spearman":
         return spearman_rank_loss(s0, si, mask, regularization, regularization_strength,
-                                  all_reduce=all_reduce, soft_rank=soft_rank, weight=weight)
+                                  all_reduce=all_reduce, soft_rank=soft_rank, weight=weight, rank_terms=rank_terms)
     if loss_type == "hinge":
         return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce, weight=weight)
     if loss_type == "none":
