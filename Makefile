@@ -34,18 +34,24 @@ TEST_WORKERS ?= auto
 test: $(STAMP) $(DS_STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH WANDB_MODE=offline $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
-# The demo: build ShapesWorld (seconds), then consistency training of the shipped base model
-# (checkpoints/shapes_base) with epoch-end CocoCon / drift / UReason evaluation. Each stage prints one
-# line with its wall time; the run ends with the headline table (C_1 and rho per task, first and last
-# epoch end) above the paths of what it wrote.
+# The demo: build ShapesWorld (seconds), then the paper's Table 2 rows K and M from the shipped base
+# model (checkpoints/shapes_base), the same data, seed and steps: K cross-entropy only, with
+# epoch-end CocoCon; M consistency training, with epoch-end CocoCon / drift / UReason. Each stage
+# prints one line with its wall time, each run its headline table (C_1 and rho per task, first and
+# last epoch end) above the paths of what it wrote; the demo ends with M against K at the last epoch
+# end (`unicon report ... --baseline`, also at the top of M's report.html).
 BASE_MODEL := checkpoints/shapes_base
 demo: $(STAMP)
 	@t0=$$(date +%s); test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes --workers 2 && \
 	  echo "demo: world ready ($$(( $$(date +%s) - t0 )) s)"
 	@test -f $(BASE_MODEL)/model.safetensors || { echo "demo: $(BASE_MODEL) is missing: make pretrained rebuilds it"; exit 2; }
+	@t0=$$(date +%s); echo "$(VENV)/bin/unicon train experiment=shapes_demo_control overwrite=true $(ARGS)"; \
+	  $(VENV)/bin/unicon train experiment=shapes_demo_control overwrite=true $(ARGS) && \
+	  echo "demo: row K, cross-entropy only, with epoch-end CocoCon ($$(( $$(date +%s) - t0 )) s)"
 	@t0=$$(date +%s); echo "$(VENV)/bin/unicon train experiment=shapes_demo overwrite=true $(ARGS)"; \
 	  $(VENV)/bin/unicon train experiment=shapes_demo overwrite=true $(ARGS) && \
-	  echo "demo: consistency training with epoch-end evaluation ($$(( $$(date +%s) - t0 )) s)"
+	  echo "demo: row M, consistency training with epoch-end evaluation ($$(( $$(date +%s) - t0 )) s)"
+	@$(VENV)/bin/unicon report checkpoints/shapes_demo --baseline checkpoints/shapes_demo_control --brief
 
 # The shipped base model from scratch (about 80 minutes on 2 CPU cores): train experiment=shapes_base
 # on the default world (runs/shapes_base), then copy its export to checkpoints/shapes_base with a

@@ -228,7 +228,8 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
 @pytest.mark.slow
 def test_make_demo(sandbox, tmp_path):
     """``make demo`` with the sandbox's world in place (so it skips the build, as on a second run), starting
-    from the shipped model, with a shortened demo run; twice, as users do. It ends with the headline table."""
+    from the shipped model, with shortened runs; twice, as users do. Each run (K, then M) prints its
+    headline table, and the demo ends with M against K."""
     proj = sandbox
     if not (proj / "data" / "shapes" / "world.json").is_file():
         pytest.skip("needs the sandbox prepared by test_readme_commands_run")
@@ -247,6 +248,13 @@ def test_make_demo(sandbox, tmp_path):
                               cwd=proj, capture_output=True,
                               text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "report:" in proc.stdout and "build-data" not in proc.stdout
-        assert proc.stdout.index("CocoCon at the first and last") < proc.stdout.index("checkpoint:")
+        out = proc.stdout
+        assert "report:" in out and "build-data" not in out
+        # row K, then row M, each with its headline table above its paths; then M against K
+        k_run, m_run = out.index("experiment=shapes_demo_control"), out.index("train experiment=shapes_demo ")
+        assert k_run < out.index("CocoCon at the first and last", k_run) < out.index("checkpoint:", k_run) < m_run
+        assert m_run < out.index("CocoCon at the first and last", m_run) < out.index("checkpoint:", m_run)
+        tail = out[out.index("CocoCon at the last epoch end: shapes_demo (run) against shapes_demo_control (base)"):]
+        assert all(f"\n{task} " in tail for task in ("vqa", "localization", "t2i")), tail
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
+    assert "Against the baseline run" in (proj / "checkpoints" / "shapes_demo" / "report.html").read_text()

@@ -301,8 +301,8 @@ def test_report_against_a_baseline_run(tmp_path, capsys):
     assert cli.main(["report", str(m), "--baseline", str(k), "--brief"]) == 0
     out = capsys.readouterr().out
     assert "M (run) against K (base)" in out
-    assert re.search(r"^vqa\s+90\s+85\s+5\s+0\.75\s+0\.5\s+0\.25$", out, re.M), out
-    assert re.search(r"^t2i\s+60\s+62\.5\s+-2\.5\s+0\.25\s+0\.5\s+-0\.25$", out, re.M), out
+    assert re.search(r"^vqa\s+90\.0\s+85\.0\s+\+5\.0\s+0\.750\s+0\.500\s+\+0\.250$", out, re.M), out
+    assert re.search(r"^t2i\s+60\.0\s+62\.5\s+-2\.5\s+0\.250\s+0\.500\s+-0\.250$", out, re.M), out
     assert "localization" not in out  # logged by neither run
     assert "## Against the baseline run" in (m / "report.md").read_text()
     summary = _section((m / "report.html").read_text(encoding="utf-8"), "summary")

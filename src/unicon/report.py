@@ -183,8 +183,8 @@ def comparison_table(rows: list[dict[str, Any]], run: str, baseline: str) -> str
     lines = [f"CocoCon at the last epoch end: {run} (run) against {baseline} (base)", head]
     for r in rows:
         c, p = r["C_1"], r["rho"]
-        lines.append(f"{r['task']:<14}{_fmt(c['run']):>9}{_fmt(c['baseline']):>10}{_fmt(c['difference']):>8}"
-                     f"{_fmt(p['run']):>9}{_fmt(p['baseline']):>10}{_fmt(p['difference']):>8}")
+        lines.append(f"{r['task']:<14}{c['run']:>9.1f}{c['baseline']:>10.1f}{c['difference']:>+8.1f}"
+                     f"{p['run']:>9.3f}{p['baseline']:>10.3f}{p['difference']:>+8.3f}")
     return "\n".join(lines)
 
 
