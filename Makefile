@@ -3,35 +3,46 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
+# installed: the package (what make demo and make pretrained need); then the test and DeepSpeed extras (make test)
 STAMP  := $(VENV)/.unicon-installed
+DEV_STAMP := $(VENV)/.unicon-dev-installed
 TORCHSORT_VERSION := $(shell grep -i '^torchsort==' constraints.txt | cut -d= -f3)
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+comma := ,
 
 .PHONY: setup test demo pretrained clean-env lint
 
-setup: $(STAMP)
+# $(call timed,step,command): run command, then print the step's wall time (set-up says where its time goes)
+timed = t=$$(date +%s); $(2) && echo "setup: $(1): $$(( $$(date +%s) - t )) s"
+
+# The whole environment of a developer: the package, the test and DeepSpeed extras.
+setup: $(DEV_STAMP)
 
 $(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh
-	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q -c constraints.txt torch torchvision
-	PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION)
-	$(VPY) -m pip install -q -c constraints.txt -e '.[dev,deepspeed]'
+	@$(call timed,virtual environment $(VENV),test -x $(VPY) || $(PYTHON) -m venv $(VENV))
+	@$(call timed,torch and torchvision,$(VPY) -m pip install -q -c constraints.txt torch torchvision)
+	@$(call timed,torchsort (compiled),PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION))
+	@$(call timed,unicon and its dependencies,$(VPY) -m pip install -q -c constraints.txt -e .)
+	@touch $@
+
+$(DEV_STAMP): $(STAMP)
+	@$(call timed,the test and DeepSpeed extras,$(VPY) -m pip install -q -c constraints.txt -e '.[dev$(comma)deepspeed]')
 	@touch $@
 
 # DeepSpeed's CPU Adam and shared-memory ops (ZeRO offload and ZeRO on the CPU), compiled once, with
 # the venv's ninja (as in its jobs and the tests: another ninja version would make torch rebuild them).
 # Only `make test` needs them up front; a run that uses them without this builds them on first use.
 DS_STAMP := $(VENV)/.unicon-deepspeed-ops
-$(DS_STAMP): $(STAMP) scripts/build_deepspeed_ops.py
-	PATH=$(abspath $(VENV))/bin:$$PATH $(VPY) scripts/build_deepspeed_ops.py
+$(DS_STAMP): $(DEV_STAMP) scripts/build_deepspeed_ops.py
+	@$(call timed,DeepSpeed's CPU ops (compiled),PATH=$(abspath $(VENV))/bin:$$PATH $(VPY) scripts/build_deepspeed_ops.py)
 	@touch $@
 
 # One pytest-xdist worker per core; tests sharing an expensive fixture stay together (tests/conftest.py).
 # The suite fails if it wrote into the checkout, and prints its slowest tests and the disk it used.
 TEST_WORKERS ?= auto
-test: $(STAMP) $(DS_STAMP)
+test: $(DEV_STAMP) $(DS_STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH WANDB_MODE=offline $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 # The demo: build ShapesWorld (seconds), then the paper's Table 2 rows K and M from the shipped base

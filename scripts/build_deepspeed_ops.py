@@ -1,4 +1,4 @@
-"""Compile the C++ ops DeepSpeed loads at run time on this machine, once, at ``make setup``.
+"""Compile the C++ ops DeepSpeed loads at run time on this machine, once, at ``make test``.
 
 DeepSpeed builds an op the first time a run needs it (``torch.utils.cpp_extension``, cached in
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), which costs a minute or more of
@@ -9,7 +9,7 @@ two cores inside that run. Built here instead:
 
 Each is built through the current accelerator's op builder, as DeepSpeed itself loads it; an op the
 accelerator has no builder for (the shared-memory one on CUDA) or that it reports incompatible is
-skipped with a line saying so. A build error stops ``make setup``.
+skipped with a line saying so. A build error stops ``make test``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 import json
 import sys
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,6 +126,36 @@ def tiny_shapes_world(tmp_path_factory) -> Path:
                   "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
                   "--num-reason-train", "0"])
     return root
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Path of a headless-capable Chromium for every browser test: Debian's ``chromium`` package,
+    installed here with apt-get when it is missing (once per machine; no browser download). Skipped,
+    with the reason, only where that is impossible (no apt-get, or not root)."""
+    found = _chromium()
+    if found:
+        return found
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        pytest.skip("needs Chromium: not installed, and apt-get (as root) is not available to install it")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    steps = (["apt-get", "update", "-qq"],
+             ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium"])
+    for cmd in steps:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"needs Chromium: `{' '.join(cmd)}` failed ({e})")
+        if proc.returncode:
+            pytest.skip(f"needs Chromium: `{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    found = _chromium()
+    if not found:
+        pytest.skip("needs Chromium: apt-get installed the package but no chromium binary is on PATH")
+    return found
 
 
 # ---- running under pytest-xdist ---------------------------------------------------------------------

@@ -457,3 +457,34 @@ def assert_drift_equals_one_run(merged: Path, ckpt: Path, args: str, env: dict, 
 
     assert text(merged) == text(out / "drift.json")
     assert '"git.commit"' in merged.read_text()
+
+
+def assert_strict_json(root: Path) -> None:
+    """Every ``.json`` and ``.jsonl`` file under ``root`` (one document, or one per line) is strict JSON
+    (RFC 8259): parseable by ``json.loads`` with ``NaN``, ``Infinity`` and ``-Infinity`` refused
+    (:func:`unicon.jsonsafe.loads_strict`). Fails naming each offending file and line."""
+    import re
+
+    from unicon.jsonsafe import loads_strict
+
+    token = re.compile(r'(?<![\w"])-?(NaN|Infinity)(?![\w"])')
+    files = sorted(p for p in Path(root).rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
+    assert files, f"no .json or .jsonl file under {root}"
+    problems = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        units = list(enumerate(text.splitlines(), 1)) if path.suffix == ".jsonl" else [(1, text)]
+        for first_line, unit in units:
+            if not unit.strip():
+                continue
+            try:
+                loads_strict(unit)
+            except ValueError as e:
+                if hasattr(e, "lineno"):  # json.JSONDecodeError knows its line; a refused constant does not
+                    at = e.lineno
+                else:
+                    found = token.search(unit)
+                    at = unit.count("\n", 0, found.start()) + 1 if found else 1
+                problems.append(f"{path}:{first_line + at - 1}: {e}")
+                break
+    assert not problems, "not strict JSON:\n" + "\n".join(problems)

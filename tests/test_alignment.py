@@ -321,6 +321,8 @@ def test_cli_scores_taus_and_merges_shards(tiny_shapes_world, tiny_clip, tmp_pat
     for name in ("samples.jsonl", "table.md"):
         assert (tmp_path / "split" / name).read_text() == (tmp_path / "one" / name).read_text(), name
     assert json.loads((tmp_path / "split" / "alignment.json").read_text())["metrics"] == one["metrics"]
+    for run in ("one", "split"):
+        standins.assert_strict_json(tmp_path / run)  # results, samples, tables, metrics: no NaN / Infinity
     assert unicon_main([*common, "--judge", "vlm:/nonexistent", "--out", str(tmp_path / "x")]) == 2
     assert unicon_main([*common, "--bagel-modes", "guess", "--out", str(tmp_path / "x")]) == 2
     assert unicon_main([*common[:-2], "--baselines", "clip_s", "--clip", str(tmp_path / "noclip"),
@@ -370,3 +372,76 @@ def test_tiny_ofa_bagelscore(pretrained_shapes, tmp_path):
     for r in rows:
         assert sum(r["bagel_probs"]) == pytest.approx(1.0, abs=8 * EPS64)
         assert 0.0 <= r["scores"]["bagelscore_expected"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the rating scale per dataset, CLIP's prompt prefix: settings, recorded
+# ---------------------------------------------------------------------------------------------
+def test_bagel_scale_is_set_per_dataset(tmp_path):
+    from unicon.evaluation.alignment.runner import resolve_bagel_scale
+
+    assert prompts.bagelscore_prompt("x") == prompts.bagelscore_prompt("x", "cf") == \
+        prompts.BAGELSCORE_PROMPT.replace("{caption}", "x")
+    cf, expert = prompts.BAGELSCORE_PROMPT.splitlines(), prompts.BAGELSCORE_PROMPT_EXPERT.splitlines()
+    changed = [i for i, (a, b) in enumerate(zip(cf, expert)) if a != b]
+    assert len(cf) == len(expert) and changed == [3, 4, 5, 6, len(cf) - 1]  # the four values and the last line
+    assert [line.split(":")[0] for line in expert[3:7]] == ["- 1", "- 2", "- 3", "- 4"]
+    assert expert[-1] == "Provide ONLY a single integer rating (1, 2, 3, or 4) without explanation:"
+    assert prompts.parse_rating("3", "expert") == 3.0 and prompts.parse_rating("4.0", "expert") == 4.0
+    assert prompts.parse_rating("0.3", "expert") is None and prompts.parse_rating("3") is None
+    assert resolve_bagel_scale("auto", tmp_path / "flickr8k.json") == "expert"
+    assert resolve_bagel_scale("auto", tmp_path / "crowdflower_flickr8k.json") == "cf"
+    assert resolve_bagel_scale("auto", tmp_path / "composite.jsonl") == "cf"
+    assert resolve_bagel_scale("auto", tmp_path / "alignment" / "pairs.jsonl") == "cf"  # a ShapesWorld's set
+    assert resolve_bagel_scale("cf", tmp_path / "flickr8k.json") == "cf"
+    with pytest.raises(UserError, match="bagel-scale"):
+        resolve_bagel_scale("1-5", None)
+    model = standins.FakeModel(scale=0.37)
+    results = expected_scores(model, _images(2), ["a", "b"], "expert")
+    assert all(1.0 <= r.score <= 4.0 and len(r.probs) == 4 for r in results)
+    replies = Replies(["3", "0.6"])
+    assert [r.score for r in decode_scores(replies, _images(2), ["a", "b"], "expert")] == [3.0, None]
+
+
+class RecordingClip:
+    """A CLIP stand-in that records the texts it embeds (all embeddings equal)."""
+
+    source = "ViT-B-32:/models/openai_vit_b32.pt"
+
+    def __init__(self):
+        self.texts = []
+
+    def embed_image(self, images):
+        return torch.nn.functional.normalize(torch.ones(len(images), 4), dim=-1)
+
+    def embed_text(self, texts):
+        self.texts += list(texts)
+        return torch.nn.functional.normalize(torch.ones(len(texts), 4), dim=-1)
+
+
+def test_clip_prefix_is_hessels_for_a_real_clip_none_for_the_worlds_and_recorded(tmp_path):
+    from unicon.evaluation.alignment.metrics import HESSEL_PREFIX
+    from unicon.evaluation.alignment.runner import evaluate_alignment, resolve_clip_prefix
+
+    assert HESSEL_PREFIX == "A photo depicts "
+    world_clip = tmp_path / "shapes_clip"
+    world_clip.mkdir()
+    (world_clip / "train_log.json").write_text(json.dumps({"world": "data/shapes", "steps": 500}))
+    assert resolve_clip_prefix("auto", str(world_clip)) == ""
+    assert resolve_clip_prefix("auto", "ViT-B-32:/models/openai_vit_b32.pt") == HESSEL_PREFIX
+    assert resolve_clip_prefix("auto", "hf-hub:laion/CLIP-ViT-B-32") == HESSEL_PREFIX
+    assert resolve_clip_prefix("none", "ViT-B-32:/x.pt") == "" and resolve_clip_prefix("hessel", str(world_clip)) == HESSEL_PREFIX
+    for i in range(3):
+        _images(3)[i].save(tmp_path / f"{i}.png")
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(
+        {"image": f"{i}.png", "caption": f"caption {i}", "rating": float(i + 1), "references": [f"ref {i}"]}) + "\n"
+        for i in range(3)))
+    pairs, _ = load_pairs(tmp_path / "pairs.jsonl")
+    for setting, prefix in (("auto", HESSEL_PREFIX), ("none", "")):
+        clip = RecordingClip()
+        results, _ = evaluate_alignment(standins.FakeModel(), pairs, tmp_path / setting, ["expected"],
+                                        ["clip_s", "refclip_s"], clip=clip, clip_prefix=setting)
+        assert sorted(clip.texts) == sorted([prefix + f"caption {i}" for i in range(3)] + [prefix + f"ref {i}" for i in range(3)])
+        saved = json.loads((tmp_path / setting / "alignment.json").read_text())["settings"]
+        assert saved["clip_prefix"] == {"setting": setting, "text": prefix}
+        assert saved["bagel_scale"]["name"] == "cf" and saved["bagel_scale"]["values"] == [0.0, 0.3, 0.6, 1.0]

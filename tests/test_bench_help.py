@@ -1,5 +1,12 @@
-"""``--help`` is fast: building a command's parser imports no heavy library, and ``unicon bench help``
-times every command's ``--help`` in fresh processes (one JSON object)."""
+"""``--help`` is fast: every ``unicon ... --help`` answers without importing a heavy library, and
+``unicon bench help`` times every command's ``--help`` in fresh processes (one JSON object).
+
+No timing is asserted (machines are noisy); what makes a ``--help`` slow is pinned instead: a
+command's module (``unicon.cli.COMMANDS``; for ``evaluate``, every suite's module) that imports
+torch, Lightning, DeepSpeed, diffusers or transformers at import time. Each of them takes one to
+ten seconds to import, against a 1 s budget for a ``--help``; the commands import them in the
+functions that run the steps needing them.
+"""
 
 from __future__ import annotations
 
@@ -14,30 +21,84 @@ from unicon.bench import help as bench_help
 from unicon.cli import COMMANDS, _usage
 from unicon.evaluation import suites
 
-#: what building a parser must not import: each costs seconds (Lightning, the model backends, metrics)
-HEAVY = ("torch", "lightning.pytorch", "transformers", "torchmetrics")
-#: ``unicon <command> --help``, then the modules the process imported (one per line on stderr)
-PRINT_MODULES = ("import sys\n"
-                 "from unicon.cli import main\n"
-                 "try:\n"
-                 "    main(sys.argv[1:])\n"
-                 "except SystemExit:\n"
-                 "    pass\n"
-                 "print(*sorted(sys.modules), sep='\\n', file=sys.stderr)\n")
+#: what no command's module may import at import time (package names, submodules included)
+HEAVY = ("torch", "lightning", "deepspeed", "diffusers", "transformers")
+FIRST_PARTY = ("unicon", "data_builders")
 
 
-@pytest.mark.parametrize("command", ["evaluate cococon", "evaluate drift", "evaluate ureason", "evaluate shapes",
-                                     "evaluate realunify", "evaluate alignment", "evaluate editing", "evaluate all",
-                                     "bench chains", "bench scoring", "bench train", "bench pretrain",
-                                     "bench help"])
-def test_help_imports_no_heavy_library(command):
-    done = subprocess.run([sys.executable, "-c", PRINT_MODULES, *command.split(), "--help"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"usage: unicon {command}" in done.stdout
-    modules = set(done.stderr.splitlines())
-    assert "unicon.cli" in modules
-    assert [m for m in HEAVY if m in modules] == []
+#: ``unicon <words> --help`` in a fresh interpreter, after importing the command's modules with the
+#: ``import`` statement (which ``-X importtime`` reports nested, unlike ``importlib.import_module``)
+HELP = "import sys\nfor m in sys.argv[1].split():\n    __import__(m)\nfrom unicon.cli import main\nsys.exit(main(sys.argv[2:]))"
+
+
+def _commands(table: dict = COMMANDS, prefix: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Every command and command group below ``unicon`` (``""``: ``unicon`` itself, first), each with
+    the modules that answer its ``--help``; ``unicon evaluate``'s suites from the suite registry."""
+    found = {" ".join(prefix): ["unicon.cli"]}
+    for name, entry in table.items():
+        words = " ".join((*prefix, name))
+        if isinstance(entry, dict):
+            found.update(_commands(entry, (*prefix, name)))
+        elif entry[0] == "unicon.evaluation.suites":  # the group's usage and every suite import every suite
+            for command in [words, *(f"{words} {s}" for s in [*suites.suites(), "all"])]:
+                found[command] = [entry[0], *suites.IN_TREE]
+        else:
+            found[words] = [entry[0]]
+    return found
+
+
+COMMAND_MODULES = _commands()
+
+
+def importers(importtime: str, package: str) -> list[str]:
+    """From ``python -X importtime``'s report (stderr), the chain of modules through which ``package``
+    was first imported, outermost first, ending with the package: first-party modules by name, other
+    packages by their top-level name, e.g. ``["unicon.evaluation.cococon.cli", "unicon.loggers",
+    "lightning", "torch"]``; ``[]`` if it never was. The report lists each module after the ones it
+    imported, two spaces deeper per level."""
+    rows = []
+    for line in importtime.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            name = line.split("|")[2][1:]
+            rows.append((len(name) - len(name.lstrip()), name.strip()))
+    first = next((i for i, (_, n) in enumerate(rows) if n == package or n.startswith(package + ".")), None)
+    if first is None:
+        return []
+    chain, depth = [package], rows[first][0]
+    for level, name in rows[first + 1:]:
+        if level < depth:  # the next shallower row is the module that imported this one
+            depth = level
+            top = name.split(".")[0]
+            link = name if top in FIRST_PARTY else top
+            if link != chain[0]:
+                chain.insert(0, link)
+    return chain
+
+
+@pytest.mark.parametrize("command", list(COMMAND_MODULES), ids=lambda c: c or "unicon")
+def test_help_exits_0_and_no_command_module_imports_a_heavy_library(command):
+    """In a fresh interpreter, import the command's modules (:data:`COMMAND_MODULES`), then run
+    ``unicon <command> --help``: exit 0, its usage on stdout, and none of :data:`HEAVY` imported; a
+    failure names the module that imports one and the chain to it."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", HELP, " ".join(COMMAND_MODULES[command]),
+                           *command.split(), "--help"], capture_output=True, text=True, timeout=300)
+    errors = "\n".join(ln for ln in done.stderr.splitlines() if not ln.startswith("import time:"))
+    assert done.returncode == 0, f"unicon {command} --help exited {done.returncode}:\n{errors[-2000:]}"
+    assert f"usage: unicon {command}".rstrip() in done.stdout, done.stdout[:300]
+    chains = [importers(done.stderr, package) for package in HEAVY]
+    found = [f"{next((m for m in reversed(chain) if m.split('.')[0] in FIRST_PARTY), '?')} imports {chain[-1]} "
+             f"at import time ({' > '.join(chain)})" for chain in chains if chain]
+    assert found == [], f"unicon {command} --help: " + "; ".join(found)
+
+
+def test_importers_names_the_first_party_module_that_imports_a_package():
+    report = "\n".join(f"import time: {1:>9} | {1:>10} | {name}" for name in [
+        "        torch.nn", "      torch", "    lightning.fabric", "    lightning", "  lightning.pytorch",
+        "  unicon.jsonsafe", "unicon.loggers", "  numpy", "unicon.evaluation.cococon.cli"])
+    assert importers(report, "lightning") == ["unicon.loggers", "lightning"]
+    assert importers(report, "torch") == ["unicon.loggers", "lightning", "torch"]
+    assert importers(report, "numpy") == ["unicon.evaluation.cococon.cli", "numpy"]
+    assert importers(report, "transformers") == []
 
 
 def test_help_constants_in_the_config_match_their_sources():

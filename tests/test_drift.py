@@ -699,6 +699,22 @@ def test_drift_callback_logs_metrics(world_cfg, tmp_path):
     assert len(table) == 2 and json.loads(table[0])["chain"] == "text-first"
 
 
+def test_a_missing_default_clip_is_named_once_with_its_consequence_and_its_fix(world_cfg, tmp_path, monkeypatch,
+                                                                              caplog):
+    """The default CLIP (checkpoints/shapes_clip) is trained separately: a run without it says once
+    which MCDs the scene embedder measures instead and which command trains it."""
+    world = make_world(tmp_path / "world", world_cfg)
+    monkeypatch.chdir(tmp_path)  # no checkpoints/shapes_clip here
+    with caplog.at_level("WARNING"):
+        cb = DriftCallback.from_config(run_config(world, embedders=["scene", "clip"]))
+    assert list(cb.embedders) == ["scene"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "drift: no CLIP model at the default checkpoints/shapes_clip, so MCD t2t, t2i, i2i, i2t is measured with the "
+        "scene embedder instead of CLIP and no drift/clip/* metric is logged; train the world's CLIP (minutes on a "
+        f"CPU): python -m unicon.embedders.clip --train-shapes {world} --out checkpoints/shapes_clip"]
+    assert "so MCD t2i, i2i, i2t is not measured and" in metrics.without_clip("c", "w", ["text"])  # t2t: text
+
+
 def test_drift_callback_on_data_that_is_not_a_shapes_world(world_cfg, tmp_path):
     """Real-data training: seeds from a file, no ShapesWorld piece is built, MGG needs the world."""
     world = make_world(tmp_path / "world", world_cfg)

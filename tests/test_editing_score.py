@@ -269,6 +269,10 @@ def test_cli_end_to_end_tau_equals_scipy_from_the_samples_file_and_shards_merge(
     assert (sharded / "own_edits.jsonl").read_bytes() == (one / "own_edits.jsonl").read_bytes()
     merged = json.loads((sharded / "editing.json").read_text())
     assert merged["results"] == single["results"] and merged["own_edits"] == single["own_edits"]
+    import standins
+
+    for run in (out, one, sharded):
+        standins.assert_strict_json(run)  # results, samples, tables, metrics: no NaN / Infinity
     batched = [json.loads(line) for line in (one / "samples.jsonl").read_text().splitlines()]
     # batch size 4 vs 1: the latents differ by float32 rounding (2^-23 relative per element, grown by the
     # encoder's reductions over d_model=32 features); cos/rls are smooth in them
@@ -317,3 +321,21 @@ def test_eval_group_argv_and_callback_from_config(world, ofa, tmp_path):
     assert "editing/tau_b/score/overall" in metrics
     with pytest.raises(Exception, match="editscore"):
         EditingCallback(tmp_path / "editscore" / "editscore.jsonl")
+
+
+def test_direction_is_compared_with_the_papers_results():
+    """The paper's Tables 2-4 correlate the raw score positively with the human score (higher is better);
+    the summary says, per criterion, whether a run's direction agrees, and the table says so."""
+    from unicon.evaluation.editing.metrics import CORRELATED, PAPER_DIRECTION, summarize
+    from unicon.evaluation.editing.runner import markdown_table
+
+    def records(sign):
+        return [{**{k: sign * float(i) for k in CORRELATED}, "ratings": {"overall": i / 4, "editing_accuracy": 0.5}}
+                for i in range(5)]
+
+    up, down = summarize(records(+1), {}), summarize(records(-1), {})
+    assert PAPER_DIRECTION["direction"] == "higher score = better rating" and "+0.259" in PAPER_DIRECTION["evidence"]
+    assert up["agrees_with_paper"] == {"editing_accuracy": None, "overall": True}
+    assert down["agrees_with_paper"]["overall"] is False and down["score_direction"]["overall"] == "lower score = better rating"
+    assert "overall: lower score = better rating (the paper's is the opposite)" in markdown_table(down)
+    assert "overall: higher score = better rating (agrees with the paper)" in markdown_table(up)

@@ -83,6 +83,31 @@ def test_cli_help_and_unknown_command():
     assert r.returncode == 2 and "unknown command" in r.stderr
 
 
+def test_cli_hides_only_the_library_noise_it_lists(caplog):
+    """``unicon.cli.quiet_libraries`` (run by every command): each :data:`LIBRARY_NOISE` message is
+    hidden, warnings by message and Lightning's tip by a filter on its logger, and nothing else."""
+    import logging
+    import warnings
+
+    from unicon.cli import quiet_libraries
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        quiet_libraries()
+        quiet_libraries()  # twice (tests call the CLI again and again): one filter on the logger
+        warnings.warn("Checkpoint directory /x/run exists and is not empty.")
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
+        warnings.warn("The `srun` command is available on your system but is not used. HINT: ...")
+        warnings.warn("a warning of this project")
+    assert [str(w.message) for w in shown] == ["a warning of this project"]
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    assert len(rank_zero.filters) == 1
+    with caplog.at_level(logging.INFO, logger=rank_zero.name):
+        rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
+        rank_zero.info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+
+
 def test_metrics_jsonl_and_offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = compose(["name=logtest"])

@@ -38,37 +38,42 @@ def _plain(items: list, clock, tick: float = 1.0, sized: bool = True, **kw) -> l
     return out.getvalue().splitlines()
 
 
-def test_plain_lines_at_every_percent_step_and_at_the_end(clock):
-    lines = _plain(list(range(20)), clock, unit="batches", every_percent=25, every_seconds=1e9)
+def test_plain_lines_every_few_seconds_and_at_the_end(clock):
+    lines = _plain(list(range(20)), clock, unit="batches", every_seconds=5)
     assert lines == [
-        "demo: 0/20 batches",
         "demo: 5/20 batches (25%), 0:00:05 elapsed, ~0:00:15 left",
         "demo: 10/20 batches (50%), 0:00:10 elapsed, ~0:00:10 left",
         "demo: 15/20 batches (75%), 0:00:15 elapsed, ~0:00:05 left",
         "demo: 20/20 batches (100%) in 0:00:20",
     ]
+    # items of 100 s, a line once 150 s have passed since the last one
+    lines = _plain(list(range(10)), clock, tick=100.0, every_seconds=150)
+    assert [re.match(r"demo: (\d+)/10", ln).group(1) for ln in lines] == ["2", "4", "6", "8", "10"]
 
 
-def test_plain_lines_every_few_seconds_between_percent_steps(clock):
-    # 10 items of 100 s each, no percent step before the end, a line once 150 s have passed since the last
-    lines = _plain(list(range(10)), clock, tick=100.0, every_percent=100, every_seconds=150)
-    assert [re.match(r"demo: (\d+)/10", ln).group(1) for ln in lines] == ["0", "2", "4", "6", "8", "10"]
-    # both rules: 50% steps and 150 s; items of 100 s: a line at 2 (50%, 200 s), none at 3 (100 s later)
-    lines = _plain(list(range(4)), clock, tick=100.0, every_percent=50, every_seconds=150)
-    assert [re.match(r"demo: (\d+)/4", ln).group(1) for ln in lines] == ["0", "2", "4"]
-    # a big step crosses several marks at once and prints one line
-    lines = _plain(list(range(3)), clock, every_percent=10, every_seconds=1e9)
-    assert [ln.split(" ")[1] for ln in lines] == ["0/3", "1/3", "2/3", "3/3"]
+def test_a_loop_shorter_than_every_seconds_writes_one_line(clock):
+    assert _plain(list(range(12)), clock, unit="batches") == ["demo: 12/12 batches (100%) in 0:00:12"]
 
 
 def test_plain_unknown_total_and_early_stop(clock):
     lines = _plain(list(range(5)), clock, tick=40.0, sized=False, every_seconds=100)
-    assert lines == ["demo: 0", "demo: 3, 0:02:00 elapsed", "demo: 5 in 0:03:20"]
+    assert lines == ["demo: 3, 0:02:00 elapsed", "demo: 5 in 0:03:20"]
     out = io.StringIO()
     for i in track(range(10), "demo", mode="plain", stream=out):
         if i == 3:
             break
-    assert out.getvalue().splitlines()[-1] == "demo: stopped at 3/10 after 0:00:00"
+    assert out.getvalue().splitlines() == ["demo: stopped at 3/10 after 0:00:00"]
+
+
+def test_a_loop_inside_another_reports_nothing(clock):
+    """One stage, one report: drift's batches inside a generation of its chains write no line of their
+    own, and a loop after the stage reports again."""
+    out = io.StringIO()
+    for _ in track(range(3), "chains", mode="plain", stream=out, unit="generations"):
+        clock.now += 1.0
+        assert list(track(range(4), "batches", mode="plain", stream=out)) == [0, 1, 2, 3]
+    assert list(track(range(2), "after", mode="plain", stream=out)) == [0, 1]
+    assert out.getvalue().splitlines() == ["chains: 3/3 generations (100%) in 0:00:03", "after: 2/2 (100%) in 0:00:00"]
 
 
 def test_rich_bar_on_a_terminal():
@@ -90,7 +95,7 @@ def test_mode_from_environment_and_other_ranks_stay_silent(monkeypatch, clock):
     monkeypatch.setenv("RANK", "1")
     assert list(track(range(3), "x", stream=out)) == [0, 1, 2] and out.getvalue() == ""
     monkeypatch.setenv("RANK", "0")
-    assert list(track(range(3), "x", stream=out)) == [0, 1, 2] and out.getvalue().startswith("x: 0/3")
+    assert list(track(range(3), "x", stream=out)) == [0, 1, 2] and out.getvalue() == "x: 3/3 (100%) in 0:00:00\n"
     monkeypatch.setenv("UNICON_PROGRESS", "auto")  # pytest captures stdout: not a terminal
     assert progress_mode() == "plain"
     monkeypatch.setenv("UNICON_PROGRESS", "bars")

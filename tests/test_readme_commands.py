@@ -225,6 +225,11 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
 
 
+#: lines that must not reach a `make demo` log: library warnings and tips, the java tokenizer's speed report,
+#: a model-loading bar
+DEMO_NOISE = re.compile(r"warn|deprecat|💡|srun|not empty|PTBTokenizer|Loading weights", re.I)
+
+
 @pytest.mark.slow
 def test_make_demo(sandbox, tmp_path):
     """``make demo`` with the sandbox's world in place (so it skips the build, as on a second run), starting
@@ -256,5 +261,10 @@ def test_make_demo(sandbox, tmp_path):
         assert m_run < out.index("CocoCon at the first and last", m_run) < out.index("checkpoint:", m_run)
         tail = out[out.index("CocoCon at the last epoch end: shapes_demo (run) against shapes_demo_control (base)"):]
         assert all(f"\n{task} " in tail for task in ("vqa", "localization", "t2i")), tail
+        # a log a newcomer can read: no library noise (unicon.cli.LIBRARY_NOISE, the java tokenizer's speed,
+        # a loading bar), a missing CLIP named at most once, and it fits on two screens
+        log = (proc.stdout + proc.stderr).splitlines()
+        assert [line for line in log if DEMO_NOISE.search(line)] == []
+        assert sum("no CLIP model" in line for line in log) <= 1 and len(log) <= 100, "\n".join(log)
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
     assert "Against the baseline run" in (proj / "checkpoints" / "shapes_demo" / "report.html").read_text()

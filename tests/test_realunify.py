@@ -170,6 +170,65 @@ def test_ueg_jsonl_rows_and_their_errors(tmp_path):
         load_instances(tmp_path / "x.txt")
 
 
+def test_unknown_ueg_category_is_refused_naming_file_line_and_the_categories(tmp_path):
+    """A UEG category outside the paper's six is refused as GEU refuses its unknown ones (it used to
+    become a table row of its own)."""
+    f = tmp_path / "ueg.jsonl"
+    rows = [{"id": "a", "category": "world_knowledge", "prompt": "a flag",
+             "questions": [{"question": "Is there a flag?", "answer": "yes"}]},
+            {"id": "b", "category": "Art History", "prompt": "a painting",
+             "questions": [{"question": "Is there a painting?", "answer": "yes"}]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=re.escape(f"{f}:2: category 'Art History' is not a UEG category "
+                                                  "(world_knowledge, commonsense_reasoning,")):
+        load_instances(f)
+
+
+def test_duplicate_ids_are_refused_naming_both_rows(tmp_path):
+    """Two instances of a category with one id would save their images to one file; refused, naming
+    both rows (JSONL lines; parquet rows, also across the files of a folder)."""
+    f = tmp_path / "ueg.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in (UEG_ROWS[0], UEG_ROWS[1], UEG_ROWS[0])))
+    with pytest.raises(UserError, match=re.escape(f"{f}:3: id 'm0' (mathematical_reasoning) repeats {f}:1")):
+        load_instances(f)
+    p = _write_parquet(tmp_path / "geu.parquet", [_release_row(0), _release_row(1), _release_row(1, "C")])
+    with pytest.raises(UserError, match=re.escape(f"{p}: row 2: id '1' (mental_tracking) repeats {p}: row 1")):
+        load_instances(p)
+    (tmp_path / "folder").mkdir()
+    a = _write_parquet(tmp_path / "folder" / "a.parquet", [_release_row(0)])
+    b = _write_parquet(tmp_path / "folder" / "b.parquet", [_release_row(0, task="Mental Reconstruction"),
+                                                           _release_row(0, "C")])
+    with pytest.raises(UserError, match=re.escape(f"{b}: row 1: id '0' (mental_tracking) repeats {a}: row 0")):
+        load_instances(tmp_path / "folder")
+    # ids that differ but name one image file (``a b`` and ``a_b``) are refused too
+    twin = dict(UEG_ROWS[0], id="m 0")
+    f.write_text("".join(json.dumps(r) + "\n" for r in (dict(UEG_ROWS[0], id="m_0"), twin)))
+    with pytest.raises(UserError, match=re.escape(f"{f}:2: id 'm 0' (mathematical_reasoning) repeats {f}:1 "
+                                                  "(id 'm_0')")):
+        load_instances(f)
+    one = load_instances(a)[0]  # the runner refuses them too, before any model call
+    with pytest.raises(UserError, match=re.escape(f"{a}: row 0: id '0' (mental_tracking) repeats {a}: row 0")):
+        evaluate_realunify(Double(), [one, one], judge=None, settings=["direct"])
+
+
+def test_empty_data_files_are_refused_naming_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "ueg.jsonl"
+    f.write_text("\n")
+    with pytest.raises(UserError, match=re.escape(f"{f}: holds no rows")):
+        load_instances(f)
+    p = tmp_path / "geu.parquet"
+    pq.write_table(pa.Table.from_pylist([_release_row(0)]).slice(0, 0), p)
+    with pytest.raises(UserError, match=re.escape(f"{p}: holds no rows")):
+        load_instances(p)
+    world = _world_data(tmp_path / "world")
+    (world / "realunify" / "geu.jsonl").write_text("")
+    with pytest.raises(UserError, match=re.escape(f"{world / 'realunify' / 'geu.jsonl'}: holds no rows")):
+        load_instances(world)
+
+
 # ---------------------------------------------------------------------------------------------
 # a ShapesWorld root with realunify files, written by hand in the documented layout
 # ---------------------------------------------------------------------------------------------
@@ -402,6 +461,8 @@ def test_cli_writes_results_refuses_stepwise_without_editing_and_merges_shards(t
     for name in ("samples.jsonl", "table.md"):
         assert (tmp_path / "split" / name).read_text() == (tmp_path / "one" / name).read_text(), name
     assert json.loads((tmp_path / "split" / "realunify.json").read_text())["metrics"] == one["metrics"]
+    for run in ("one", "split"):
+        standins.assert_strict_json(tmp_path / run)  # results, samples, tables, metrics: no NaN / Infinity
     assert unicon_main([*common, "--settings", "", "--out", str(tmp_path / "none")]) == 2
     assert unicon_main([*common, "--judge", "vlm:/nonexistent", "--out", str(tmp_path / "none")]) == 2
 
@@ -440,7 +501,10 @@ def test_cli_refuses_an_out_of_another_run_unless_overwrite_deletes_it(tmp_path,
     assert len(rows) == 1 + 2  # one UEG and two GEU instances: none of the first run's rows
     images = [p.relative_to(out) for p in out.rglob("*.png")]
     assert any("l0" in str(p) for p in before) and not any("l0" in str(p) for p in images)  # the first run's only
-    assert unicon_main([*common, "--data", str(second)]) == 0  # the same run again
+    assert unicon_main([*common, "--data", str(second)]) == 0  # the same run again: its rows replaced, not added
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len((out / "csv" / "metrics.csv").read_text().splitlines()) == 1 + 1  # the header and the step-0 row
+    assert len((out / "tables" / "realunify_samples.jsonl").read_text().splitlines()) == 1 + 2
     owner = json.loads((out / "evaluate-run.json").read_text())
     assert owner["command"] == "unicon evaluate realunify" and owner["settings"]["data"] == str(second)
 
@@ -511,3 +575,33 @@ def test_tiny_ofa_end_to_end(tiny_shapes_world, tmp_path):
         assert r["edit_match"] == edit_matches(edited, {"g0": SCENE, "g1": OTHER}[r["id"]].to_dict(), cfg)
     assert {"acc_stepwise", "delta", "edit_acc"} <= set(metrics)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# GEU letter reading: strict (ours) or lenient (the authors' scorer)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reply,strict,lenient", [
+    ("A", "A", "A"), ("A. a red circle", None, "A"), ("Because it is red", None, "B"),
+    ("Answer: B", "B", "B"),  # "Answer" is deleted first, or its capital A would be read
+    ("Best answer: C", None, "C"), ("The best answer is D", "D", "D"), ("I think it is a Circle", None, "C"),
+    ("b", "B", None), ("", None, None), (None, None, None), ("none of them", None, None),
+])
+def test_lenient_letter_reading_is_the_authors_scorer(reply, strict, lenient):
+    from unicon.evaluation.realunify.judges import parse_choice_lenient
+
+    assert parse_choice(reply) == strict
+    assert parse_choice_lenient(reply) == lenient
+
+
+def test_letter_parse_changes_the_score_and_is_recorded(tmp_path):
+    insts = load_instances(_world_data(tmp_path / "world"))[2:]  # g0 (answer A), g1 (answer B)
+    got = {}
+    for mode in ("strict", "lenient"):
+        out = tmp_path / mode
+        metrics, samples = evaluate_realunify(Double(answers=["A. w"]), insts, ExactPollJudge(CFG), out_dir=out,
+                                              settings=["direct"], letter_parse=mode, world_cfg=CFG)
+        got[mode] = (metrics["acc_direct/geu"], metrics["unparseable_direct/geu"], [s.preds["direct"] for s in samples])
+        assert json.loads((out / "realunify.json").read_text())["letter_parse"] == mode
+    assert got == {"strict": (0.0, 2.0, [None, None]), "lenient": (50.0, 0.0, ["A", "A"])}
+    with pytest.raises(UserError, match="letter_parse"):
+        evaluate_realunify(Double(), insts, ExactPollJudge(CFG), settings=["direct"], letter_parse="loose")

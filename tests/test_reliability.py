@@ -5,6 +5,9 @@
 * resume is the same run: stored config + listed overrides; a kill -9 at a random step, then
   ``resume=``, gives the uninterrupted run's metrics, data order and weights;
 * one run per folder: a lock and a refusal to reuse a folder;
+* resume continues the newest state: an older checkpoint of the folder only with ``resume_older=true``,
+  a checkpoint whose archive fails its CRC check never (nor by ``init_from`` or ``unicon evaluate``);
+* a rerun of an evaluation into its ``--out`` replaces its metric and table rows;
 * command-line group choices win over an experiment; a short run exits 0;
 * bad values and files fail with exit code 2 and one line naming the key or file.
 
@@ -162,6 +165,33 @@ def test_a_resume_in_a_moved_run_folder_keeps_last_ckpt_the_newest(world, tmp_pa
     assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 3
 
 
+def test_resuming_an_older_checkpoint_is_refused_unless_resume_older(world, tmp_path, capsys):
+    """``resume=`` of a checkpoint while another one in its folder holds a later step would go back
+    and redo those steps: refused, naming both, unless ``resume_older=true`` (a choice of one command,
+    checked at compose time and never taken over from a stored config)."""
+    import shutil
+
+    from unicon.config import ConfigError
+
+    more = ["trainer.max_steps=2", "trainer.max_epochs=2"]
+    train(compose(run_args(world, tmp_path, "name=r", "trainer.max_steps=1", "trainer.max_epochs=1")))
+    run = tmp_path / "r"
+    shutil.copy(run / "last.ckpt", run / "step1.ckpt")
+    train(compose_run([f"resume={run / 'last.ckpt'}", *more], announce=False))
+    capsys.readouterr()
+    older = run / "step1.ckpt"
+    line = one_line_error(capsys, unicon_main(["train", f"resume={older}", *more]))
+    assert f"resume={older} is at step 1, but {run / 'last.ckpt'} in the same folder is at step 2" in line, line
+    assert "resume_older=true" in line
+    assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 2  # nothing ran
+    with pytest.raises(ConfigError, match="command line: resume_older=True applies only to a resume"):
+        compose(["resume_older=true"])
+    again = train(compose_run([f"resume={older}", "resume_older=true", *more], announce=False))
+    assert again["global_step"] == 2 and [r["step"] for r in rows(run) if "train/loss" in r] == [0, 1]
+    assert torch.load(run / "last.ckpt", weights_only=True)["unicon_config"]["resume_older"] is True
+    assert compose_run([f"resume={run / 'last.ckpt'}"], announce=False).resume_older is False  # not inherited
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. one run per folder
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +285,11 @@ def test_kill9_then_resume_equals_uninterrupted_run(world, tmp_path):
         f.write('{"step": 99, "train/lo')
 
     killed = tmp_path / "killed"
-    unicon("train", f"resume={killed / 'last.ckpt'}")
+    resumed = unicon("train", f"resume={killed / 'last.ckpt'}", check=False)
+    newer = re.search(r"but (\S+) in the same folder is at step", resumed.stderr)
+    if newer:  # killed between ModelCheckpoint's two saves of one step: the other file is last.ckpt's successor
+        resumed = unicon("train", f"resume={newer.group(1)}", check=False)
+    assert resumed.returncode == 0, f"kill at step {kill_at}:\n{resumed.stdout}\n{resumed.stderr}"
     assert rows(killed) == rows(clean), f"kill at step {kill_at}"
     csv_clean = (clean / "csv" / "metrics.csv").read_text()
     assert (killed / "csv" / "metrics.csv").read_text() == csv_clean, f"kill at step {kill_at}"
@@ -375,6 +409,24 @@ def test_bad_value_in_a_file_names_the_file(tmp_path, capsys, monkeypatch):
     assert str(configs / "experiment" / "broken.yaml") in line and "loss.gamma=3" in line
 
 
+def zero_bytes_in_a_tensor(ckpt: Path) -> Path:
+    """Zero 8 bytes in the middle of the largest tensor record of a ``torch.save`` archive, in place
+    (its CRC no longer matches; ``torch.load`` still loads it, with other weights)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(ckpt) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with ckpt.open("r+b") as f:
+        f.seek(record.header_offset + 26)  # the local header: name and extra field lengths, then the data
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_len + extra_len + record.file_size // 2)
+        assert f.read(8) != bytes(8)
+        f.seek(-8, 1)
+        f.write(bytes(8))
+    return ckpt
+
+
 def _bad_files(world: Path, trained: Path, tmp: Path) -> list[tuple[str, list[str], str]]:
     """(id, unicon argv, the file or key the one line must name)."""
     ckpt = trained / "last.ckpt"
@@ -399,6 +451,10 @@ def _bad_files(world: Path, trained: Path, tmp: Path) -> list[tuple[str, list[st
 
     torch.save(load_file(bin_only / "model.safetensors"), bin_only / "pytorch_model.bin")
     (bin_only / "model.safetensors").unlink()
+    shutil.copytree(trained, tmp / "crc" / trained.name)  # a run folder whose last.ckpt has 8 bytes zeroed in a tensor
+    bad_crc = zero_bytes_in_a_tensor(tmp / "crc" / trained.name / "last.ckpt")
+    crc_failed = f"{bad_crc}: the checkpoint archive fails its integrity check (CRC of "
+    metadata = trained / "export" / "unicon_model.json"  # a JSON file of a model directory, not a checkpoint
     out = str(tmp / "eval-out")
     cococon = lambda c: ["evaluate", "cococon", "--ckpt", str(c), "--data", str(world / "cococon_test.json"),  # noqa: E731
                          "--out", out, "--logger", "none", "--max-samples", "2"]
@@ -411,6 +467,11 @@ def _bad_files(world: Path, trained: Path, tmp: Path) -> list[tuple[str, list[st
         ("resume-export-folder", ["train", f"resume={trained / 'export'}"], str(trained / "export")),
         ("resume-missing", ["train", f"resume={tmp / 'nope.ckpt'}"], str(tmp / "nope.ckpt")),
         ("init-from-truncated", ["train", *run_args(world, tmp / "runs"), f"init_from={truncated}"], str(truncated)),
+        ("resume-bad-crc", ["train", f"resume={bad_crc}", f"output_dir={tmp / 'crc'}"], crc_failed),
+        ("init-from-bad-crc", ["train", *run_args(world, tmp / "runs"), f"init_from={bad_crc}"], crc_failed),
+        ("evaluate-bad-crc", cococon(bad_crc), crc_failed),
+        ("init-from-json", ["train", *run_args(world, tmp / "runs"), f"init_from={metadata}"],
+         f"init_from: {metadata} is not a checkpoint; expected a Lightning .ckpt"),
         ("output-dir-is-a-file", ["train", *run_args(world, garbage)], str(garbage)),
     ] + ([] if torch.cuda.is_available() else [
         ("cuda-without-cuda", ["train", *run_args(world, tmp / "runs"), "trainer=gpu"], "trainer.accelerator=gpu"),
@@ -503,6 +564,28 @@ def test_cococon_and_ureason_outputs_record_their_model(world, trained, tmp_path
     assert unicon_main(["evaluate", "ureason", "--ckpt", ckpt, "--data", str(world), "--judge", "exact",
                         "--out", str(tmp_path / "u"), "--logger", "none", "--max-samples", "1"]) == 0
     assert json.loads((tmp_path / "u" / "ureason.json").read_text())["model_fingerprint"] == fp
+
+
+def test_the_same_evaluation_rerun_into_its_out_replaces_its_rows(world, trained, tmp_path):
+    """The same command run twice into one ``--out`` is the same run (it goes on): the second writes
+    each row of ``metrics.jsonl``, ``csv/metrics.csv`` and ``tables/*.jsonl`` in place of the first's,
+    never a second row for a step (the loggers every suite makes: ``make_loggers(replace=True)``)."""
+    ckpt = str(trained / "export")
+    suites = {"cococon": ["--data", str(world / "cococon_test.json"), "--max-samples", "2", "--no-generative"],
+              "ureason": ["--data", str(world), "--judge", "exact", "--max-samples", "1"]}
+    for suite, args in suites.items():
+        out = tmp_path / suite
+        argv = ["evaluate", suite, "--ckpt", ckpt, *args, "--out", str(out), "--logger", "csv"]
+
+        def logged() -> dict[str, int]:  # lines per file (timings differ between the runs)
+            files = [out / "metrics.jsonl", out / "csv" / "metrics.csv", *sorted((out / "tables").glob("*.jsonl"))]
+            return {str(f.relative_to(out)): len(f.read_text().splitlines()) for f in files}
+
+        assert unicon_main(argv) == 0
+        first = logged()
+        assert len(first) >= 3 and all(first.values()), first
+        assert unicon_main(argv) == 0
+        assert logged() == first, suite
 
 
 # ---------------------------------------------------------------------------------------------

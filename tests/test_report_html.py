@@ -2,8 +2,8 @@
 
 The run is tests/test_wandb_logging.py's (``runs``: two epochs of ``experiment=shapes_demo`` with
 epoch-end CocoCon, drift and UReason evaluation, resumed for a third epoch), reported by the real
-CLI. Chromium comes from Debian's ``chromium`` package: installed here with apt-get when it is
-missing (once per machine); the test is skipped, with the reason, where that is impossible.
+CLI. Chromium comes from the ``chromium`` fixture of tests/conftest.py (Debian's package, installed
+when missing), as for every browser test.
 
 The page is checked three ways:
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -63,34 +62,6 @@ window.addEventListener("load", () => {
   document.body.appendChild(pre);
 });
 </script>"""
-
-
-def _chromium() -> str | None:
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
-
-
-@pytest.fixture(scope="session")
-def chromium() -> str:
-    """Path of a headless-capable Chromium: Debian's package, installed here when missing."""
-    found = _chromium()
-    if found:
-        return found
-    if not shutil.which("apt-get") or os.geteuid() != 0:
-        pytest.skip("needs Chromium: not installed, and apt-get (as root) is not available to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    steps = (["apt-get", "update", "-qq"],
-             ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium"])
-    for cmd in steps:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"needs Chromium: `{' '.join(cmd)}` failed ({e})")
-        if proc.returncode:
-            pytest.skip(f"needs Chromium: `{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-    found = _chromium()
-    if not found:
-        pytest.skip("needs Chromium: apt-get installed the package but no chromium binary is on PATH")
-    return found
 
 
 def _headless(chromium: str, *args: str, tmp: Path) -> subprocess.CompletedProcess:

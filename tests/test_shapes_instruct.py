@@ -47,6 +47,7 @@ def test_headline_table_reports_first_last_and_change():
     lines = table.splitlines()
     assert lines[0] == "CocoCon at the first and last of 3 epoch-end evaluations:"
     vqa, t2i = lines[2].split(), lines[3].split()
-    assert vqa == ["vqa", "87", "84.5", "-2.5", "0.5", "0.75", "0.25"]
-    assert t2i[:4] == ["t2i", "86", "86", "0"] and all(math.isnan(float(x)) for x in t2i[4:])
+    assert vqa == ["vqa", "87.0", "84.5", "-2.5", "0.500", "0.750", "+0.250"]
+    assert t2i[:4] == ["t2i", "86.0", "86.0", "+0.0"] and all(math.isnan(float(x)) for x in t2i[4:])
+    assert all(len(line) == len(lines[1]) for line in lines[2:])  # columns stay apart
     assert headline_table({"train/loss": [(1, 1.0)]}) is None

@@ -349,6 +349,7 @@ def test_evaluate_all_runs_the_shapes_tasks_group_with_its_settings(tiny_shapes_
                         "eval.shapes.examples=0"]) == 0
     assert [p.name for p in (tmp_path / "all").iterdir()] == ["shapes"]
     saved = json.loads((tmp_path / "all" / "shapes" / "shapes_eval.json").read_text())
+    standins.assert_strict_json(tmp_path / "all")  # results and metrics: no NaN / Infinity
     assert saved["limit"] == 2 and saved["world"] == str(tiny_shapes_world.resolve())
     assert saved["metrics"]["vqa_accuracy_n"] == 2 and saved["metrics"]["loc_iou50_n"] == 2
     assert not any(k.startswith(("caption", "t2i")) for k in saved["metrics"])

@@ -5,7 +5,8 @@ time limit. It must checkpoint at a step boundary, requeue itself, and the reque
 id and run folder) must continue from that exact step: ``metrics.jsonl`` holds every step once,
 the γ draws are those of one uninterrupted generator, and the W&B run id is the same. A 2-task
 DeepSpeed ZeRO-2 consistency run on the CPU, requeued the same way, resumes from its checkpoint
-folder and ends with the weights and per-step metrics of the same job run without the signal.
+folder and ends with the weights and per-step metrics of the same job run without the signal. A
+2-task DeepSpeed job whose second task fails while DeepSpeed sets up ends at once, with its error.
 
 Needs root and either SLURM's Debian packages or apt-get with a reachable Debian mirror (the
 cluster script installs them); otherwise skipped with the reason. The cluster lives in a
@@ -306,6 +307,45 @@ def test_requeued_zero2_consistency_job_equals_an_uninterrupted_one(slurm_cluste
     assert set(weights) == set(ref_weights)
     assert [k for k in weights if not torch.equal(weights[k], ref_weights[k])] == []
     assert "converted from the DeepSpeed checkpoint" in out
+
+
+#: the job's ``sitecustomize.py``: in the task SLURM numbers $UNICON_FAILING_TASK,
+#: ``ZeroStrategy.setup_environment`` (where the ranks join DeepSpeed's process group) fails
+FAILING_TASK_SITECUSTOMIZE = """\
+import os
+
+if os.environ.get("SLURM_PROCID") == os.environ.get("UNICON_FAILING_TASK"):
+    from unicon.training import zero
+
+    def fail(self):
+        raise RuntimeError(f"task {os.environ['SLURM_PROCID']} failed while DeepSpeed set up")
+
+    zero.ZeroStrategy.setup_environment = fail
+"""
+
+
+def test_a_task_failing_while_deepspeed_sets_up_ends_the_job(slurm_cluster, tiny_shapes_world, tmp_path):
+    """``srun --kill-on-bad-exit=1`` (slurm/train.sbatch): task 1 of a 2-task ZeRO-2 job fails before it
+    joins the process group, and the job ends FAILED with its error within minutes; without the
+    option task 0 waited for it in the rendezvous for the process group's 30-minute timeout."""
+    _needs_venv()
+    pytest.importorskip("deepspeed")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING_TASK_SITECUSTOMIZE)
+    env = dict(_train_env(slurm_cluster), PYTHONPATH=str(site), UNICON_FAILING_TASK="1")
+    overrides = ["trainer=cpu", "trainer.strategy=deepspeed_zero2", f"data.root={tiny_shapes_world}",
+                 f"output_dir={tmp_path / 'runs'}", "trainer.max_steps=2", "eval=none", "logger=csv",
+                 "data.batch_size=2", "data.contrast_batch_size=2", "trainer.enable_progress_bar=false", *TINY]
+    log = tmp_path / "job.out"
+    job_id = _submit_train(env, overrides, log)
+    try:
+        final = _wait_to_end(env, job_id, log, timeout=480)  # start-up on two busy cores, then at once
+    finally:
+        subprocess.run(["scancel", job_id], env=env, timeout=30)
+    out = log.read_text()
+    assert final == "FAILED", out[-4000:]
+    assert "task 1 failed while DeepSpeed set up" in out, out[-4000:]
 
 
 def test_sharded_drift_array_and_merge_equal_one_run(slurm_cluster, tmp_path):

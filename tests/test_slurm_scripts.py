@@ -24,7 +24,7 @@ def srun_shim(tmp_path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "srun"
-    shim.write_text('#!/bin/bash\nexec "$@"\n')
+    shim.write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n')  # srun's options dropped
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     return bin_dir
 

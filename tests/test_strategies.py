@@ -268,3 +268,61 @@ def test_a_deepspeed_save_cut_short_leaves_no_complete_marker(tmp_path, monkeypa
     monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", lambda self, c, f, s=None: None)
     strategy.save_checkpoint({"global_step": 4}, folder)
     assert deepspeed_checkpoint_step(folder) == 4
+
+
+# ---- a rank that fails at start-up ends the run --------------------------------------------------------
+#: ``unicon train`` with ``ZeroStrategy.setup_environment`` (where the ranks join DeepSpeed's process
+#: group) failing on the rank named by $UNICON_FAILING_RANK; Lightning starts the other rank with
+#: the same script
+FAILING_RANK_SCRIPT = """\
+import os
+import sys
+
+from unicon.training import zero
+
+rank = os.environ.get("LOCAL_RANK", "0")
+if rank == os.environ["UNICON_FAILING_RANK"]:
+    def fail(self):
+        raise RuntimeError(f"rank {rank} failed while DeepSpeed set up")
+
+    zero.ZeroStrategy.setup_environment = fail
+
+from unicon.cli import main
+
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing_rank", ["0", "1"])
+def test_a_rank_failing_while_deepspeed_sets_up_ends_the_run(failing_rank, tiny_shapes_world, tmp_path):
+    """A 2-rank ZeRO-2 run on CPU (Lightning's launcher: rank 0 starts rank 1) whose rank 0 or 1 fails
+    while DeepSpeed sets up ends, every process of it, with that rank's error and a failing exit
+    code. A failing rank 1 is Lightning's (it kills the run); a failing rank 0 left rank 1 waiting
+    for its rendezvous (30 minutes): the run's output pipes stayed open, ``communicate`` timed out."""
+    import os
+    import signal
+    import subprocess
+
+    pytest.importorskip("deepspeed")
+    repo = Path(__file__).resolve().parents[1]
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK_SCRIPT)
+    args = ["trainer=cpu", "trainer.devices=2", "trainer.strategy=deepspeed_zero2", f"data.root={tiny_shapes_world}",
+            f"output_dir={tmp_path}", "name=run", "trainer.max_steps=2", "trainer.enable_progress_bar=false",
+            "logger=csv", "eval=none", "data.batch_size=2", "data.contrast_batch_size=2", *TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", UNICON_FAILING_RANK=failing_rank)
+    proc = subprocess.Popen([sys.executable, str(script), "train", *args], cwd=repo, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        # the pipes close when every process of the run has ended, the launched rank included
+        _, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank {failing_rank} failed while DeepSpeed set up, and the run did not end within 600 s")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run's process group
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0, err[-3000:]
+    assert f"rank {failing_rank} failed while DeepSpeed set up" in err, err[-3000:]

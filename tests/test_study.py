@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -489,6 +490,268 @@ def test_sharded_drift_output_reads_like_one_run(tmp_path):
     for r, first in enumerate((0, 2)):
         part = write_drift_run(tmp_path / f"part{r}", "mid", scenes[first:first + 2], first=first)
         (part / "mcd").rename(tmp_path / "sharded" / "mcd" / f"rank-{r}")
+    (tmp_path / "one" / "drift.json").rename(tmp_path / "sharded" / "drift.json")  # the merge's report
     sharded = read_run("s", tmp_path / "sharded")
     for field in ("prompts", "inputs", "captions", "images"):
         assert getattr(sharded, field) == getattr(whole, field), field
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs that are refused, and the server's files, content types, port and shutdown
+# ---------------------------------------------------------------------------------------------------------
+def test_runs_on_other_seed_sets_are_refused_unless_common_seeds(tmp_path, capsys):
+    scenes = make_scenes(5)
+    full = write_drift_run(tmp_path / "full", "strong", scenes)
+    part = write_drift_run(tmp_path / "part", "weak", scenes[:3])
+    with pytest.raises(UserError, match=r"full \(.*full\) and part \(.*part\) hold other seeds: "
+                                        r"2 only in full \('seed-03', 'seed-04'\).*--common-seeds"):
+        create_cli([f"full={full}", f"part={part}", "--out", str(tmp_path / "s1")])
+    assert not (tmp_path / "s1").exists()
+    assert create_cli([f"full={full}", f"part={part}", "--out", str(tmp_path / "s2"), "--common-seeds"]) == 0
+    assert "study: 3 samples" in capsys.readouterr().out
+
+
+def test_a_seed_missing_from_a_captions_file_is_an_error(tmp_path):
+    """A seed whose caption row is missing from ``image-first/gen-1.csv`` is an error naming the file and
+    the seed, as a missing image is (it used to drop the seed from the study)."""
+    runs = make_runs(tmp_path, ("strong", "weak"), 3)
+    layout = ChainLayout(tmp_path / "drift" / "weak" / "mcd")
+    captions = layout.captions("image-first", 1)
+    del captions["seed-01"]
+    atomic_write(layout.captions_file("image-first", 1),
+                 csv_bytes([(layout.row_name(i), c) for i, c in captions.items()]))
+    with pytest.raises(UserError, match=re.escape(f"{layout.captions_file('image-first', 1)}: no row for seed "
+                                                  "'seed-01'")):
+        create_cli([*runs, "--out", str(tmp_path / "s")])
+
+
+def test_an_image_that_does_not_decode_is_refused(tmp_path):
+    runs = make_runs(tmp_path, ("strong", "weak"), 3)
+    layout = ChainLayout(tmp_path / "drift" / "weak" / "mcd")
+    for path in (layout.image_file("text-first", 1, "seed-02"), layout.image_file("image-first", 0, "seed-01")):
+        good = path.read_bytes()
+        path.write_bytes(b"<script>alert(1)</script>")
+        with pytest.raises(UserError, match=re.escape(f"{path}: not a PNG image")):
+            create_cli([*runs, "--out", str(tmp_path / "s")])
+        path.write_bytes(good)
+
+
+def test_a_missing_drift_json_is_refused(tmp_path):
+    runs = make_runs(tmp_path, ("strong", "weak"), 3)
+    report = tmp_path / "drift" / "weak" / "drift.json"
+    report.unlink()
+    with pytest.raises(UserError, match=re.escape(f"{report} not found")):
+        create_cli([*runs, "--out", str(tmp_path / "s")])
+
+
+def test_study_database_and_its_wal_files_are_owner_only(tmp_path):
+    from starlette.testclient import TestClient
+
+    old = os.umask(0o022)
+    try:
+        study, tokens = create(tmp_path, ("strong", "weak"), annotators="2", n=2)
+        bot = TestClient(create_app(db.study_url(study)))
+        auth = {"Authorization": f"Bearer {next(iter(tokens.values()))}"}
+        sid = bot.get("/api/next", headers=auth).json()["sample"]
+        good = {s: {"ratings": {"A": "good", "B": "poor"}, "ranking": ["A", "B"]} for s in db.SECTIONS}
+        assert bot.post(f"/api/samples/{sid}", headers=auth, json=good).status_code == 201
+    finally:
+        os.umask(old)
+    files = [study / db.DB_FILE, study / f"{db.DB_FILE}-wal", study / f"{db.DB_FILE}-shm"]
+    assert all(f.is_file() for f in files)
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: "0o600" for f in files}
+
+
+def test_media_types_are_case_insensitive(tmp_path):
+    from starlette.testclient import TestClient
+
+    study, tokens = create(tmp_path, ("strong", "weak"), annotators="2", n=2)
+    client = TestClient(create_app(db.study_url(study)))
+    token = next(iter(tokens.values()))
+    auth = {"Authorization": f"Bearer {token}"}
+    with db.engine_for(db.study_url(study)).connect() as conn:
+        first, second = [q["sample_id"] for q in db.queue(conn, db.annotator_for_token(conn, token)["id"])]
+    good = {s: {"ratings": {"A": "good", "B": "poor"}, "ranking": ["A", "B"]} for s in db.SECTIONS}
+    r = client.post(f"/api/samples/{first}", headers={**auth, "Content-Type": "Application/JSON; charset=UTF-8"},
+                    content=json.dumps(good).encode())
+    assert r.status_code == 201, r.text
+    form = {f"{s}.rating.{L}": "medium" for s in db.SECTIONS for L in "AB"}
+    form.update({f"{s}.rank.A": "1" for s in db.SECTIONS} | {f"{s}.rank.B": "2" for s in db.SECTIONS})
+    from urllib.parse import urlencode
+
+    r = client.post(f"/s/{token}/sample/{second}", content=urlencode(form).encode(), follow_redirects=False,
+                    headers={"Content-Type": "Application/X-WWW-Form-URLencoded"})
+    assert r.status_code == 303, r.text
+
+
+def test_a_busy_port_is_one_line_before_serving(tmp_path, capsys):
+    from unicon.study.cli import serve_cli
+
+    study, _ = create(tmp_path, ("strong", "weak"), annotators="2", n=2)
+    capsys.readouterr()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(UserError, match=rf"127\.0\.0\.1:{port} is in use .*--port"):
+            serve_cli([str(study), "--port", str(port)])
+    assert "serving" not in capsys.readouterr().out
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path):
+    runs = make_runs(tmp_path, ("strong", "weak"), 2)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(UserError, match=re.escape(f"--out {f} exists and is not a directory")):
+        create_cli([*runs, "--out", str(f)])
+    assert create_cli([*runs, "--out", str(tmp_path / "study")]) == 0
+    with pytest.raises(UserError, match=re.escape(f"--out {f} exists and is not a directory")):
+        export_cli([str(tmp_path / "study"), "--out", str(f)])
+
+
+def test_ctrl_c_checkpoints_the_wal_into_the_database_file(tmp_path):
+    """After Ctrl-C every judgement is in ``study.sqlite`` itself: a copy of that one file holds them."""
+    import shutil
+    import sqlite3
+
+    study, tokens = create(tmp_path, ("strong", "weak"), annotators="2", overlap=2, n=3)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "unicon.study", "serve", str(study), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/", timeout=1).read()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None, proc.stdout.read().decode()
+                assert time.time() < deadline, "server did not start"
+                time.sleep(0.1)
+        assert [ScriptedAnnotator(url, t).run(limit=2) for t in tokens.values()] == [2, 2]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    wal = study / f"{db.DB_FILE}-wal"
+    assert not wal.exists() or wal.stat().st_size == 0
+    copy = tmp_path / "copy" / db.DB_FILE
+    copy.parent.mkdir()
+    shutil.copy(study / db.DB_FILE, copy)
+    with sqlite3.connect(copy) as conn:
+        assert conn.execute("SELECT count(*) FROM judgements").fetchone()[0] == 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Assignment design, the ranking rule, statistics at small n
+# ---------------------------------------------------------------------------------------------------------
+def test_assignment_rotates_annotator_pairs():
+    from itertools import combinations
+
+    from unicon.study.assign import pair_counts
+
+    for n, every in ((15, 1), (30, 2)):  # 6 annotators, overlap 2: 15 pairs, each shares the same number
+        plan = balanced_assignment(n, 6, 2, seed=0)
+        assert set(pair_counts(plan, 6).values()) == {every}
+        assert set(np.bincount([p for a in plan for p in a], minlength=6)) == {n * 2 // 6}
+    plan = balanced_assignment(6, 6, 2, seed=0)  # the docs' example: not 3 fixed disjoint pairs
+    pairs = {tuple(sorted(a)) for a in plan}
+    assert len(pairs) == 6
+    reach, todo = {0}, [0]  # every annotator is linked to every other through shared samples
+    while todo:
+        p = todo.pop()
+        for q in {q for pair in pairs if p in pair for q in pair} - reach:
+            reach.add(q)
+            todo.append(q)
+    assert reach == set(range(6))
+    for people, k in ((5, 2), (7, 3)):
+        counts = pair_counts(balanced_assignment(len(list(combinations(range(people), k))), people, k, seed=1), people)
+        assert max(counts.values()) - min(counts.values()) <= 1 and min(counts.values()) >= 1
+
+
+def test_ranking_must_agree_with_ratings_and_be_chosen(tmp_path):
+    from starlette.testclient import TestClient
+
+    from unicon.study.ranking import ranking_contradiction
+
+    assert ranking_contradiction({"A": "good", "B": "good", "C": "poor"}, ["B", "A", "C"]) is None
+    assert "Output B is rated good" in ranking_contradiction({"A": "poor", "B": "good"}, ["A", "B"])
+    assert ranking_contradiction({"A": "medium", "B": "good", "C": "good"}, ["B", "A", "C"]) is not None
+    study, tokens = create(tmp_path, ("strong", "weak"), annotators="2", n=2)
+    client = TestClient(create_app(db.study_url(study)))
+    token = next(iter(tokens.values()))
+    auth = {"Authorization": f"Bearer {token}"}
+    sid = client.get("/api/next", headers=auth).json()["sample"]
+    page = client.get(f"/s/{token}/sample/{sid}")
+    assert page.text.count('<option value="" selected>') == 4 and "required" in page.text  # no rank pre-chosen
+    before = rows(study)
+    contradicts = {s: {"ratings": {"A": "poor", "B": "good"}, "ranking": ["A", "B"]} for s in db.SECTIONS}
+    r = client.post(f"/api/samples/{sid}", headers=auth, json=contradicts)
+    assert r.status_code == 400 and "rank better-rated outputs first" in r.json()["error"]
+    untouched = {f"{s}.rating.{L}": "medium" for s in db.SECTIONS for L in "AB"}
+    untouched.update({f"{s}.rank.{L}": "" for s in db.SECTIONS for L in "AB"})
+    r = client.post(f"/s/{token}/sample/{sid}", data=untouched, follow_redirects=False)
+    assert r.status_code == 400 and "give every output a rank" in r.text
+    assert rows(study) == before
+
+
+def test_spearman_withheld_below_three_models_and_exact_p():
+    from itertools import permutations
+
+    from scipy.stats import spearmanr
+
+    from unicon.study.export import spearman
+
+    two = spearman([1.2, 1.8], [0.9, 0.4])
+    assert two["rho"] is None and two["p"] is None and two["n"] == 2 and "at least 3" in two["reason"]
+    three = spearman([1.0, 2.0, 3.0], [0.9, 0.5, 0.1])  # perfect order: scipy's asymptotic p says 0
+    assert three["rho"] == pytest.approx(-1.0) and three["p"] == pytest.approx(1 / 3) and three["p_min"] == pytest.approx(1 / 3)
+    human, metric = [1.2, 2.9, 1.7, 2.2, 3.1], [0.8, 0.3, 0.5, 0.6, 0.2]
+    got = spearman(human, metric)
+    rho = spearmanr(human, metric).statistic
+    brute = np.mean([abs(spearmanr(human, list(p)).statistic) >= abs(rho) - 1e-12 for p in permutations(metric)])
+    assert got["rho"] == pytest.approx(rho) and got["p"] == pytest.approx(brute) and got["n"] == 5
+    assert "exact permutation (120 orderings)" == got["p_method"]
+
+
+def test_item_concordance_by_hand():
+    from unicon.study.export import item_concordance
+
+    rows_ = []
+    for sample in range(4):  # two annotators per sample; on sample 3 both prefer the metric's worse model
+        for annotator in ("x", "y"):
+            better_first = sample < 3
+            rows_ += [{"section": "generation", "sample": sample, "annotator": annotator, "model": "m1",
+                       "rank": 1 if better_first else 2},
+                      {"section": "generation", "sample": sample, "annotator": annotator, "model": "m2",
+                       "rank": 2 if better_first else 1}]
+    got = item_concordance(rows_, "generation", {"m1": 0.9, "m2": 0.4})
+    assert (got["concordant"], got["discordant"], got["n_annotations"], got["n_samples"]) == (6, 2, 8, 4)
+    assert got["agreement"] == pytest.approx(0.5) and got["share"] == pytest.approx(0.75)
+    lo, hi = got["ci95"]
+    assert lo <= 0.5 <= hi and lo >= -1 and hi <= 1 and lo < hi
+    assert item_concordance(rows_, "generation", {"m1": 0.9, "m2": 0.4}) == got  # seeded
+    tied = item_concordance(rows_, "generation", {"m1": 0.5, "m2": 0.5})
+    assert tied["agreement"] is None and "different values" in tied["reason"]
+
+
+def test_two_model_study_exports_no_rho(tmp_path):
+    study, tokens = create(tmp_path, ("strong", "weak"), annotators="2", overlap=2, n=4)
+    with ThreadServer(study) as srv:
+        for i, t in enumerate(tokens.values()):
+            ScriptedAnnotator(srv.url, t, seed=i).run()
+    assert export_cli([str(study)]) == 0
+    result = json.loads((study / "study.json").read_text())
+    for section in db.SECTIONS:
+        for key, corr in result["sections"][section]["spearman"].items():
+            assert corr["rho"] is None and corr["n"] == 2 and "at least 3" in corr["reason"], (section, key)
+        item = result["sections"][section]["per_item"]["MCD_avg"]
+        assert item["n_annotations"] == 8 and item["n_samples"] == 4 and item["ci95"] is not None
+    # strong beats weak on every seed but seed 0's caption (ground truth): 3 of 4 samples agree
+    assert result["sections"]["understanding"]["per_item"]["MCD_avg"]["agreement"] == pytest.approx(0.5)
+    assert result["workload"]["per_annotator"] == {f"annotator-{i}": {"pages": 4, "items": 8} for i in (1, 2)}
+    assert "rho=" not in (study / "report.html").read_text()

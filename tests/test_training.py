@@ -6,6 +6,7 @@ world written to ``tmp_path``, so the tests run in seconds on CPU.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -913,9 +914,13 @@ def test_ddp_broadcasts_buffers_only_for_models_with_running_statistics():
     resnet = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300, d_model=32, image_stem="resnet"))
     assert list(patch.buffers()) and not keeps_running_statistics(patch)  # buffers, but constant ones
     assert keeps_running_statistics(resnet)
+    # the keyword of the torch installed: broadcast_buffers is deprecated since torch 2.13
+    sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+        torch.nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers"
     for broadcast in (True, False):
         strategy = make_strategy("ddp", broadcast_buffers=broadcast)
-        assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["broadcast_buffers"] is broadcast
+        assert isinstance(strategy, DDPStrategy)
+        assert strategy._ddp_kwargs == {"find_unused_parameters": True, sync: broadcast}
 
 
 def test_bench_train_loop_reports_the_loop_beside_the_bare_step(world, tmp_path, double, capsys):

@@ -20,6 +20,9 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon bench help``      ``unicon.bench.help.cli``
 =========================  ==============================================
 
+Before routing, :func:`quiet_libraries` hides the library messages of :data:`LIBRARY_NOISE`, which
+a user of this project cannot act on (by message: every other warning still shows).
+
 User mistakes (:class:`unicon.errors.UserError`, :class:`unicon.config.ConfigError`, a missing
 file) are printed as one line, ``unicon: error: ...``, with exit code 2. Anything else is a bug
 and keeps its traceback (exit code 1). ``unicon --debug …`` or ``UNICON_DEBUG=1`` shows tracebacks for
@@ -29,8 +32,11 @@ all errors.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import re
 import sys
+import warnings
 
 from unicon import __version__
 from unicon.config import ConfigError
@@ -66,6 +72,46 @@ COMMANDS: dict = {
 }
 
 
+#: (source, regex the start of the message matches): library messages that a user of this project
+#: cannot act on. "warning": a Python warning; otherwise the name of the logger that writes it.
+LIBRARY_NOISE = (
+    # Lightning, on every run on a machine with SLURM's client installed: the project's SLURM jobs
+    # (slurm/train.sbatch) start their ranks with srun, and a run outside SLURM needs no srun
+    ("warning", r"The `srun` command is available on your system but is not used"),
+    # Lightning's ModelCheckpoint: a run writes its config.yaml and lock into its folder before the
+    # callback looks at it, and earlier checkpoints there are resumed on purpose or, with
+    # overwrite=true, deleted first (unicon.training.run.claim_run_dir refuses any other case)
+    ("warning", r"Checkpoint directory .* exists and is not empty"),
+    # Lightning 2.6's own call of a torch API deprecated in torch 2.14 (lightning/pytorch/utilities/_pytree.py)
+    ("warning", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # Lightning's advertisements for its cloud services (litlogger, litmodels), once per run
+    ("lightning.pytorch.utilities.rank_zero", r"💡 Tip: "),
+)
+
+
+class _NoiseFilter(logging.Filter):
+    """Drops the log records of :data:`LIBRARY_NOISE` written by the logger it is attached to."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+def quiet_libraries() -> None:
+    """Hide :data:`LIBRARY_NOISE`: warnings by a ``warnings`` filter, log lines by a filter on their
+    logger (made now if the library is not imported yet: nothing is imported here)."""
+    for source, pattern in LIBRARY_NOISE:
+        if source == "warning":
+            warnings.filterwarnings("ignore", message=pattern)
+            continue
+        logger = logging.getLogger(source)
+        if not any(isinstance(f, _NoiseFilter) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_NoiseFilter(pattern))
+
+
 def _usage(table: dict, prefix: str) -> str:
     lines = [f"usage: {prefix} [--debug] <command> [options]" if prefix == "unicon" else f"usage: {prefix} <command> [options]",
              "", "commands:"]
@@ -79,6 +125,7 @@ def _usage(table: dict, prefix: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = bool(os.environ.get("UNICON_DEBUG"))
+    quiet_libraries()
     while argv and argv[0] == "--debug":  # `unicon --debug <command> ...`: tracebacks for every error
         debug, argv = True, argv[1:]
     table, prefix = COMMANDS, "unicon"

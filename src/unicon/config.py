@@ -301,9 +301,12 @@ class RealUnifyEvalConfig:
     settings: list[str] = choice(list(REALUNIFY_SETTINGS), REALUNIFY_SETTINGS, each=True)
     # GEU stepwise edit prompt: the paper's Tables 10-13, or the row's own edit_instruction (ShapesWorld)
     edit_prompt: str = choice("paper", ("paper", "row"))
-    # GEU answers: "generate" (Table 8's prompt, the reply's letter parsed strictly: the paper) or
+    # GEU answers: "generate" (Table 8's prompt, the reply's letter read per letter_parse: the paper) or
     # "likelihood" (the option text with the lowest mean NLL after the bare question: ours)
     answer_mode: str = choice("generate", ("generate", "likelihood"))
+    # GEU reply reading: "strict" (a letter alone or in a short answer phrase; ours) or "lenient" (the first
+    # capital A-D anywhere once answer phrases are deleted: the authors' scorer, which reproduces the paper)
+    letter_parse: str = choice("strict", ("strict", "lenient"))
     max_samples: Optional[int] = bounded(4, 1)  # instances per category (the first ones of each)
     max_new_tokens: int = bounded(64, 1)  # the stepwise UEG prompt refinement (Table 9)
     batch_size: int = bounded(8, 1)
@@ -325,6 +328,12 @@ class AlignmentEvalConfig:
     bagel_modes: list[str] = choice(list(ALIGNMENT_BAGEL_MODES), ALIGNMENT_BAGEL_MODES, each=True)
     baselines: list[str] = choice(list(ALIGNMENT_BASELINES), ALIGNMENT_BASELINES, each=True)
     clip: Optional[str] = None  # open_clip dir / '<arch>:<weights>' for CLIP-S and RefCLIP-S (None: skipped)
+    # text before every caption CLIP embeds: hessel ("A photo depicts ", Hessel et al.), none, or auto (none
+    # for a ShapesWorld CLIP, trained on bare captions; hessel for any other)
+    clip_prefix: str = choice("auto", ("auto", "hessel", "none"))
+    # BagelScore's rating scale: cf (the paper's Flickr8K-CF prompt, 0/0.3/0.6/1.0), expert (its 1-4 form for
+    # Flickr8K-Expert, ours) or auto (expert for a Flickr8K-Expert file, cf otherwise)
+    bagel_scale: str = choice("auto", ("auto", "cf", "expert"))
     judge: Optional[str] = None  # optional VLM judge: vlm:<local model directory>
     rating_min: Optional[float] = None  # ratings outside [rating_min, rating_max] are skipped and counted
     rating_max: Optional[float] = None
@@ -377,6 +386,9 @@ class RunConfig:
     output_dir: str = "checkpoints"  # runs write to <output_dir>/<name>/
     init_from: Optional[str] = None  # checkpoint (.ckpt or save_pretrained dir) to start from
     resume: Optional[str] = None  # Lightning .ckpt to resume (its stored config + command-line overrides)
+    # resume= a checkpoint older than another one in its folder (going back to its step); one command's
+    # choice, never taken over from a checkpoint's stored config
+    resume_older: bool = False
     overwrite: bool = False  # start in a non-empty run folder, deleting the old run's files
     experiment: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -591,17 +603,22 @@ def compose(overrides: list[str] | None = None, configs: Path | None = None) -> 
 
 
 def compose_resume(stored: dict, source: str, overrides: list[str] | None = None,
-                   configs: Path | None = None) -> tuple[DictConfig, list[str]]:
+                   configs: Path | None = None, resume: str | None = None) -> tuple[DictConfig, list[str]]:
     """The config of a resumed run: the one stored in its checkpoint (``source`` names it), with
-    command-line ``group=name`` files and dotlist overrides on top. Returns ``(cfg, changes)``,
-    one ``"key: old -> new"`` line per value the overrides changed."""
+    ``resume`` (the checkpoint's path) set, ``resume_older`` off (it is the choice of one command) and
+    command-line ``group=name`` files and dotlist overrides on top. Returns ``(cfg, changes)``, one
+    ``"key: old -> new"`` line per value the overrides changed."""
     configs = configs or config_dir()
     choices, dotlist = split_overrides(list(overrides or []))
     if "experiment" in choices:
         raise ConfigError("command line: experiment= cannot be combined with resume= (the resumed run's "
                           "config, experiment included, is stored in its checkpoint)")
+    stored = _strip_unknown(stored)
+    stored["resume_older"] = False
+    if resume is not None:
+        stored["resume"] = str(resume)
     c = _Composer()
-    c.add(_strip_unknown(stored), source)
+    c.add(stored, source)
     before = OmegaConf.to_container(c.cfg, resolve=True)
     for group, name in choices.items():
         path = configs / group / f"{name}.yaml"
@@ -721,6 +738,8 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
     if cfg.optim.name == "muon" and str(cfg.trainer.strategy) == "fsdp":
         fail("optim.name", cfg.optim.name, "FSDP shards every matrix across ranks, and Muon orthogonalises whole "
              "matrices; use optim.name=adamw, or trainer.strategy=ddp")
+    if cfg.resume_older and not cfg.resume:
+        fail("resume_older", cfg.resume_older, "applies only to a resume: add resume=<ckpt>")
     lim = cfg.trainer.limit_train_batches
     if lim is not None and lim > 1 and float(lim) != int(lim):
         fail("trainer.limit_train_batches", lim, "must be a fraction in (0, 1] or a whole number of batches")

@@ -14,7 +14,8 @@ What lives here:
   outputs record;
 * :func:`config_dict` -- a ``model:`` config section (DictConfig, mapping or dataclass) as a dict.
 
-It may import torch, PIL and ``unicon.errors``, nothing else of unicon.
+It may import torch, PIL and ``unicon.errors``, nothing else of unicon; torch only inside the functions
+that take or make tensors, so that the worlds and the data builders start without it.
 """
 
 from __future__ import annotations
@@ -22,18 +23,22 @@ from __future__ import annotations
 import abc
 import hashlib
 import importlib.metadata
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
-import torch
 from PIL import Image
 
 from unicon.errors import UserError
 
-ImageBatch = Union[Sequence[Image.Image], torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+ImageBatch = Union[Sequence[Image.Image], "torch.Tensor"]
 
 
 def tensor_to_pil(images: torch.Tensor) -> list[Image.Image]:
     """``[B, 3, H, W]`` floats in [0, 1] -> list of RGB PIL images."""
+    import torch
+
     arr = (images.detach().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(a, mode="RGB") for a in arr]
 
@@ -98,21 +103,24 @@ def build_image_tokenizer(spec: dict[str, Any]) -> ImageTokenizer:
 
 
 # ---- dtypes ----------------------------------------------------------------------------------
+#: config dtype names (aliases included) -> the name of the torch dtype (``torch_dtype`` gives the dtype)
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16",
 }
 
 
 def torch_dtype(name: str | torch.dtype, key: str = "model.dtype") -> torch.dtype:
     """The torch dtype a config value names (``float32``/``fp32``, ``bfloat16``/``bf16``,
     ``float16``/``fp16``); anything else is a :class:`UserError` naming ``key``."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
         raise UserError(f"{key}: unknown dtype {name!r} (choose from {sorted(DTYPES)})")
-    return DTYPES[name]
+    return getattr(torch, DTYPES[name])
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -121,6 +129,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     bytes, in name order). Equal weights give equal fingerprints on any machine; it reads every
     byte once (about a second per few GB). Evaluation outputs record it so that a resumed
     evaluation can refuse to continue under another model."""
+    import torch
+
     h = hashlib.blake2b(digest_size=16)
     state = model.state_dict()
     for name in sorted(state):

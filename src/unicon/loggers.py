@@ -322,6 +322,8 @@ class UniconWandbLogger(WandbLogger):
 
     def __init__(self, *args, artifacts: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        # Lightning passes wandb.init anonymous=None, a setting wandb deprecates (it warns when one is given)
+        self._wandb_init.pop("anonymous", None)
         self._defined: set[str] = set()
         self.artifacts = artifacts  # logger.log_model: log_run_artifacts logs, then finishes the run
         self._finish_pending = False
@@ -377,15 +379,27 @@ def persistent_run_id(run_dir: str | Path) -> str:
     return run_id
 
 
-def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist_run_id: bool = False) -> list[Logger]:
+#: what the loggers of a run write into its folder: JsonlLogger's, the CSV logger's and ``log_table``'s
+LOG_FILES = ("metrics.jsonl", "csv", "tables")
+
+
+def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist_run_id: bool = False,
+                 replace: bool = False) -> list[Logger]:
     """The loggers of a run: [W&B or CSV, JsonlLogger]. ``cfg`` is a RunConfig (or its ``logger`` section).
 
     ``persist_run_id`` (training runs): the W&B run id is :func:`persistent_run_id` of ``run_dir``,
     so that a resumed or requeued run continues the same W&B run. Standalone evaluations start a
-    new W&B run each time."""
+    new W&B run each time, and pass ``replace``: the :data:`LOG_FILES` an earlier run of the same
+    evaluation left in its ``--out`` are deleted first, so that a rerun replaces their rows instead
+    of adding a second row for each step (``--out`` holds one run: ``cli_common.claim_out``)."""
+    import shutil
+
     # absolute: W&B writes from its own service process, whose working directory may be another one
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if replace and rank_zero_only.rank == 0:
+        for entry in (run_dir / f for f in LOG_FILES):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
     lcfg = cfg.logger if hasattr(cfg, "logger") else cfg
     name = name or getattr(cfg, "name", None) or run_dir.name
     loggers: list[Logger] = []

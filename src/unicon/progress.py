@@ -6,15 +6,15 @@
   under Lightning's ``RichProgressBar`` during an epoch-end evaluation (rich nests live displays);
 * when the output is not a terminal (a SLURM log, a pipe, a CI log), plain lines on stderr::
 
-      drift text-first gen 3: 0/12 batches
-      drift text-first gen 3: 4/12 batches (33%), 0:00:41 elapsed, ~0:01:22 left
-      drift text-first gen 3: 12/12 batches (100%) in 0:02:03
+      drift: text-first chains: 2/5 generations (40%), 0:01:02 elapsed, ~0:01:33 left
+      drift: text-first chains: 5/5 generations (100%) in 0:02:35
 
-  one when the loop starts, then one each time another ``every_percent`` of the total is done or
-  ``every_seconds`` have passed since the last line, whichever comes first, and one at the end
-  (with an unknown total: every ``every_seconds``, and at the end).
+  one each time ``every_seconds`` have passed since the last one (or the start), and one at the
+  end: a loop shorter than ``every_seconds`` writes one line.
 
-Only rank zero of a process group reports (every rank runs the same loop on its shard).
+A loop is a stage: a ``track`` inside another one (drift's batches within a generation of its
+chains) reports nothing, so a stage shows one bar, or its few lines. Only rank zero of a process
+group reports (every rank runs the same loop on its shard).
 ``$UNICON_PROGRESS`` chooses: ``auto`` (default: bars on a terminal, lines otherwise), ``rich``,
 ``plain`` or ``off``.
 """
@@ -31,6 +31,7 @@ T = TypeVar("T")
 MODES = ("auto", "rich", "plain", "off")
 ENV = "UNICON_PROGRESS"
 _clock = time.monotonic  # replaced in tests
+_depth = 0  # the tracks running in this process, outermost first: only the outermost one reports
 
 
 def progress_mode(mode: str | None = None) -> str:
@@ -64,29 +65,34 @@ def _hms(seconds: float) -> str:
 
 
 def track(iterable: Iterable[T], description: str, total: int | None = None, *, unit: str = "",
-          every_percent: float = 10.0, every_seconds: float = 60.0, mode: str | None = None,
-          stream: TextIO | None = None, console=None) -> Iterator[T]:
+          every_seconds: float = 60.0, mode: str | None = None, stream: TextIO | None = None,
+          console=None) -> Iterator[T]:
     """Yield the items of ``iterable`` while reporting progress (see the module docstring).
 
     ``total`` defaults to ``len(iterable)`` where it has one; ``unit`` names the items in plain
     lines (``"batches"``); ``stream`` (plain lines, default ``sys.stderr``) and ``console`` (a rich
     ``Console`` for the bar, default rich's global one, which Lightning's bar uses too) are for
     tests. Breaking out of the loop closes the bar or writes the last line."""
-    if not 0 < every_percent <= 100 or every_seconds <= 0:
-        raise ValueError(f"every_percent must be in (0, 100] and every_seconds > 0, got {every_percent}, {every_seconds}")
+    global _depth
+    if every_seconds <= 0:
+        raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
     if total is None:
         try:
             total = len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
     chosen = progress_mode(mode)
-    if chosen == "off" or _rank() != 0:
+    if chosen == "off" or _rank() != 0 or _depth:
         yield from iterable
         return
-    if chosen == "rich":
-        yield from _rich(iterable, description, total, console)
-    else:
-        yield from _plain(iterable, description, total, unit, every_percent, every_seconds, stream)
+    _depth += 1
+    try:
+        if chosen == "rich":
+            yield from _rich(iterable, description, total, console)
+        else:
+            yield from _plain(iterable, description, total, unit, every_seconds, stream)
+    finally:
+        _depth -= 1
 
 
 def _rich(iterable: Iterable[T], description: str, total: int | None, console) -> Iterator[T]:
@@ -102,8 +108,8 @@ def _rich(iterable: Iterable[T], description: str, total: int | None, console) -
             progress.advance(task)
 
 
-def _plain(iterable: Iterable[T], description: str, total: int | None, unit: str, every_percent: float,
-           every_seconds: float, stream: TextIO | None) -> Iterator[T]:
+def _plain(iterable: Iterable[T], description: str, total: int | None, unit: str, every_seconds: float,
+           stream: TextIO | None) -> Iterator[T]:
     out = stream or sys.stderr
     unit = f" {unit}" if unit else ""
 
@@ -112,26 +118,21 @@ def _plain(iterable: Iterable[T], description: str, total: int | None, unit: str
         out.flush()
 
     start = last = _clock()
-    done, next_mark = 0, every_percent
-    write(f"0/{total}{unit}" if total is not None else f"0{unit}")
+    done = 0
     try:
         for item in iterable:
             yield item
             done += 1
             now = _clock()
+            if now - last < every_seconds or (total and done >= total):  # the closing line says it
+                continue
             if total:
-                pct = 100.0 * done / total
-                if done >= total:
-                    continue  # the closing line says it
-                if pct >= next_mark or now - last >= every_seconds:
-                    while next_mark <= pct:
-                        next_mark += every_percent
-                    left = (now - start) / done * (total - done)
-                    write(f"{done}/{total}{unit} ({pct:.0f}%), {_hms(now - start)} elapsed, ~{_hms(left)} left")
-                    last = now
-            elif now - last >= every_seconds:
+                left = (now - start) / done * (total - done)
+                write(f"{done}/{total}{unit} ({100.0 * done / total:.0f}%), {_hms(now - start)} elapsed, "
+                      f"~{_hms(left)} left")
+            else:
                 write(f"{done}{unit}, {_hms(now - start)} elapsed")
-                last = now
+            last = now
     finally:
         elapsed = _hms(_clock() - start)
         if total is None:

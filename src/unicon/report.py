@@ -155,8 +155,8 @@ def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
     n = len(series[f"cococon/{rows[0][0]}/C_1"])
     head = f"{'task':<14}{'C_1 first':>10}{'C_1 last':>10}{'change':>8}{'rho first':>11}{'rho last':>10}{'change':>8}"
     lines = [f"CocoCon at the first and last of {n} epoch-end evaluations:", head]
-    for task, a, b, ra, rb in rows:
-        lines.append(f"{task:<14}{_fmt(a):>10}{_fmt(b):>10}{_fmt(b - a):>8}{_fmt(ra):>11}{_fmt(rb):>10}{_fmt(rb - ra):>8}")
+    for task, a, b, ra, rb in rows:  # as comparison_table: C_1 in percent to 0.1, rho to 0.001
+        lines.append(f"{task:<14}{a:>10.1f}{b:>10.1f}{b - a:>+8.1f}{ra:>11.3f}{rb:>10.3f}{rb - ra:>+8.3f}")
     return "\n".join(lines)
 
 

@@ -50,6 +50,10 @@ class SentenceEmbedder(Embedder):
                 f"sentence-transformers model not found at {local.resolve()}: give a directory written by "
                 "SentenceTransformer.save(), a hub id, or leave it unset for the bundled all-MiniLM-L6-v2"
             )
+        from transformers.utils import logging as transformers_logging
+
+        bar = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()  # no bar for loading a 90 MB model (a blink, one line in a log)
         try:
             self.model = SentenceTransformer(str(local if local.exists() else path), device=device)
         except OSError as e:  # hub id without network / cache
@@ -57,6 +61,9 @@ class SentenceEmbedder(Embedder):
                 f"cannot load sentence-transformers model {path!r} ({str(e).splitlines()[0]}); "
                 "download it once and pass the local directory"
             ) from None
+        finally:
+            if bar:
+                transformers_logging.enable_progress_bar()
         self.model.eval()
         self.batch_size = batch_size
         self.source = str(path)

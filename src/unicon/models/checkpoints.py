@@ -23,6 +23,14 @@ loads onto the run's base model (its ``init_from`` / ``model.pretrained``; with
 ``model.lora.merge_on_export=false`` the export itself). Checkpoints load with
 ``weights_only=True``; unpickling needs the user's consent (:data:`PICKLE_OPT_IN`).
 
+Integrity: a ``.ckpt`` file and the ``*.pt`` files of a DeepSpeed folder are the zip archives
+``torch.save`` writes, each member with a CRC-32 that ``torch.load`` does not check; every load of
+their weights (resume, ``init_from``, ``unicon evaluate --ckpt``) checks them first
+(:func:`check_archive`) and refuses a file that fails, naming it. Reads of the stored config alone
+(``mmap=True``: composing a resume, choosing a requeue checkpoint) do not. A ``save_pretrained``
+directory's ``model.safetensors`` has no checksum: its header and tensor sizes are checked as it
+loads (a truncated file is refused), its bytes are not.
+
 It may import :mod:`unicon.models.factory` (to build the network a checkpoint describes),
 :mod:`unicon.models.lora` (PEFT mechanics), :mod:`unicon.models.registry`, ``unicon.core``,
 ``unicon.config`` and ``unicon.data.jsonl``; never a backend module or a world (a saved model's
@@ -51,7 +59,8 @@ from unicon.models.registry import backend_class, backend_for_model_type
 logger = logging.getLogger(__name__)
 
 __all__ = ["ADAPTER_DIR", "ARCHITECTURE_KEYS", "DEEPSPEED_COMPLETE_FILE", "DEEPSPEED_TAG_FILE", "PICKLE_OPT_IN",
-           "TRAINING_CONFIG_NAME", "check_same_architecture", "checkpoint_config", "checkpoint_network",
+           "TRAINING_CONFIG_NAME", "check_archive", "check_same_architecture", "checkpoint_config",
+           "checkpoint_network",
            "deepspeed_checkpoint_step", "deepspeed_client_state", "export_checkpoint", "export_model",
            "is_deepspeed_checkpoint", "load_for_training", "load_lightning_checkpoint", "load_model",
            "read_deepspeed_checkpoint", "read_training_checkpoint", "recorded_model_section",
@@ -127,6 +136,8 @@ def _resumed_network(path: str | Path, model_cfg: Any, allow_pickle: bool) -> Un
         # the network the folder's stored config and vocabulary describe; DeepSpeed's engine loads
         # every rank's partition of the weights itself, so none is gathered here
         state = resumable_deepspeed_state(path, allow_pickle)
+        for f in sorted(_deepspeed_tag_dir(Path(path)).glob("*.pt")):
+            check_archive(f)
         return checkpoint_network(state, path, expected_model=model_cfg)[0]
     # the network the checkpoint holds (its weights are restored by Lightning afterwards)
     return load_lightning_checkpoint(path, allow_pickle=allow_pickle, expected_model=model_cfg)[0]
@@ -138,6 +149,11 @@ def _initial_model(init_from: str | Path, model_cfg: Any, world_root: str | Path
     source = Path(init_from)
     if not source.exists():
         raise UserError(f"init_from: {init_from} does not exist")
+    if source.is_file() and source.suffix != ".ckpt":
+        inside = next((f" (the model directory {source.parent}?)" for name in ("unicon_model.json", "config.json")
+                       if (source.parent / name).is_file()), "")
+        raise UserError(f"init_from: {source} is not a checkpoint; expected a Lightning .ckpt written by unicon train, "
+                        f"a DeepSpeed checkpoint folder or a model directory (save_pretrained or OFA-Sys){inside}")
     if source.is_file():  # a .ckpt: its stored config is checked before the network is built
         return load_lightning_checkpoint(source, world_root=world_root, allow_pickle=allow_pickle,
                                          expected_model=model_cfg)[0]
@@ -265,6 +281,26 @@ def _unreadable(path: Path, e: BaseException) -> UserError:
     return UserError(f"{path}: not a readable PyTorch checkpoint ({_first_line(e)}); truncated or corrupt?")
 
 
+def check_archive(path: str | Path) -> None:
+    """Refuse a ``torch.save`` zip archive (a ``.ckpt``, a DeepSpeed ``*.pt``) that fails its
+    integrity check: every member (the pickled structure, one record per tensor) is read and its
+    CRC-32 compared (``zipfile.ZipFile.testzip``), one pass over the file. ``torch.load`` checks
+    none of them, so a file with bytes zeroed or flipped inside a tensor (a disk error, a copy cut
+    short) would load with other weights. One line naming the file and the first bad member."""
+    import zipfile
+
+    p = Path(path)
+    try:
+        with zipfile.ZipFile(p) as archive:
+            bad = archive.testzip()
+    except Exception as e:  # noqa: BLE001 -- a damaged archive fails in many ways (BadZipFile, zlib.error, ...)
+        raise UserError(f"{p}: the checkpoint archive fails its integrity check ({_first_line(e)}); the file is "
+                        "corrupt: copy it again, or use another checkpoint") from None
+    if bad is not None:
+        raise UserError(f"{p}: the checkpoint archive fails its integrity check (CRC of {bad}); the file is corrupt: "
+                        "copy it again, or use another checkpoint")
+
+
 def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pickle: bool = False,
                              mmap: bool = False) -> dict:
     """The dict of a Lightning ``.ckpt`` written by ``unicon train``, loaded with ``weights_only=True``;
@@ -273,10 +309,12 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
 
     Such a checkpoint holds only tensors and plain containers, so it never needs unpickling of
     arbitrary objects. A file that does (which can run code while it loads) is refused unless
-    ``allow_pickle``; a truncated or foreign file gets a one-line error naming it. ``mmap`` maps
-    the tensors instead of reading them (cheap when only the config is needed).
+    ``allow_pickle``; a truncated or foreign file (not the zip archive ``torch.save`` writes) gets
+    a one-line error naming it. ``mmap`` maps the tensors instead of reading them (cheap when only
+    the config is needed); without it the archive's CRCs are checked first (:func:`check_archive`).
     """
     import pickle
+    import zipfile
 
     p = Path(p)
     if not p.exists():
@@ -286,6 +324,11 @@ def read_training_checkpoint(p: str | Path, map_location: str = "cpu", allow_pic
     if p.is_dir():
         raise UserError(f"{p} is a directory (a save_pretrained export?); expected a Lightning .ckpt file "
                         "written by unicon train, e.g. <run_dir>/last.ckpt")
+    if not zipfile.is_zipfile(p):
+        raise UserError(f"{p}: not a PyTorch checkpoint (expected the zip archive torch.save writes, e.g. "
+                        "<run_dir>/last.ckpt); truncated, or another kind of file?")
+    if not mmap:
+        check_archive(p)
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -484,9 +527,9 @@ def read_deepspeed_checkpoint(path: str | Path, allow_pickle: bool = False) -> d
     ``convert_zero_checkpoint_to_fp32_state_dict`` gathers the fp32 master weights from every
     rank's partition (DeepSpeed's ``zero_to_fp32``) into ``state_dict`` and keeps the client state.
 
-    That converter unpickles every file (``weights_only=False``), so each file is first loaded
-    with ``weights_only=True`` and only DeepSpeed's loss-scaler and ZeRO-stage classes allowed
-    (memory-mapped: the shards are not read); a file holding anything else is refused unless
+    That converter unpickles every file (``weights_only=False``), so each file is first checked
+    (:func:`check_archive`) and loaded with ``weights_only=True`` and only DeepSpeed's loss-scaler
+    and ZeRO-stage classes allowed (memory-mapped); a file holding anything else is refused unless
     ``allow_pickle``. The converted dict is not written anywhere (the converter's output file is
     ``os.devnull``): to keep one, call Lightning's function yourself.
     """
@@ -499,6 +542,7 @@ def read_deepspeed_checkpoint(path: str | Path, allow_pickle: bool = False) -> d
         raise UserError(f"{p}: not a DeepSpeed checkpoint folder (no {DEEPSPEED_TAG_FILE!r} file)")
     tag_dir = _deepspeed_tag_dir(p)
     for f in sorted(tag_dir.glob("*.pt")):
+        check_archive(f)
         _load_deepspeed_file(f, allow_pickle)  # refuses foreign objects before anything unpickles
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 

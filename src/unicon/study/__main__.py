@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C stops serve; its judgements are in the database
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

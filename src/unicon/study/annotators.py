@@ -11,7 +11,8 @@ The ranking orders the outputs by rating (good first); ties are broken by the sh
 (caption text or PNG bytes), which does not depend on the masked order, so two noiseless annotators
 agree exactly and the study's results are known in advance (:func:`judge` applied to the inputs).
 ``noise`` is the probability that a rating moves to another level and that two adjacent outputs of a
-ranking swap.
+ranking with the same rating swap; the ranking is made from the (noisy) ratings, so it never
+contradicts them (the app refuses such a judgement: :mod:`unicon.study.ranking`).
 """
 
 from __future__ import annotations
@@ -74,13 +75,14 @@ def judge(input_png: bytes, captions: Mapping[str, str], prompt: str, images: Ma
             ("understanding", captions, lambda c: rate_caption(c, scene, cfg)),
             ("generation", images, lambda b: rate_image(b, prompt, cfg))):
         ratings = {k: rate(v) for k, v in contents.items()}
-        ranking = rank(ratings, contents)
         if noise:
             for k in ratings:
                 if rng.random() < noise:
                     ratings[k] = rng.choice([lv for lv in LEVELS if lv != ratings[k]])
-            if len(ranking) > 1 and rng.random() < noise:
-                i = rng.randrange(len(ranking) - 1)
+        ranking = rank(ratings, contents)
+        if noise and len(ranking) > 1 and rng.random() < noise:
+            i = rng.randrange(len(ranking) - 1)
+            if ratings[ranking[i]] == ratings[ranking[i + 1]]:
                 ranking[i], ranking[i + 1] = ranking[i + 1], ranking[i]
         out[section] = {"ratings": dict(sorted(ratings.items())), "ranking": ranking}
     return out

@@ -11,14 +11,17 @@ Routes (``TOKEN`` is an annotator's private token; only its sha256 is in the dat
   ``Authorization: Bearer TOKEN`` (the scripted annotators, scripts)
 
 Status codes: no token 401, unknown token 403, a sample not assigned to the token 404 (the same
-answer as a sample that does not exist), an invalid judgement 400 / 413 (body over 64 KiB) / 415,
-a replay of the stored judgement 200 (``"status": "duplicate"``), a different second judgement 409
-(the first is kept). Nothing is written unless the judgement is valid; each write is one transaction.
+answer as a sample that does not exist), an invalid judgement 400 / 413 (body over 64 KiB) / 415
+(neither JSON nor a form; media types compare case-insensitively, parameters such as ``charset``
+ignored), a replay of the stored judgement 200 (``"status": "duplicate"``), a different second
+judgement 409 (the first is kept). Nothing is written unless the judgement is valid; each write is one transaction.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -32,7 +35,9 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from unicon.errors import UserError
 from unicon.study import db
+from unicon.study.ranking import ranking_contradiction
 
 MAX_BODY = 64 * 1024
 HERE = Path(__file__).parent
@@ -54,7 +59,8 @@ def validate(payload: Any, counts: dict[str, int]) -> dict:
     """A judgement as stored, or :class:`HTTPProblem` 400 naming what is wrong.
 
     ``payload = {section: {"ratings": {letter: good|medium|poor}, "ranking": [letter, ...best first]}}``
-    for both sections; the letters are those shown (``counts[section]`` outputs: A, B, ...).
+    for both sections; the letters are those shown (``counts[section]`` outputs: A, B, ...). A ranking
+    that puts an output above a better-rated one is refused (:mod:`unicon.study.ranking`).
     """
     if not isinstance(payload, dict):
         raise HTTPProblem(400, "the judgement must be a JSON object with 'understanding' and 'generation'")
@@ -78,6 +84,9 @@ def validate(payload: Any, counts: dict[str, int]) -> dict:
             raise HTTPProblem(400, f"{section}.ranking: must order every output once (a permutation of {letters}), "
                                    f"got {ranking!r}")
         out[section] = {"ratings": {k: ratings[k] for k in letters}, "ranking": list(ranking)}
+        why = ranking_contradiction(out[section]["ratings"], out[section]["ranking"])
+        if why:
+            raise HTTPProblem(400, f"{section}.ranking: {why}")
     return out
 
 
@@ -98,6 +107,12 @@ def form_to_payload(fields: dict[str, list[str]], counts: dict[str, int]) -> dic
             raise HTTPProblem(400, f"{section}: the ranks must be 1..{len(letters)}, each used once")
         payload[section] = {"ratings": ratings, "ranking": sorted(letters, key=lambda L: ranks[L])}
     return payload
+
+
+def media_type(content_type: str) -> str:
+    """The media type of a ``Content-Type`` header, lower case, without parameters:
+    ``"Application/JSON; charset=UTF-8"`` -> ``"application/json"``."""
+    return content_type.split(";", 1)[0].strip().lower()
 
 
 async def read_body(request: Request) -> bytes:
@@ -154,14 +169,15 @@ def create_app(url: str) -> Starlette:
     def submit(token: str | None, sample_id: int, body: bytes, content_type: str) -> tuple[int, dict, dict]:
         person, a = load(token, sample_id)
         counts = {s: len(a["order"][s]) for s in db.SECTIONS}
-        if content_type.startswith("application/json"):
+        kind = media_type(content_type)
+        if kind == "application/json":
             try:
                 raw = json.loads(body.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise HTTPProblem(400, f"the body is not valid JSON ({e})") from None
             except RecursionError:
                 raise HTTPProblem(400, "the body is not a judgement (nested too deeply)") from None
-        elif content_type.startswith("application/x-www-form-urlencoded"):
+        elif kind == "application/x-www-form-urlencoded":
             raw = form_to_payload(parse_qs(body.decode("utf-8", "replace")), counts)
         else:
             raise HTTPProblem(415, "send application/json or a form (application/x-www-form-urlencoded)")
@@ -229,7 +245,7 @@ def create_app(url: str) -> Starlette:
     async def page_submit(request: Request) -> Response:
         token = request.path_params["token"]
         ctype = request.headers.get("content-type", "")
-        is_form = ctype.startswith("application/x-www-form-urlencoded")
+        is_form = media_type(ctype) == "application/x-www-form-urlencoded"
         try:
             body = await read_body(request)
             code, info, person = await run_in_threadpool(submit, token, sample_id_of(request), body, ctype)
@@ -320,21 +336,44 @@ def create_app(url: str) -> Starlette:
     return app
 
 
+def check_port(host: str, port: int) -> None:
+    """A :class:`UserError` naming ``host:port`` when the server could not listen there (in use, or an
+    address of another machine), checked before anything is printed."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--host {host}: not an address of this machine ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"{host}:{port} is in use ({e.strerror}): stop what listens there or pick another "
+                                "port with --port") from None
+            raise UserError(f"{host}:{port} cannot be served here ({e.strerror}): check --host and --port") from None
+
+
 def serve(url: str, host: str = "127.0.0.1", port: int = 8000, stop_after: float | None = None) -> None:
     """Run the app with uvicorn (one process; SQLite serialises the writes) until interrupted or,
     with ``stop_after``, for that many seconds (a time-boxed annotation window; every submitted
-    judgement is already committed when it stops)."""
+    judgement is already committed when it stops). On the way out, even after Ctrl-C, the WAL is
+    checkpointed into the database file (:func:`db.checkpoint`)."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(url), host=host, port=port, log_level="warning",
-                                           access_log=False))
+    app = create_app(url)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     if stop_after is not None:
         timer = threading.Timer(stop_after, lambda: setattr(server, "should_exit", True))
         timer.daemon = True
         timer.start()
-    server.run()
+    try:
+        server.run()
+    finally:
+        db.checkpoint(app.state.engine)
 
 
 def engine_counts(engine: sa.Engine) -> dict[str, int]:

@@ -2,15 +2,23 @@
 
 A *sample* is one seed; its page holds two items, the understanding item (input image and each
 model's first caption) and the generation item (input prompt and each model's first image), and both
-go to the same annotators. :func:`balanced_assignment` gives every sample ``overlap`` distinct
-annotators and every annotator ``floor`` or ``ceil`` of ``samples * overlap / annotators`` samples
-(workloads differ by at most one sample, i.e. two items). The output order of every (annotator,
+go to the same annotators (one annotator rates a model's caption and its image of the same pair,
+which the consistency of paper Fig. 9 compares; the paper's pages hold both sections too). The unit
+of work is therefore the item, and every page holds exactly two of them: :func:`balanced_assignment`
+gives every sample ``overlap`` distinct annotators and every annotator ``floor`` or ``ceil`` of
+``samples * overlap / annotators`` pages, i.e. item workloads that differ by at most the two items of
+one page (equal whenever ``samples * overlap`` is a multiple of the annotators), and it **rotates the
+groups of annotators**: the pairs of annotators share samples as evenly as the search finds (with
+overlap 2, 3 to 8 annotators and at least ``C(annotators, 2)`` samples, every pair shares a sample and
+the pairs' counts differ by at most one), so agreement rests on many pairings, not on a few fixed
+ones. ``study.json`` lists each annotator's pages and items. The output order of every (annotator,
 sample, section) is drawn at random and stored in the database, which is the only place that knows
 which letter is which model.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -25,29 +33,67 @@ from unicon.study import db
 from unicon.study.inputs import ModelRun
 
 
+#: restarts of the randomised greedy assignment; the most even pair coverage is kept
+ASSIGNMENT_RESTARTS = 64
+
+
+def _greedy_plan(n_samples: int, annotators: int, overlap: int, rng: random.Random) -> list[list[int]]:
+    """One randomised greedy plan: each sample takes, one at a time, an annotator of the lowest load
+    (so loads stay within one page of each other), among those the one who has shared the fewest
+    samples with the annotators already chosen (then the fewest with anyone, then at random)."""
+    load = [0] * annotators
+    together = [[0] * annotators for _ in range(annotators)]
+    plan: list[list[int]] = []
+    for _ in range(n_samples):
+        group: list[int] = []
+        for _ in range(overlap):
+            free = [p for p in range(annotators) if p not in group]
+            low = min(load[p] for p in free)
+            free = [p for p in free if load[p] == low]
+            key = {p: (max((together[p][q] for q in group), default=0), sum(together[p][q] for q in group),
+                       rng.random()) for p in free}
+            group.append(min(free, key=key.__getitem__))
+        for p in group:
+            load[p] += 1
+            for q in group:
+                if q != p:
+                    together[p][q] += 1
+        plan.append(sorted(group))
+    return plan
+
+
+def pair_counts(plan: list[list[int]], annotators: int) -> dict[tuple[int, int], int]:
+    """``{(a, b): samples a and b both annotate}`` over every pair ``a < b`` of annotators."""
+    counts = {pair: 0 for pair in itertools.combinations(range(annotators), 2)}
+    for group in plan:
+        for pair in itertools.combinations(sorted(group), 2):
+            counts[pair] += 1
+    return counts
+
+
 def balanced_assignment(n_samples: int, annotators: int, overlap: int, seed: int) -> list[list[int]]:
     """``result[s]``: the ``overlap`` distinct annotator indices of sample ``s``.
 
-    Slots ``s * overlap + j`` are dealt round-robin over a shuffled annotator order, after the
-    samples are shuffled: consecutive slots of one sample are distinct because ``overlap <=
-    annotators``, and round-robin dealing makes the counts differ by at most one.
+    Loads (pages per annotator) differ by at most one; among :data:`ASSIGNMENT_RESTARTS` randomised
+    greedy plans (:func:`_greedy_plan`, seeded by ``seed``) the one whose pairs of annotators share
+    samples most evenly is kept (smallest max - min of :func:`pair_counts`, then the most pairs that
+    share a sample), and the samples are then shuffled, so which sample gets which group is random too.
     """
     if overlap < 1:
         raise UserError(f"--overlap must be >= 1, got {overlap}")
     if annotators < overlap:
         raise UserError(f"--overlap {overlap} needs at least {overlap} annotators, got {annotators}")
     rng = random.Random(seed)
-    people = list(range(annotators))
-    rng.shuffle(people)
-    samples = list(range(n_samples))
-    rng.shuffle(samples)
-    result: list[list[int]] = [[] for _ in range(n_samples)]
-    slot = 0
-    for s in samples:
-        for _ in range(overlap):
-            result[s].append(people[slot % annotators])
-            slot += 1
-    return result
+    best, best_key = None, None
+    for _ in range(ASSIGNMENT_RESTARTS if overlap >= 2 else 1):
+        plan = _greedy_plan(n_samples, annotators, overlap, rng)
+        counts = list(pair_counts(plan, annotators).values()) or [0]
+        key = (max(counts) - min(counts), -sum(c > 0 for c in counts))
+        if best_key is None or key < best_key:
+            best, best_key = plan, key
+    assert best is not None
+    rng.shuffle(best)
+    return best
 
 
 def annotator_names(spec: str) -> list[str]:

@@ -34,17 +34,20 @@ def create_cli(argv: list[str]) -> int:
     p.add_argument("--overlap", type=int, default=2, help="distinct annotators per sample (default 2)")
     p.add_argument("--samples", type=int, default=None, help="use N seeds drawn at random (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the assignment and the output orders")
+    p.add_argument("--common-seeds", action="store_true",
+                   help="runs on other seed sets: use the seeds every run holds (default: refuse them)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="printed in front of the private links")
     a = p.parse_args(argv)
 
     import random
 
+    from unicon.evaluation.cli_common import prepare_out
     from unicon.study import db
     from unicon.study.assign import annotator_names, create_study, write_tokens_file
     from unicon.study.inputs import read_runs
 
     names = annotator_names(a.annotators)
-    runs, ids = read_runs(a.runs)
+    runs, ids = read_runs(a.runs, common_seeds=a.common_seeds)
     if a.samples is not None:
         if a.samples < 1:
             raise UserError(f"--samples must be >= 1, got {a.samples}")
@@ -53,9 +56,11 @@ def create_cli(argv: list[str]) -> int:
     tokens_file = out / db.TOKENS_FILE
     if tokens_file.exists():
         raise UserError(f"{tokens_file} exists: this folder already holds a study; use another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out)
     url = a.db or db.study_url(out)
-    tokens = create_study(db.engine_for(url), runs, ids, names, overlap=a.overlap, seed=a.seed)
+    engine = db.engine_for(url)
+    tokens = create_study(engine, runs, ids, names, overlap=a.overlap, seed=a.seed)
+    db.checkpoint(engine)  # the database file alone holds the study
     links = {n: f"{a.base_url.rstrip('/')}/s/{t}" for n, t in tokens.items()}
     write_tokens_file(tokens_file, links)
     print(f"study: {len(ids)} samples x {len(runs)} models ({', '.join(r.name for r in runs)}), "
@@ -78,11 +83,12 @@ def serve_cli(argv: list[str]) -> int:
     if a.stop_after is not None and a.stop_after <= 0:
         raise UserError(f"--stop-after must be a positive number of seconds, got {a.stop_after}")
     from unicon.study import db
-    from unicon.study.app import serve
+    from unicon.study.app import check_port, serve
 
     engine, url = _engine(a.study, a.db)
     if not db.has_study(engine):
         raise UserError(f"{url}: no study in this database (unicon study create first)")
+    check_port(a.host, a.port)
     print(f"serving {url} on http://{a.host}:{a.port}/s/<token> (Ctrl-C stops; judgements are kept)", flush=True)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: --host {a.host} lets other machines reach the pages; plain HTTP, so put a TLS proxy in "
@@ -98,13 +104,14 @@ def export_cli(argv: list[str]) -> int:
     p.add_argument("--db", default=None, help="SQLAlchemy URL instead of the folder")
     p.add_argument("--out", default=None, help="output folder (default: the study folder)")
     a = p.parse_args(argv)
+    from unicon.evaluation.cli_common import prepare_out
     from unicon.study import db
     from unicon.study.export import export
 
     engine, url = _engine(a.study, a.db)
     if not db.has_study(engine):
         raise UserError(f"{url}: no study in this database (unicon study create first)")
-    out = Path(a.out or a.study or ".")
+    out = prepare_out(a.out or a.study or ".")
     result = export(engine, out)
     print(f"{out / 'study.json'}, {out / 'report.html'}: {result['judgements']}/{result['assignments']} "
           "assignments judged")

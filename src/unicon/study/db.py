@@ -2,7 +2,9 @@
 
 Any SQLAlchemy URL works; the default is a SQLite file ``<study>/study.sqlite``, opened in WAL mode
 with a busy timeout, so every committed judgement survives a killed server and concurrent
-submits wait for each other instead of failing.
+submits wait for each other instead of failing. The file is created owner-only (mode 0600: it holds
+the masking key and every judgement), and SQLite gives its ``-wal`` and ``-shm`` files the same mode;
+:func:`checkpoint` moves the WAL's content into the file itself when the server stops.
 
 Tables::
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -106,13 +109,37 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
+def _create_owner_only(url: str) -> None:
+    """Create the file of a SQLite ``url`` empty with mode 0600 when it does not exist yet (SQLite
+    would create it with the umask's mode, usually world-readable)."""
+    database = sa.engine.make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    try:
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:  # it exists; or its folder is missing or not writable: SQLite's error says so on connect
+        pass
+
+
 def engine_for(url: str) -> sa.Engine:
-    """An engine for ``url``; SQLite gets WAL, full sync, foreign keys and a 30 s busy timeout."""
+    """An engine for ``url``; SQLite gets WAL, full sync, foreign keys and a 30 s busy timeout, and a
+    new database file is created owner-only (module docstring)."""
     if url.startswith("sqlite"):
+        _create_owner_only(url)
         engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return sa.create_engine(url, pool_pre_ping=True)
+
+
+def checkpoint(engine: sa.Engine) -> None:
+    """Copy a SQLite database's WAL into the database file, empty the WAL and close the engine's
+    connections, so that the file alone holds every judgement (a server's shutdown). Other
+    databases: the connections are closed."""
+    if engine.dialect.name == "sqlite":
+        with engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    engine.dispose()
 
 
 def has_study(engine: sa.Engine) -> bool:

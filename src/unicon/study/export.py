@@ -12,13 +12,38 @@ Every annotation is an independent data point (the paper does not average annota
   on rankings, Kendall's W per (sample, section) averaged over the units, and the mean pairwise
   Kendall tau (scipy) over every pair of annotators of a unit. A value is ``null`` with a
   ``<key>_reason`` when it is undefined (one distinct value, fewer than two annotators per unit).
-* **Correlations** (paper Appendix E, Figs. 12-13): Spearman's rho (scipy) between the models'
-  human mean rank and each metric, per section. Directions: a *lower* human mean rank is better;
-  a *higher* ``MCD_avg`` is better (more similarity to the input, less drift); a *higher* ``MGG``
-  and a *higher* ``GenEval`` are better (more images pass). So agreement between humans and a metric
-  shows as a **negative** rho; ``agreement = -rho`` is reported next to it (positive = agrees). The
-  paper reports MCD_avg against both sections (Fig. 12) and GenEval / MGG against human judgement
-  (Fig. 13, generation); all pairs are computed here.
+* **Correlations with the drift metrics**, per section and metric, in two forms (directions: a
+  *lower* human rank is better; a *higher* ``MCD_avg`` (more similarity to the input, less drift),
+  ``MGG`` and ``GenEval`` (more images pass) are better):
+
+  - ``spearman`` (**across models**, the paper's comparison: Appendix E, Figs. 12-13 set each model's
+    human mean rank against its metric, over 7 models, and report the plots, no coefficient):
+    Spearman's rho (scipy) of the models' human mean rank and the metric, with ``n`` the models that
+    have the metric. Agreement shows as a **negative** rho, so ``agreement = -rho`` is stored beside it
+    (positive = agrees). Below :data:`MIN_MODELS` = 3 models no rho is reported (``rho`` null,
+    ``reason`` says why: two points are always in perfect order, rho = +-1 whatever the data). The
+    p-value is an **exact permutation** p (two-sided: the share of the n! orderings of the metric
+    whose |rho| reaches the observed one; ``p_method``), never scipy's asymptotic t-approximation,
+    which gives p = 0.0 for any perfect order; ``p_min`` is the smallest p that n models can reach
+    (2/n!: 0.33 for 3 models, 0.083 for 4, 0.017 for 5), so a reader sees when no ordering of the
+    models could be significant. Above :data:`EXACT_MAX` models the p is a Monte-Carlo permutation p.
+  - ``per_item`` (**across items**, our addition, defined for any number of models and the statistic
+    to read when there are few): every annotation of a page is one data point, as the paper treats
+    them ("each annotation as an independent data point"). For each annotation and each pair of
+    models whose metric values differ, the pair is *concordant* when the annotator ranked the model
+    with the better metric higher, *discordant* otherwise; ``agreement = (C - D) / (C + D)`` (a
+    Kendall-type concordance in [-1, 1], positive = the humans side with the metric; with two models
+    it is ``2 * share - 1``, ``share = C / (C + D)`` the share of annotations that prefer the
+    metric's better model). ``ci95`` is a percentile bootstrap interval over **samples** (all
+    annotations of a resampled page travel together, since the annotators of one page are not
+    independent), :data:`BOOTSTRAP_RESAMPLES` resamples, seed :data:`BOOTSTRAP_SEED`. It says how
+    consistently the annotators, item by item, order the models as the metric does; with two models
+    it still compares one metric ordering (a single bit), which is why the across-model rho is withheld.
+
+  The paper reports MCD_avg against both sections (Fig. 12) and GenEval / MGG against human judgement
+  (Fig. 13, generation); all pairs are computed here. The drift outputs hold the metrics per model
+  only (``drift.json``), not per seed, so the per-item form uses each model's metric value; a per-seed
+  metric would allow a correlation of ratings and metric values item by item.
 """
 
 from __future__ import annotations
@@ -96,18 +121,116 @@ def ranking_agreement(rows: list[dict], section: str, models: list[str]) -> dict
     return out
 
 
+#: fewer models than this: no across-model rho (two points always lie in perfect order)
+MIN_MODELS = 3
+#: up to this many models the permutation p enumerates every ordering (9! = 362,880)
+EXACT_MAX = 9
+#: Monte-Carlo permutations above :data:`EXACT_MAX` models
+MONTE_CARLO_PERMUTATIONS = 100_000
+#: bootstrap of the per-item concordance: resamples, seed, interval level
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+BOOTSTRAP_LEVEL = 0.95
+
+
+def permutation_p(x: list[float], y: list[float], seed: int = 0) -> tuple[float, str]:
+    """Two-sided permutation p of Spearman's rho of ``x`` and ``y`` and how it was computed: the share
+    of orderings of ``y``'s ranks (ties as average ranks, as scipy ranks them) whose |rho| is at least
+    the observed |rho|; every ordering up to :data:`EXACT_MAX` values, else
+    :data:`MONTE_CARLO_PERMUTATIONS` random ones (``(k + 1) / (B + 1)``)."""
+    import math
+
+    from scipy.stats import rankdata
+
+    rx, ry = rankdata(x), rankdata(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    scale = float(np.sqrt((rx ** 2).sum() * (ry ** 2).sum()))
+    observed = abs(float(rx @ ry)) / scale
+    n = len(rx)
+    if n <= EXACT_MAX:
+        perms = np.array(list(itertools.permutations(range(n))), dtype=np.int64)
+        stats = np.abs(ry[perms] @ rx) / scale
+        return float(np.mean(stats >= observed - 1e-12)), f"exact permutation ({math.factorial(n)} orderings)"
+    rng = np.random.default_rng(seed)
+    perms = np.argsort(rng.random((MONTE_CARLO_PERMUTATIONS, n)), axis=1)
+    hits = int(np.sum(np.abs(ry[perms] @ rx) / scale >= observed - 1e-12))
+    return (hits + 1) / (MONTE_CARLO_PERMUTATIONS + 1), f"Monte-Carlo permutation ({MONTE_CARLO_PERMUTATIONS} orderings)"
+
+
 def spearman(human: list[float], metric: list[float | None]) -> dict[str, Any]:
+    """Across models: ``{"n", "rho", "agreement", "p", "p_method", "p_min"}``, or ``rho`` None with a
+    ``reason`` (fewer than :data:`MIN_MODELS` models with the metric, or a constant side)."""
+    import math
+
     from scipy.stats import spearmanr
 
     pairs = [(h, m) for h, m in zip(human, metric) if m is not None and h is not None]
-    if len(pairs) < 2:
-        return {"rho": None, "p": None, "n": len(pairs), "reason": "fewer than two models have this metric"}
+    n = len(pairs)
+    out: dict[str, Any] = {"n": n, "rho": None, "agreement": None, "p": None}
+    if n < MIN_MODELS:
+        out["reason"] = (f"{n} model(s) with this metric and a human rank: Spearman's rho needs at least "
+                         f"{MIN_MODELS} (two points are always in perfect order, rho = +1 or -1 whatever the "
+                         "data); read per_item, the agreement across annotations")
+        return out
     h, m = zip(*pairs)
     if len(set(h)) < 2 or len(set(m)) < 2:
-        return {"rho": None, "p": None, "n": len(pairs), "reason": "constant input (no ranking to correlate)"}
-    res = spearmanr(h, m)
-    rho, p = float(res.statistic), float(res.pvalue)
-    return {"rho": rho, "agreement": -rho, "p": p if np.isfinite(p) else None, "n": len(pairs)}
+        out["reason"] = "constant input (no ranking to correlate)"
+        return out
+    rho = float(spearmanr(h, m).statistic)
+    p, method = permutation_p(list(h), list(m))
+    out.update(rho=rho, agreement=-rho, p=p, p_method=method,
+               p_min=2 / math.factorial(n) if n <= EXACT_MAX else None)
+    return out
+
+
+def item_concordance(rows: list[dict], section: str, metric: dict[str, float | None],
+                     resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                     level: float = BOOTSTRAP_LEVEL) -> dict[str, Any]:
+    """Across items (module docstring): the concordance of every annotation's ranking with the
+    metric's order of the models, and its bootstrap interval over samples."""
+    values = {m: float(v) for m, v in metric.items() if v is not None}
+    per_annotation: dict[tuple[int, str], dict[str, int]] = {}
+    for r in rows:
+        if r["section"] == section and r["model"] in values:
+            per_annotation.setdefault((r["sample"], r["annotator"]), {})[r["model"]] = r["rank"]
+    by_sample: dict[int, list[int]] = {}
+    for (sample, _), ranks in per_annotation.items():
+        c = d = 0
+        for a, b in itertools.combinations(sorted(ranks), 2):
+            if values[a] == values[b]:
+                continue
+            better, worse = (a, b) if values[a] > values[b] else (b, a)
+            if ranks[better] < ranks[worse]:
+                c += 1
+            else:
+                d += 1
+        tally = by_sample.setdefault(sample, [0, 0])
+        tally[0] += c
+        tally[1] += d
+    counts = np.array([by_sample[s] for s in sorted(by_sample)], dtype=float).reshape(-1, 2)
+    out: dict[str, Any] = {"statistic": "(C - D) / (C + D) over (annotation, model pair)",
+                           "n_models": len(values), "n_annotations": len(per_annotation),
+                           "n_samples": len(by_sample), "concordant": int(counts[:, 0].sum()),
+                           "discordant": int(counts[:, 1].sum()), "agreement": None, "share": None,
+                           "ci95": None, "bootstrap": {"resamples": resamples, "unit": "sample", "seed": seed,
+                                                       "level": level}}
+    total = counts.sum()
+    if total == 0:
+        out["reason"] = ("no annotation ranks two models with different values of this metric"
+                         if len(values) >= 2 else "fewer than two models have this metric")
+        return out
+    c, d = counts[:, 0].sum(), counts[:, 1].sum()
+    out["agreement"], out["share"] = float((c - d) / total), float(c / total)
+    if len(counts) < 2:
+        out["ci95_reason"] = "one sample: nothing to resample"
+        return out
+    rng = np.random.default_rng(seed)
+    draws = counts[rng.integers(0, len(counts), size=(resamples, len(counts)))].sum(axis=1)
+    keep = draws.sum(axis=1) > 0
+    stats = (draws[keep, 0] - draws[keep, 1]) / draws[keep].sum(axis=1)
+    alpha = (1 - level) / 2
+    out["ci95"] = [float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))]
+    return out
 
 
 def compute(engine: sa.Engine) -> dict[str, Any]:
@@ -118,6 +241,8 @@ def compute(engine: sa.Engine) -> dict[str, Any]:
             sa.select(db.models_t.c.name, db.models_t.c.metrics).order_by(db.models_t.c.id))}
         annotators = [r.name for r in conn.execute(sa.select(db.annotators_t.c.name).order_by(db.annotators_t.c.id))]
         assigned = conn.execute(sa.select(sa.func.count()).select_from(db.assignments_t)).scalar_one()
+        plan = conn.execute(sa.select(db.annotators_t.c.name, db.assignments_t.c.sample_id)
+                            .select_from(db.assignments_t.join(db.annotators_t))).all()
         rows = db.all_judgements(conn)
     names = list(models)
     result: dict[str, Any] = {
@@ -125,7 +250,13 @@ def compute(engine: sa.Engine) -> dict[str, Any]:
         "judgements": len(rows) // (2 * len(names)) if names else 0, "assignments": assigned,
         "metrics": models, "directions": {"human_mean_rank": "lower is better", "MCD_avg": "higher is better",
                                           "MGG": "higher is better", "GenEval": "higher is better"},
+        "correlation_settings": {"spearman": {"across": "models", "min_models": MIN_MODELS,
+                                              "p": f"exact permutation up to {EXACT_MAX} models, Monte Carlo above"},
+                                 "per_item": {"across": "annotations", "bootstrap_unit": "sample",
+                                              "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+                                              "level": BOOTSTRAP_LEVEL}},
         "sections": {},
+        "workload": workload(plan, annotators),
     }
     for section in db.SECTIONS:
         per_model = {}
@@ -141,13 +272,28 @@ def compute(engine: sa.Engine) -> dict[str, Any]:
             agreement["krippendorff_alpha_reason"] = reason
         human = [per_model[m]["mean_rank"] for m in names]
         corr = {k: spearman(human, [models[m].get(k) for m in names]) for k in METRICS}
-        result["sections"][section] = {"models": per_model, "agreement": agreement, "spearman": corr}
+        per_item = {k: item_concordance(rows, section, {m: models[m].get(k) for m in names}) for k in METRICS}
+        result["sections"][section] = {"models": per_model, "agreement": agreement, "spearman": corr,
+                                       "per_item": per_item}
     alpha, reason = _alpha(reliability_matrix(rows, annotators, db.SECTIONS))
     result["agreement"] = {"krippendorff_alpha": alpha}
     if reason:
         result["agreement"]["krippendorff_alpha_reason"] = reason
     result["consistency"] = consistency(rows, names)
     return jsonsafe.finite(result)
+
+
+def workload(plan: list, annotators: list[str]) -> dict[str, Any]:
+    """Per annotator the pages and items (two per page) assigned, and how many pairs of annotators
+    share at least one sample (the pairings agreement rests on) out of all pairs."""
+    pages = {a: 0 for a in annotators}
+    groups: dict[int, list[str]] = {}
+    for name, sample in plan:
+        pages[name] += 1
+        groups.setdefault(sample, []).append(name)
+    shared = {tuple(sorted(p)) for g in groups.values() for p in itertools.combinations(g, 2)}
+    return {"per_annotator": {a: {"pages": n, "items": len(db.SECTIONS) * n} for a, n in pages.items()},
+            "pairs_sharing_a_sample": len(shared), "pairs": len(annotators) * (len(annotators) - 1) // 2}
 
 
 def consistency(rows: list[dict], models: list[str]) -> dict[str, Any]:
@@ -250,9 +396,17 @@ def report_html(result: dict[str, Any]) -> str:
         a = sec["agreement"]
         parts.append(f"</table><p>Krippendorff's alpha (ordinal): {_fmt(a['krippendorff_alpha'])}; Kendall's W: "
                      f"{_fmt(a['kendall_w'])}; mean pairwise Kendall tau: {_fmt(a['kendall_tau_pairwise'])}.</p>")
-        parts.append("<p>Spearman rho of human mean rank vs " + "; ".join(
-            f"{k}: {_fmt(sec['spearman'][k]['rho'])}" for k in METRICS)
-            + " (negative = the metric agrees with the humans).</p>")
+        parts.append("<p>Across models, Spearman rho of human mean rank vs " + "; ".join(
+            f"{k}: {_fmt(sec['spearman'][k]['rho'])} (n = {sec['spearman'][k]['n']}"
+            + (f", exact p = {_fmt(sec['spearman'][k]['p'])}" if sec['spearman'][k]['p'] is not None else "") + ")"
+            for k in METRICS)
+            + f" (negative = the metric agrees with the humans; no rho below {MIN_MODELS} models).</p>")
+        parts.append("<p>Across items, agreement (C - D) / (C + D) of each annotation's ranking with the metric's "
+                     "order [95% bootstrap interval over samples] (positive = the humans side with the metric): "
+                     + "; ".join(f"{k}: {_fmt(sec['per_item'][k]['agreement'])}" + (
+                         f" [{_fmt(sec['per_item'][k]['ci95'][0])}, {_fmt(sec['per_item'][k]['ci95'][1])}]"
+                         if sec['per_item'][k]['ci95'] else "") + f" (n = {sec['per_item'][k]['n_annotations']} "
+                         "annotations)" for k in METRICS) + ".</p>")
     parts.append(f"<h2>Human rank vs metrics</h2><img alt='scatter' src='{figs['scatter']}'></body></html>")
     return "".join(parts)
 

@@ -10,14 +10,23 @@ chain root (holds ``text-first/`` and ``image-first/``) is accepted too. Per see
   ``text-first/gen-1/<id>.png`` (I1);
 
 and from ``OUT/drift.json``: ``MCD_avg``, ``MGG`` and ``GenEval`` (the MGG accuracy of image
-generation 1, i.e. single-pass GenEval). Every folder must hold the same seeds with the same inputs.
+generation 1, i.e. single-pass GenEval).
+
+A run's seeds are the rows of ``text-first/gen-0.csv``, the images of ``image-first/gen-0/`` and the
+rows of ``image-first/gen-1.csv``; each of them must have all four pieces, every image must be a PNG
+that decodes, and ``drift.json`` must exist: anything else is a :class:`UserError` naming the file
+(and the seed). Every folder must hold the same seeds with the same inputs; with ``common_seeds``
+(``unicon study create --common-seeds``) the study uses the seeds all folders hold instead.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from PIL import Image
 
 from unicon.errors import UserError
 from unicon.evaluation.drift.runner import ChainLayout
@@ -51,10 +60,12 @@ def chain_roots(out: Path) -> list[Path]:
 
 
 def read_metrics(out: Path) -> dict[str, float | None]:
-    """``MCD_avg``, ``MGG`` and ``GenEval`` of ``OUT/drift.json`` (None when absent)."""
+    """``MCD_avg``, ``MGG`` and ``GenEval`` of ``OUT/drift.json`` (a metric None when the report lacks
+    it); a missing ``drift.json`` is a :class:`UserError` naming it."""
     path = out / "drift.json"
     if not path.is_file():
-        return {"MCD_avg": None, "MGG": None, "GenEval": None}
+        raise UserError(f"{path} not found: the drift run has no report (let unicon evaluate drift finish, "
+                        "or merge its shards with --merge)")
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -67,10 +78,28 @@ def read_metrics(out: Path) -> dict[str, float | None]:
     return {"MCD_avg": report.get("MCD_avg"), "MGG": report.get("MGG"), "GenEval": geneval}
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_png(path: Path) -> bytes:
+    """The bytes of a PNG image, checked to decode (the app serves them as ``image/png``)."""
     if not path.is_file():
         raise UserError(f"{path} not found: the drift run is incomplete (rerun unicon evaluate drift to resume)")
-    return path.read_bytes()
+    data = path.read_bytes()
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = im.format
+            im.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        detail = next(iter(str(e).splitlines()), "")
+        raise UserError(f"{path}: not a PNG image ({type(e).__name__}: {detail})") from None
+    if fmt != "PNG":
+        raise UserError(f"{path}: not a PNG image ({fmt} data)")
+    return data
+
+
+def _row(rows: dict[str, str], path: Path, id_: str) -> str:
+    if id_ not in rows:
+        raise UserError(f"{path}: no row for seed {id_!r}: the drift run is incomplete (rerun unicon evaluate "
+                        "drift to resume)")
+    return rows[id_]
 
 
 def read_run(name: str, out: Path) -> ModelRun:
@@ -89,10 +118,13 @@ def read_run(name: str, out: Path) -> ModelRun:
             except ValueError as e:
                 raise UserError(str(e)) from None
             (run.prompts if chain == "text-first" else run.captions).update(rows)
-        for id_ in list(layout.captions("text-first", 0)):
-            run.images[id_] = _read_bytes(layout.image_file("text-first", 1, id_))
-        for id_ in list(layout.captions("image-first", 1)):
-            run.inputs[id_] = _read_bytes(layout.image_file("image-first", 0, id_))
+        prompts, captions = layout.captions("text-first", 0), layout.captions("image-first", 1)
+        inputs = sorted(p.stem for p in layout.image_dir("image-first", 0).glob("*.png"))
+        for id_ in dict.fromkeys([*prompts, *inputs, *captions]):  # every seed, once, in file order
+            _row(prompts, layout.captions_file("text-first", 0), id_)
+            _row(captions, layout.captions_file("image-first", 1), id_)
+            run.inputs[id_] = _read_png(layout.image_file("image-first", 0, id_))
+            run.images[id_] = _read_png(layout.image_file("text-first", 1, id_))
     return run
 
 
@@ -106,8 +138,15 @@ def parse_run_arg(arg: str) -> tuple[str, Path]:
     return Path(arg).resolve().name, Path(arg)
 
 
-def read_runs(args: list[str]) -> tuple[list[ModelRun], list[str]]:
-    """The runs and the seed ids they share (in the first run's order); UserError when they differ."""
+def _only_in(name: str, ids: list[str], limit: int = 5) -> str:
+    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
+    return f"{len(ids)} only in {name} ({', '.join(map(repr, ids[:limit]))}{more})"
+
+
+def read_runs(args: list[str], common_seeds: bool = False) -> tuple[list[ModelRun], list[str]]:
+    """The runs and their seed ids (in the first run's order). Runs on other seed sets are a
+    :class:`UserError` naming both runs and the seeds that differ, unless ``common_seeds``: then the
+    ids are the seeds every run holds. Equal seeds with other prompts or input images are an error."""
     if len(args) < 2:
         raise UserError("a study compares at least two checkpoints: give two or more drift output folders")
     runs = []
@@ -117,8 +156,16 @@ def read_runs(args: list[str]) -> tuple[list[ModelRun], list[str]]:
             raise UserError(f"two drift folders are both named {name!r}; name them: NAME=PATH")
         runs.append(read_run(name, path))
     first = runs[0]
-    ids = [i for i in first.prompts if i in first.inputs and all(
-        i in r.prompts and i in r.inputs and i in r.captions and i in r.images for r in runs)]
+    if not common_seeds:
+        for r in runs[1:]:
+            only_first = [i for i in first.prompts if i not in r.prompts]
+            only_r = [i for i in r.prompts if i not in first.prompts]
+            if only_first or only_r:
+                parts = [_only_in(run.name, ids) for ids, run in ((only_first, first), (only_r, r)) if ids]
+                raise UserError(f"{first.name} ({first.source}) and {r.name} ({r.source}) hold other seeds: "
+                                f"{'; '.join(parts)}; a study compares drift runs on the same seeds (or pass "
+                                "--common-seeds to use only the seeds every run holds)")
+    ids = [i for i in first.prompts if all(i in r.prompts for r in runs)]
     if not ids:
         raise UserError("the drift folders share no seed (ids of text-first/gen-0.csv and image-first/gen-0/)")
     for r in runs[1:]:

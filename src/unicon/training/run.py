@@ -41,13 +41,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from omegaconf import OmegaConf
 
 from unicon.config import GROUPS, ConfigError, compose, compose_resume, config_dir, to_yaml
-from unicon.data.coco_mixture import image_resize_for
 from unicon.data.jsonl import read_json
 from unicon.errors import UserError
 from unicon.evaluation.preemption import Preempted
@@ -70,7 +68,7 @@ command line < key=value overrides. An experiment file with `extends: <experimen
 parent's defaults and body. With resume=CKPT: the config stored in CKPT < command line.
 
 main keys:
-  name, seed, output_dir (run dir = <output_dir>/<name>), init_from, resume, overwrite
+  name, seed, output_dir (run dir = <output_dir>/<name>), init_from, resume, resume_older, overwrite
   loss.type (spearman|hinge|none)  loss.lambda_  loss.gamma  loss.regularization_strength
   loss.tasks  loss.on_nonfinite (stop|skip)  optim.lr  optim.warmup_ratio  optim.scheduler
   trainer.max_epochs  trainer.max_steps  trainer.devices  trainer.strategy  trainer.precision
@@ -151,8 +149,7 @@ def _compose(overrides: list[str], announce: bool):
     pickle_opt = [o.split("=", 1)[1] for o in rest if o.startswith("model.allow_pickle=")]
     allow_pickle = bool(pickle_opt) and pickle_opt[-1].strip().lower() in ("true", "1", "yes")
     ckpt = read_training_checkpoint(path, allow_pickle=allow_pickle, mmap=True)
-    cfg, changes = compose_resume(ckpt["unicon_config"], f"{path} (stored config)", rest)
-    cfg.resume = path
+    cfg, changes = compose_resume(ckpt["unicon_config"], f"{path} (stored config)", rest, resume=path)
     if announce:
         print(f"resume: {path} (run '{cfg.name}', step {ckpt.get('global_step', '?')}), with the config stored in it")
         for change in changes:
@@ -185,9 +182,7 @@ def requeue_checkpoint(overrides: list[str]) -> Path | None:
     from unicon.models.checkpoints import is_deepspeed_checkpoint, read_training_checkpoint
 
     cfg = _compose(overrides, announce=False)  # with resume=: the run folder of the stored config
-    run_dir = _run_dir(cfg)
-    others = sorted(p for p in run_dir.glob("*.ckpt") if p.name != "last.ckpt" and not p.name.startswith(HPC_PREFIX))
-    candidates = sorted(run_dir.glob(f"{HPC_PREFIX}*.ckpt")) + [run_dir / "last.ckpt"] + others
+    candidates = folder_checkpoints(_run_dir(cfg))
     if cfg.resume:
         candidates.append(Path(cfg.resume))
     best, best_step = None, -1
@@ -203,6 +198,43 @@ def requeue_checkpoint(overrides: list[str]) -> Path | None:
         if step > best_step:  # ties: the earlier candidate (hpc, then last, then resume=): same state
             best, best_step = path, step
     return best
+
+
+def folder_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints of a run folder (files and DeepSpeed checkpoint folders): ``hpc_ckpt_*.ckpt``,
+    ``last.ckpt``, then ModelCheckpoint's others; the order in which :func:`requeue_checkpoint`
+    prefers one of equal steps (they hold the same state)."""
+    from unicon.models.checkpoints import is_deepspeed_checkpoint  # lazy: pulls in every model backend
+
+    others = sorted(p for p in folder.glob("*.ckpt") if p.name != "last.ckpt" and not p.name.startswith(HPC_PREFIX))
+    candidates = sorted(folder.glob(f"{HPC_PREFIX}*.ckpt")) + [folder / "last.ckpt"] + others
+    return [p for p in candidates if p.is_file() or is_deepspeed_checkpoint(p)]
+
+
+def check_resume_is_newest(cfg: DictConfig, step: int) -> None:
+    """Refuse ``resume=`` of a checkpoint (at global ``step``) while another checkpoint in its folder
+    holds a later step, naming both, unless ``resume_older=true``: resuming it would go back and
+    redo (and overwrite) the later steps. Checkpoints that cannot be read (a save cut short, a
+    DeepSpeed folder without its ``complete.json``) do not count."""
+    from unicon.models.checkpoints import read_training_checkpoint  # lazy: pulls in every model backend
+
+    if cfg.resume_older:
+        return
+    resume = Path(cfg.resume)
+    newest, newest_step = None, step
+    for path in folder_checkpoints(resume.parent):
+        if path.resolve() == resume.resolve():
+            continue
+        try:
+            other = int(read_training_checkpoint(path, allow_pickle=bool(cfg.model.allow_pickle), mmap=True)
+                        .get("global_step", -1))
+        except UserError:
+            continue
+        if other > newest_step:
+            newest, newest_step = path, other
+    if newest is not None:
+        raise UserError(f"resume={resume} is at step {step}, but {newest} in the same folder is at step {newest_step}: "
+                        f"resume from {newest}, or pass resume_older=true to go back to step {step}")
 
 
 def next_hpc_checkpoint(run_dir: Path) -> Path:
@@ -228,7 +260,8 @@ class SlurmRequeue:
       that step's metrics row, which the checkpoint's log offsets then keep: it raises
       :class:`~unicon.evaluation.preemption.Preempted`, so the run stops without an export;
     * :meth:`requeue`, called by :func:`train` once the Trainer has torn down (loggers flushed, the
-      W&B run closed), runs ``scontrol requeue`` on global rank 0. SLURM then kills the job's
+      W&B run closed), runs ``scontrol requeue`` on global rank 0; the other ranks exit 0, so that
+      ``srun --kill-on-bad-exit=1`` does not end the step first. SLURM then kills the job's
       processes, which have nothing left to write, and starts the job again; :func:`compose_run`
       resumes it from the newest checkpoint, continuing ``metrics.jsonl`` and the W&B run.
 
@@ -337,6 +370,8 @@ def keeps_running_statistics(model: torch.nn.Module) -> bool:
     """Whether ``model`` has buffers that training updates (BatchNorm running statistics), which DDP
     keeps equal across ranks by broadcasting rank 0's before every forward. Conservative: a BatchNorm
     held on its statistics by ``model.freeze_batchnorm`` still counts."""
+    import torch
+
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
                for m in model.modules())
 
@@ -396,10 +431,16 @@ def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool 
 
         return ZeroStrategy(config=config)
     if name in ("ddp", "ddp_spawn"):
-        from lightning.pytorch.strategies import DDPStrategy
+        import inspect
 
-        return DDPStrategy(find_unused_parameters=True, broadcast_buffers=broadcast_buffers,
-                           start_method="spawn" if name == "ddp_spawn" else "popen")
+        from lightning.pytorch.strategies import DDPStrategy
+        from torch.nn.parallel import DistributedDataParallel
+
+        # torch 2.13 renamed DDP's broadcast_buffers (deprecated) to forward_sync_buffers
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+            DistributedDataParallel).parameters else "broadcast_buffers"
+        return DDPStrategy(find_unused_parameters=True, start_method="spawn" if name == "ddp_spawn" else "popen",
+                           **{sync: broadcast_buffers})
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
@@ -515,6 +556,8 @@ def release_run_dir(lock) -> None:
 
 def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Run one training job; returns ``{run_dir, ckpt_path, export_dir, wandb_dir, metrics}``."""
+    import torch  # here, not at the top: unicon train --help needs no torch
+
     if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise UserError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA, but torch.cuda.is_available() is "
                         "False on this machine; use trainer=cpu")
@@ -523,7 +566,8 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
         # lazy: pulls in every model backend (transformers), not needed by unicon train --help
         from unicon.models.checkpoints import read_training_checkpoint
 
-        read_training_checkpoint(cfg.resume, allow_pickle=cfg.model.allow_pickle, mmap=True)  # readable, ours
+        state = read_training_checkpoint(cfg.resume, allow_pickle=cfg.model.allow_pickle, mmap=True)  # readable, ours
+        check_resume_is_newest(cfg, int(state.get("global_step", -1)))
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -539,6 +583,10 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
     except Preempted:
         if requeue is not None:
             requeue.requeue(is_global_zero=rank_zero_only.rank == 0)
+            if requeue.signalled and rank_zero_only.rank != 0:
+                # rank 0 requeues the job: this rank's part is done, and a failing exit would make
+                # srun --kill-on-bad-exit=1 (slurm/train.sbatch) end the step before rank 0 gets there
+                raise SystemExit(0) from None
         raise
     finally:
         if requeue is not None:
@@ -547,7 +595,10 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None) -> dict[str, Any
 
 def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue | None = None) -> dict[str, Any]:
     import lightning as L
+    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+
+    from unicon.data.coco_mixture import image_resize_for
 
     from unicon.models.checkpoints import export_model  # lazy: pulls in every model backend (transformers)
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
@@ -612,7 +663,11 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
         callbacks=callbacks,
         plugins=plugins or None,
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=not cfg.model.allow_pickle)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=not cfg.model.allow_pickle)
+    except BaseException:
+        end_launched_ranks(trainer)
+        raise
 
     export_dir = run_dir / "export"
     if trainer.is_global_zero:
@@ -632,6 +687,21 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
         "global_step": trainer.global_step,
         "counts": dict(module.counts),
     }
+
+
+def end_launched_ranks(trainer) -> None:
+    """Kill the ranks this process launched, when it fails. With ``trainer.devices`` > 1 outside
+    SLURM (or torchrun), Lightning's subprocess launcher starts ranks 1.. as children of rank 0 at
+    the start of ``fit``. A failing child ends them all (Lightning's observer kills every process);
+    a failing rank 0 left the children waiting for it: in the process group's rendezvous (rank 0
+    hosts its store) for the 30-minute timeout, or in a collective forever. Under SLURM each rank
+    is a task of its own, which ``srun --kill-on-bad-exit=1`` (slurm/train.sbatch) ends when another
+    one fails. A no-op in the launched ranks and with one process."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if isinstance(launcher, _SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
 
 
 def export_deepspeed_run(last_checkpoint: str, global_step: int, export_dir: Path, cfg: DictConfig) -> None:

@@ -35,17 +35,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
 from unicon.core import ImageTokenizer, register_image_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond")
 # Palette chosen so that every colour is far from the background and from the others in RGB.
@@ -392,8 +395,17 @@ class ShapeDetection(TypedDict):
     score: float
 
 
+def _is_tensor(x) -> bool:
+    """Whether ``x`` is a torch tensor, without importing torch (rendering, parsing and building a
+    world need none): a tensor exists only once torch is imported."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _as_uint8_array(image, cfg: WorldConfig) -> np.ndarray:
-    if isinstance(image, torch.Tensor):
+    if _is_tensor(image):
+        import torch
+
         if image.ndim != 3 or image.shape[0] != 3:
             raise NotAShapesWorldImage(f"expected a [3, H, W] tensor, got shape {tuple(image.shape)}")
         arr = (image.detach().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
@@ -503,6 +515,8 @@ class ShapesTokenizer(ImageTokenizer):
     """Exact ``ImageTokenizer``: one code per grid cell (see module docstring)."""
 
     def __init__(self, cfg: WorldConfig | None = None) -> None:
+        import torch
+
         self.cfg = cfg or WorldConfig()
         self.codebook_size = self.cfg.codebook_size
         self.grid_size = (self.cfg.grid, self.cfg.grid)
@@ -521,6 +535,8 @@ class ShapesTokenizer(ImageTokenizer):
         return cls(load_world(root).config)
 
     def encode(self, images) -> torch.Tensor:
+        import torch
+
         if isinstance(images, torch.Tensor):
             if images.ndim != 4:
                 raise ValueError(f"expected [B, 3, H, W] images, got shape {tuple(images.shape)}")
@@ -556,6 +572,8 @@ class ShapesTokenizer(ImageTokenizer):
         return codes
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        import torch
+
         codes = torch.as_tensor(codes, dtype=torch.long)
         if codes.ndim != 3 or tuple(codes.shape[1:]) != self.grid_size:
             raise ValueError(f"codes must be [B, {self.grid_size[0]}, {self.grid_size[1]}], got {tuple(codes.shape)}")

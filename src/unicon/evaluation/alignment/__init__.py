@@ -4,8 +4,9 @@ side by side, as Kendall τ_b and τ_c (docs/alignment.md).
 
 One module per room, the same rooms as every evaluation suite:
 
-* :mod:`~unicon.evaluation.alignment.prompts` -- the paper's prompt, verbatim, its four values and the
-  strict grammar of a decoded rating;
+* :mod:`~unicon.evaluation.alignment.prompts` -- the rating scales: the paper's Flickr8K-CF prompt,
+  verbatim, and its 1-4 form for Flickr8K-Expert (ours), their values and the strict grammar of a
+  decoded rating;
 * :mod:`~unicon.evaluation.alignment.bagelscore` -- BagelScore's two modes (``expected``, ``decode``);
 * :mod:`~unicon.evaluation.alignment.data` -- the pairs of ``--data`` (Flickr8K JSON in the CLIPScore
   layout, JSONL, a ShapesWorld root); bad ratings skipped and counted, bad rows refused by file and row;

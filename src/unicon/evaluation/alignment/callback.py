@@ -16,11 +16,11 @@ from typing import Any, Sequence
 
 from unicon.config import AlignmentEvalConfig
 from unicon.evaluation.alignment.cli import load_clip
-from unicon.evaluation.alignment.data import Pair, load_pairs, subset
+from unicon.evaluation.alignment.data import Pair, data_file, load_pairs, subset
 from unicon.evaluation.alignment.judges import build_judge, check_judge
 from unicon.evaluation.alignment.metrics import flat_metrics
 from unicon.evaluation.alignment.plots import FIGURES
-from unicon.evaluation.alignment.runner import evaluate_alignment, table_columns, table_rows
+from unicon.evaluation.alignment.runner import evaluate_alignment, resolve_bagel_scale, table_columns, table_rows
 from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
 
 
@@ -38,6 +38,8 @@ class AlignmentCallback(EvalCallback):
         baselines: Sequence[str] = tuple(AlignmentEvalConfig().baselines),
         clip: str | None = None,
         judge: str | None = None,
+        clip_prefix: str = AlignmentEvalConfig.clip_prefix,
+        bagel_scale: str = AlignmentEvalConfig.bagel_scale,
         rating_min: float | None = None,
         rating_max: float | None = None,
         max_samples: int | None = AlignmentEvalConfig.max_samples,
@@ -50,6 +52,8 @@ class AlignmentCallback(EvalCallback):
         check_judge(judge)
         self.data, self.images, self.bagel_modes, self.baselines = data, images, list(bagel_modes), list(baselines)
         self.clip_source, self.judge_spec = clip, judge
+        self.clip_prefix = clip_prefix
+        self.bagel_scale = resolve_bagel_scale(bagel_scale, data_file(data))
         self.rating_min, self.rating_max, self.max_samples = rating_min, rating_max, max_samples
         self.batch_size, self.table_rows = batch_size, table_rows
         self._pairs: list[Pair] | None = None
@@ -62,7 +66,8 @@ class AlignmentCallback(EvalCallback):
         """From a RunConfig: ``eval.alignment.*``; data defaults to ``data.root``."""
         c = cfg.eval.alignment
         return cls(data=c.data or cfg.data.root, images=c.images, bagel_modes=list(c.bagel_modes),
-                   baselines=list(c.baselines), clip=c.clip, judge=c.judge, rating_min=c.rating_min,
+                   baselines=list(c.baselines), clip=c.clip, judge=c.judge, clip_prefix=c.clip_prefix,
+                   bagel_scale=c.bagel_scale, rating_min=c.rating_min,
                    rating_max=c.rating_max, max_samples=c.max_samples, batch_size=c.batch_size,
                    table_rows=c.table_rows, every_n_epochs=c.every_n_epochs,
                    fail_on_error=fail_on_error or cfg.eval.fail_on_error)
@@ -84,7 +89,7 @@ class AlignmentCallback(EvalCallback):
             model, self.pairs(), out, self.bagel_modes, self.baselines, clip=self._clip, judge=self._judge,
             batch_size=self.batch_size, skipped=self._skipped,
             info={"epoch": trainer.current_epoch + 1, "data": str(self.data)}, clip_source=self.clip_source,
-            judge_spec=self.judge_spec)
+            judge_spec=self.judge_spec, bagel_scale=self.bagel_scale, clip_prefix=self.clip_prefix)
         names = list(results["metrics"])
         log_table(trainer.loggers, "alignment/samples", table_columns(names),
                   table_rows(records, self.pairs(), names, self.table_rows), step=trainer.global_step)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from unicon.config import JUDGE_DTYPES, AlignmentEvalConfig, LoggerConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.alignment.data import load_pairs, subset
+from unicon.evaluation.alignment.data import data_file, load_pairs, subset
 from unicon.evaluation.cli_common import (
     Flag,
     add_common_args,
@@ -47,6 +47,11 @@ FLAGS = {
     "baselines": Flag("baselines side by side: clip_s, refclip_s (need --clip), bleu4, meteor, cider "
                       "(need references)", comma=True),
     "clip": Flag("open_clip model for CLIP-S / RefCLIP-S: a directory, '<arch>:<weights file>' or hf-hub:<repo>"),
+    "clip_prefix": Flag("text before every caption and reference CLIP embeds: 'hessel' (\"A photo depicts \", "
+                        "Hessel et al.), 'none', or 'auto' (none for a ShapesWorld CLIP, hessel otherwise)"),
+    "bagel_scale": Flag("BagelScore rating scale: 'cf' (the paper's Flickr8K-CF prompt, 0/0.3/0.6/1.0), 'expert' "
+                        "(its 1-4 form for Flickr8K-Expert, ours) or 'auto' (expert for a Flickr8K-Expert "
+                        "file, cf otherwise)"),
     "judge": Flag("optional VLM judge asked the same prompt: vlm:<local model directory>"),
     "rating_min": Flag("ratings below are skipped and counted"),
     "rating_max": Flag("ratings above are skipped and counted"),
@@ -99,7 +104,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.evaluation.alignment.judges import build_judge, check_judge
     from unicon.evaluation.alignment.metrics import flat_metrics
     from unicon.evaluation.alignment.plots import FIGURES
-    from unicon.evaluation.alignment.runner import evaluate_alignment, table_columns, table_rows
+    from unicon.evaluation.alignment.runner import evaluate_alignment, resolve_bagel_scale, table_columns, table_rows
     from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
     from unicon.loggers import environment_info, make_loggers
 
@@ -133,11 +138,12 @@ def cli(argv: Sequence[str] | None = None) -> int:
             shards.record("backend", info["backend"])
         results, records = evaluate_alignment(
             model, pairs, out, cfg.bagel_modes, cfg.baselines, clip=clip, judge=judge, batch_size=cfg.batch_size,
-            skipped=dict(skipped), info=info, clip_source=clip_source, judge_spec=judge_spec)
+            skipped=dict(skipped), info=info, clip_source=clip_source, judge_spec=judge_spec,
+            bagel_scale=resolve_bagel_scale(cfg.bagel_scale, data_file(cfg.data)), clip_prefix=cfg.clip_prefix)
     if shards.mode == "shard":
         print(f"alignment: shard {args.shard} done; merge with --merge once every shard is done")
         return 0
-    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"alignment-{out.name}")
+    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"alignment-{out.name}", replace=True)
     log_eval_config(loggers, args, fingerprint)
     log_metrics(loggers, {f"alignment/{k}": v for k, v in flat_metrics(results["metrics"]).items()}, step=0)
     names = list(results["metrics"])

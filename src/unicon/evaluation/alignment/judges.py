@@ -1,5 +1,5 @@
 """The optional VLM judge (``--judge vlm:<local model directory>``): any ``transformers``
-image-text-to-text model asked the paper's BagelScore prompt, its reply parsed by the same strict rule
+image-text-to-text model asked the run's BagelScore prompt (its scale), its reply parsed by the same strict rule
 as BagelScore's ``decode`` mode (:func:`~.prompts.parse_rating`; unparseable: a failure, counted).
 Loading (local directories only), batching and greedy decoding are UReason's
 :class:`~unicon.evaluation.ureason.judges.VLMJudge`'s."""
@@ -35,20 +35,21 @@ class AlignmentVLMJudge(VLMJudge):
 
     name = "vlm"
 
-    def build_text(self, caption: str) -> str:  # type: ignore[override]
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": bagelscore_prompt(caption)}]}]
+    def build_text(self, caption: str, scale: str = "cf") -> str:  # type: ignore[override]
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": bagelscore_prompt(caption, scale)}]}]
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def rate(self, images: Sequence[Image.Image], captions: Sequence[str]) -> list[BagelResult]:
+    def rate(self, images: Sequence[Image.Image], captions: Sequence[str], scale: str = "cf") -> list[BagelResult]:
         out: list[BagelResult] = []
         for start in range(0, len(captions), self.batch_size):
             preemption.check()
-            texts = [self.build_text(c) for c in captions[start:start + self.batch_size]]
+            texts = [self.build_text(c, scale) for c in captions[start:start + self.batch_size]]
             ims = [im.convert("RGB") for im in images[start:start + self.batch_size]]
             inputs = self.processor(text=texts, images=ims, return_tensors="pt", padding=True)
             for reply, _ in _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens):
                 reply = reply[: self.max_reply_chars]
-                out.append(BagelResult(parse_rating(reply), reply=reply))
+                out.append(BagelResult(parse_rating(reply, scale), reply=reply))
         return out
 
 

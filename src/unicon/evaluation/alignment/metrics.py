@@ -10,7 +10,10 @@
   ``java`` is not on the PATH; captions are tokenised with the PTB tokenizer when ``java`` is there,
   else lower-cased with punctuation dropped (``tokenizer`` in the summary says which);
 * :func:`clip_scores`: CLIP-S = w·max(cos(image, caption), 0) and RefCLIP-S = the harmonic mean of
-  CLIP-S and max(max_r cos(caption, reference r), 0), w = 2.5 (Hessel et al., 2021, eqs. 1-2);
+  CLIP-S and max(max_r cos(caption, reference r), 0), w = 2.5 (Hessel et al., 2021, eqs. 1-2). Hessel
+  et al. embed every caption and reference with the prefix "A photo depicts " (:data:`HESSEL_PREFIX`;
+  their section 3 and their released ``clipscore.py``); the runner prefixes the texts as its
+  ``clip_prefix`` setting says (:func:`unicon.evaluation.alignment.runner.resolve_clip_prefix`);
 * :func:`summarize`: the summary of ``alignment.json``.
 """
 
@@ -25,6 +28,8 @@ import torch
 
 #: CLIPScore's rescaling weight w (Hessel et al., 2021)
 CLIP_W = 2.5
+#: the text Hessel et al. put before every caption and reference they embed with CLIP
+HESSEL_PREFIX = "A photo depicts "
 #: the reference-based caption metrics
 REFERENCE_METRICS = ("bleu4", "meteor", "cider")
 

@@ -3,10 +3,13 @@ human ratings and the output files, sharded over ranks.
 
 For every batch of ``batch_size`` pairs of this rank (:func:`~unicon.evaluation.distributed.shard_indices`):
 
-* BagelScore in each mode of ``bagel_modes`` (:mod:`.bagelscore`): ``expected``: one ``score_text`` call
-  with the four answers as K = 4 candidates; ``decode``: one ``answer`` call, replies parsed strictly;
+* BagelScore in each mode of ``bagel_modes`` (:mod:`.bagelscore`) on the run's rating scale
+  (``bagel_scale``, :func:`resolve_bagel_scale`): ``expected``: one ``score_text`` call with the four
+  answers as K = 4 candidates; ``decode``: one ``answer`` call, replies parsed strictly;
 * with a CLIP (``clip``): CLIP-S and RefCLIP-S from the embeddings of the images, captions and
-  references (:func:`~.metrics.clip_scores`);
+  references (:func:`~.metrics.clip_scores`), each text embedded after the run's ``clip_prefix``
+  (:func:`resolve_clip_prefix`: Hessel et al.'s "A photo depicts " for a real CLIP, none for a
+  ShapesWorld CLIP trained on the world's bare captions);
 * with a judge (``vlm:<dir>``): the VLM asked the same prompt (:mod:`.judges`), parsed like ``decode``.
 
 The records are gathered over ranks (or shards: a merge replays the gathering), then the reference
@@ -20,12 +23,15 @@ Rank 0 (or the merge) writes into ``out_dir``:
   (expected, over ``"0", "0.3", "0.6", "1.0"``), ``judge_reply``;
 * ``alignment.json``: ``{"metrics": {metric: {tau_b, tau_c, p_b, p_c, n, missing[, failures,
   failure_rate]}}, "n_pairs", "skipped" (ratings skipped by reason), "not_run" ({metric: why}),
-  "tokenizer", **info}`` (info: checkpoint, weights fingerprint, settings, environment), strict JSON;
+  "tokenizer", "settings", **info}`` (settings: the modes, baselines, CLIP, judge, batch size,
+  ``bagel_scale`` (name, values, where its prompt comes from) and ``clip_prefix`` (the setting and
+  the text put before every caption); info: checkpoint, weights fingerprint, environment), strict JSON;
 * ``table.md``: the τ table; ``metrics_vs_rating.png``: each metric against the rating (:mod:`.plots`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,6 +45,7 @@ from unicon.evaluation import preemption
 from unicon.evaluation.alignment.bagelscore import bagelscore
 from unicon.evaluation.alignment.data import Pair, read_image
 from unicon.evaluation.alignment.metrics import (
+    HESSEL_PREFIX,
     REFERENCE_METRICS,
     clip_scores,
     markdown_table,
@@ -46,6 +53,7 @@ from unicon.evaluation.alignment.metrics import (
     summarize,
 )
 from unicon.evaluation.alignment.plots import plot_results
+from unicon.evaluation.alignment.prompts import SCALES, scale_of
 from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
 from unicon.progress import track
 
@@ -68,8 +76,45 @@ def not_run(baselines: Sequence[str], clip: str | None) -> dict[str, str]:
             for m in CLIP_METRICS if m in baselines and not clip}
 
 
+def resolve_bagel_scale(setting: str, data: str | Path | None) -> str:
+    """The BagelScore scale of ``--bagel-scale``: ``cf`` or ``expert`` as given; ``auto``: ``expert`` for
+    a Flickr8K-Expert file (a ``.json`` in the CLIPScore repository's Flickr8K layout whose name does not
+    say ``crowdflower``), else ``cf`` (Flickr8K-CF, JSONL sets, and ShapesWorld, whose instruction rows
+    train the CF prompt). The paper prints no prompt for Composite; ``cf`` is used there unless set."""
+    if setting in SCALES:
+        return setting
+    if setting != "auto":
+        raise UserError(f"--bagel-scale {setting!r}: choose auto, {', '.join(SCALES)}")
+    path = Path(data) if data is not None else None
+    if path is not None and path.suffix == ".json" and "crowdflower" not in path.name.lower():
+        return "expert"
+    return "cf"
+
+
+def resolve_clip_prefix(setting: str, clip_source: str | None) -> str:
+    """The text put before every caption and reference CLIP embeds: ``hessel`` -> ``"A photo depicts "``
+    (Hessel et al.), ``none`` -> ``""``; ``auto``: none for a ShapesWorld CLIP (a folder with the
+    ``train_log.json`` that ``python -m unicon.embedders.clip --train-shapes`` writes: it was trained on
+    the world's captions without a prefix), Hessel's prefix for any other CLIP."""
+    if setting == "hessel":
+        return HESSEL_PREFIX
+    if setting == "none":
+        return ""
+    if setting != "auto":
+        raise UserError(f"--clip-prefix {setting!r}: choose auto, hessel or none")
+    if clip_source:
+        log_file = Path(clip_source).expanduser() / "train_log.json"
+        try:
+            if "world" in json.loads(log_file.read_text()):
+                return ""
+        except (OSError, ValueError, TypeError):
+            pass
+    return HESSEL_PREFIX
+
+
 def score_batch(model, pairs: Sequence[Pair], bagel_modes: Sequence[str], clip=None, judge=None,
-                baselines: Sequence[str] = ALIGNMENT_BASELINES) -> list[dict[str, Any]]:
+                baselines: Sequence[str] = ALIGNMENT_BASELINES, scale: str = "cf",
+                clip_prefix: str = HESSEL_PREFIX) -> list[dict[str, Any]]:
     """The model-side scores of one batch: ``[{"scores": {...}, "bagel_reply", "bagel_probs", "judge_reply"}]``."""
     images = [read_image(p) for p in pairs]
     captions = [p.caption for p in pairs]
@@ -78,22 +123,22 @@ def score_batch(model, pairs: Sequence[Pair], bagel_modes: Sequence[str], clip=N
     for mode in ALIGNMENT_BAGEL_MODES:
         if mode not in bagel_modes:
             continue
-        for o, r in zip(out, bagelscore(model, images, captions, mode)):
+        for o, r in zip(out, bagelscore(model, images, captions, mode, scale)):
             o["scores"][f"bagelscore_{mode}"] = r.score
             if mode == "decode":
                 o["bagel_reply"] = r.reply
             else:
                 o["bagel_probs"] = r.probs
     if judge is not None:
-        for o, r in zip(out, judge.rate(images, captions)):
+        for o, r in zip(out, judge.rate(images, captions, scale)):
             o["scores"]["vlm_judge"], o["judge_reply"] = r.score, r.reply
     if clip is not None and any(m in baselines for m in CLIP_METRICS):
         # one image / text per forward pass: a value does not depend on the batch it was scored in,
         # so shards and their merge give one run's numbers exactly
         img = torch.cat([clip.embed_image([im]) for im in images])
-        cap = torch.cat([clip.embed_text([c]) for c in captions])
+        cap = torch.cat([clip.embed_text([clip_prefix + c]) for c in captions])
         flat = [r for p in pairs for r in p.references]
-        ref_all = torch.cat([clip.embed_text([r]) for r in flat]) if flat else None
+        ref_all = torch.cat([clip.embed_text([clip_prefix + r]) for r in flat]) if flat else None
         refs, k = [], 0
         for p in pairs:
             refs.append(ref_all[k:k + len(p.references)] if p.references else None)
@@ -153,6 +198,8 @@ def evaluate_alignment(
     info: dict | None = None,
     clip_source: str | None = None,
     judge_spec: str | None = None,
+    bagel_scale: str = "cf",
+    clip_prefix: str = "auto",
 ) -> tuple[dict[str, Any], list[dict]]:
     """Score ``pairs`` on every rank of the process group (or alone, a shard, a merge: ``model`` may
     then be a stand-in that is never called; ``clip_source``/``judge_spec`` name the CLIP and judge the
@@ -165,6 +212,10 @@ def evaluate_alignment(
     if unknown:
         raise UserError(f"unknown BagelScore mode(s) {unknown}; choose from {', '.join(ALIGNMENT_BAGEL_MODES)}")
     clip_source = clip_source if clip_source is not None else getattr(clip, "source", None)
+    if bagel_scale not in SCALES:
+        raise UserError(f"unknown BagelScore scale {bagel_scale!r}; choose from {', '.join(SCALES)}")
+    scale = scale_of(bagel_scale)
+    prefix_text = resolve_clip_prefix(clip_prefix, clip_source)
     names = metric_names(bagel_modes, baselines, judge is not None or bool(judge_spec))
     mine = shard_indices(len(pairs))
     scored: dict[int, dict] = {}
@@ -177,7 +228,8 @@ def evaluate_alignment(
             for s in track(starts, "alignment: scoring pairs", unit="batches"):
                 preemption.check()
                 idx = mine[s:s + batch_size]
-                for i, o in zip(idx, score_batch(model, [pairs[i] for i in idx], bagel_modes, clip, judge, baselines)):
+                for i, o in zip(idx, score_batch(model, [pairs[i] for i in idx], bagel_modes, clip, judge, baselines,
+                                                 scale.name, prefix_text)):
                     scored[i] = o
     finally:
         if mine:
@@ -199,7 +251,9 @@ def evaluate_alignment(
                "skipped": {k: int(v) for k, v in sorted((skipped or {}).items())},
                "not_run": skipped_metrics, "tokenizer": notes.get("tokenizer"),
                "settings": {"bagel_modes": list(bagel_modes), "baselines": list(baselines), "clip": clip_source,
-                            "judge": judge_spec or getattr(judge, "name", None), "batch_size": batch_size},
+                            "judge": judge_spec or getattr(judge, "name", None), "batch_size": batch_size,
+                            "bagel_scale": scale.describe(),
+                            "clip_prefix": {"setting": clip_prefix, "text": prefix_text} if clip_source else None},
                **(info or {})}
     out = Path(out_dir) if out_dir is not None else None
     if out is not None and writes_outputs():

@@ -144,7 +144,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         generation=generation_settings(model, settings), environment=environment_info(),
     )
     write_outputs(result, out)
-    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=args.name or f"cococon-{Path(args.ckpt).name}")
+    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=args.name or f"cococon-{Path(args.ckpt).name}",
+                           replace=True)
     log_eval_config(loggers, args, result.results["model_fingerprint"])
     metrics = result.flat()
     metrics["cococon/seconds"] = seconds

@@ -53,9 +53,13 @@ match and VQAv2 soft accuracy after :func:`normalize_answer`, localization accur
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
 import shutil
+import sys
+import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -128,6 +132,27 @@ def _simple_tokenize(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
+@contextlib.contextmanager
+def _java_speed_report_dropped():
+    """Stanford's PTB tokenizer, a java process writing to this process's stderr, reports its speed
+    there on every call ("PTBTokenizer tokenized 2270 tokens at ... tokens per second."): that line
+    is dropped, anything else it writes is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines()
+            rest = [line for line in lines if not line.startswith("PTBTokenizer tokenized ")]
+            if rest:
+                print("\n".join(rest), file=sys.stderr, flush=True)
+
+
 def cider_score(references: dict[int, list[str]], candidates: dict[int, str],
                 tokenizer: str = "auto") -> tuple[float, str]:
     """Corpus CIDEr-D x 100 (pycocoevalcap's ``Cider``, Vedantam et al.); returns (score, tokenizer used).
@@ -146,8 +171,9 @@ def cider_score(references: dict[int, list[str]], candidates: dict[int, str],
         from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
         ptb = PTBTokenizer()
-        gts = ptb.tokenize({k: [{"caption": r} for r in references[k]] for k in keys})
-        res = ptb.tokenize({k: [{"caption": candidates[k]}] for k in keys})
+        with _java_speed_report_dropped():
+            gts = ptb.tokenize({k: [{"caption": r} for r in references[k]] for k in keys})
+            res = ptb.tokenize({k: [{"caption": candidates[k]}] for k in keys})
     elif tokenizer == "simple":
         gts = {k: [_simple_tokenize(r) for r in references[k]] for k in keys}
         res = {k: [_simple_tokenize(candidates[k])] for k in keys}

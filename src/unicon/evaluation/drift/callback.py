@@ -13,13 +13,14 @@ import logging
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from unicon.config import DriftEvalConfig
 from unicon.data.drift_seeds import DriftSeed, balanced, geneval_seeds, load_seeds
 from unicon.embedders.base import Embedder
 from unicon.embedders.factory import load_embedders
 from unicon.errors import UserError
 from unicon.evaluation.callbacks import EvalCallback
 from unicon.evaluation.drift.geneval import Detector, ShapesDetector
-from unicon.evaluation.drift.metrics import CHAINS, drift_metrics
+from unicon.evaluation.drift.metrics import CHAINS, drift_metrics, without_clip
 from unicon.evaluation.drift.plots import log_plots
 from unicon.evaluation.drift.runner import chains_for, evaluate_drift
 from unicon.worlds.shapes import load_world
@@ -85,6 +86,9 @@ class DriftCallback(EvalCallback):
         if world is None and "scene" in names:
             log.warning("drift: the scene embedder needs a ShapesWorld; data.root %s is not one, skipping it", root)
             names.remove("scene")
+        if "clip" in names and c.clip == DriftEvalConfig.clip and not Path(c.clip).exists():
+            names.remove("clip")
+            log.warning(without_clip(c.clip, str(root), names))
         embedders = load_embedders(names, clip=c.clip, dino=c.dino, sentence=c.sentence,
                                    world_config=world.config if world else None, strict=False)
         return cls(seeds=seeds, geneval_seeds=gseeds, embedders=embedders, detector=detector,

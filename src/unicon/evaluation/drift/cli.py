@@ -128,7 +128,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.embedders.factory import load_embedders
     from unicon.evaluation.callbacks import log_eval_config, log_metrics
     from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
-    from unicon.evaluation.drift.metrics import drift_metrics
+    from unicon.evaluation.drift.metrics import drift_metrics, without_clip
     from unicon.evaluation.drift.plots import log_plots
     from unicon.evaluation.drift.runner import chains_for, evaluate_drift
     from unicon.loggers import make_loggers
@@ -160,9 +160,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if world is None and "scene" in names:
         names.remove("scene")
     if "clip" in names and args.clip == DEFAULTS.clip and not Path(args.clip).exists():
-        log.warning("drift: no CLIP model at the default %s (train one with `python -m unicon.embedders.clip "
-                    "--train-shapes data/shapes --out %s`); the CLIP mappings are skipped", args.clip, args.clip)
         names.remove("clip")
+        log.warning(without_clip(args.clip, args.world, names))
     embedders: dict = {}
     if not args.merge:  # a merge embeds and detects nothing: the shards' records carry the scores
         embedders = load_embedders(names, clip=args.clip, dino=args.dino, sentence=args.sentence,
@@ -209,7 +208,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         print(f"drift: shard {args.shard} done; merge with --merge once every shard is done")
         return 0
     if args.logger != "none":
-        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["drift"]), out, name=f"drift-{out.name}")
+        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["drift"]), out, name=f"drift-{out.name}",
+                               replace=True)
         log_eval_config(loggers, args, model_id["fingerprint"])
         log_metrics(loggers, drift_metrics(report), step=0)
         log_plots(loggers, report, out, step=0)

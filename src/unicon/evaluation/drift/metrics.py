@@ -91,6 +91,22 @@ PREFERRED = {"t2t": ("text", "clip", "scene"), "t2i": ("clip", "scene"), "i2i": 
              "i2t": ("clip", "scene")}
 
 
+def without_clip(clip: str, world: str, embedders: Sequence[str]) -> str:
+    """The line a drift run writes when the default CLIP model (``clip``) was never trained: which
+    headline MCDs another of ``embedders`` (the ones loaded) measures instead, and the command that
+    trains the CLIP on the world at ``world``."""
+    instead: dict[str, list[str]] = {}
+    for mapping, preferred in PREFERRED.items():
+        usable = [e for e in preferred if e == "clip" or e in embedders]
+        if usable[0] == "clip":
+            instead.setdefault(usable[1] if len(usable) > 1 else None, []).append(mapping)
+    measured = ", ".join(f"MCD {', '.join(mappings)} is measured with the {e} embedder instead of CLIP" if e
+                         else f"MCD {', '.join(mappings)} is not measured" for e, mappings in instead.items())
+    return (f"drift: no CLIP model at the default {clip}, so {measured} and no drift/clip/* metric is logged; "
+            f"train the world's CLIP (minutes on a CPU): python -m unicon.embedders.clip --train-shapes {world} "
+            f"--out {clip}")
+
+
 def modality(chain: str, g: int) -> str:
     """``"text"`` or ``"image"``: what generation ``g`` of ``chain`` holds."""
     first = "text" if chain == "text-first" else "image"

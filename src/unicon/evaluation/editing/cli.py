@@ -119,7 +119,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if shards.mode == "shard":
         print(f"editing: shard {args.shard} done; merge with --merge once every shard is done")
         return 0
-    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"editing-{out.name}")
+    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"editing-{out.name}", replace=True)
     log_eval_config(loggers, args, fingerprint)
     log_metrics(loggers, {f"editing/{k}": v for k, v in results["metrics"].items()}, step=0)
     log_table(loggers, "editing/samples", TABLE_COLUMNS, table_rows(records, samples, EditingEvalConfig.table_rows),

@@ -202,8 +202,11 @@ def markdown_table(results: dict[str, Any]) -> str:
             cells.append("n/a" if t["tau_b"] is None or math.isnan(t["tau_b"]) else f"{t['tau_b']:+.3f}")
         lines.append(f"| {names[key]} (tau_b) | " + " | ".join(cells) + " |")
     lines.append("")
+    agrees = results.get("agrees_with_paper") or {}
     lines.append(f"n = {results['n']}; raw score, not normalised; direction of the score: "
-                 + ", ".join(f"{c}: {d}" for c, d in results["score_direction"].items()))
+                 + ", ".join(f"{c}: {d}" + {True: " (agrees with the paper)", False: " (the paper's is the opposite)"}
+                             .get(agrees.get(c), "") for c, d in results["score_direction"].items())
+                 + "; the paper's results (Tables 2-4) have a higher score with a better rating")
     return "\n".join(lines) + "\n"
 
 

@@ -45,6 +45,7 @@ class RealUnifyCallback(EvalCallback):
         settings: Sequence[str] = tuple(RealUnifyEvalConfig().settings),
         edit_prompt: str = RealUnifyEvalConfig.edit_prompt,
         answer_mode: str = RealUnifyEvalConfig.answer_mode,
+        letter_parse: str = RealUnifyEvalConfig.letter_parse,
         max_samples: int | None = RealUnifyEvalConfig.max_samples,
         max_new_tokens: int = RealUnifyEvalConfig.max_new_tokens,
         batch_size: int = RealUnifyEvalConfig.batch_size,
@@ -55,6 +56,7 @@ class RealUnifyCallback(EvalCallback):
         super().__init__(every_n_epochs=every_n_epochs, fail_on_error=fail_on_error)
         self.data, self.judge_spec, self.settings = data, judge, check_settings(list(settings))
         self.edit_prompt, self.answer_mode, self.max_samples = edit_prompt, answer_mode, max_samples
+        self.letter_parse = letter_parse
         self.max_new_tokens, self.batch_size, self.table_rows = max_new_tokens, batch_size, table_rows
         self._instances: list[Instance] | None = None
         self._judge = None
@@ -67,7 +69,8 @@ class RealUnifyCallback(EvalCallback):
         """From a RunConfig: ``eval.realunify.*``; data defaults to ``data.root``."""
         c = cfg.eval.realunify
         return cls(data=c.data or cfg.data.root, judge=c.judge, settings=list(c.settings), edit_prompt=c.edit_prompt,
-                   answer_mode=c.answer_mode, max_samples=c.max_samples, max_new_tokens=c.max_new_tokens, batch_size=c.batch_size,
+                   answer_mode=c.answer_mode, letter_parse=c.letter_parse, max_samples=c.max_samples,
+                   max_new_tokens=c.max_new_tokens, batch_size=c.batch_size,
                    table_rows=c.table_rows, every_n_epochs=c.every_n_epochs,
                    fail_on_error=fail_on_error or cfg.eval.fail_on_error)
 
@@ -93,7 +96,7 @@ class RealUnifyCallback(EvalCallback):
             max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
             info={"epoch": trainer.current_epoch + 1, "data": str(self.data),
                                                                    "answer_mode": self.answer_mode}, device=trainer.strategy.root_device,
-            edit_prompt_source=self.edit_prompt, answer_mode=self.answer_mode,
+            edit_prompt_source=self.edit_prompt, answer_mode=self.answer_mode, letter_parse=self.letter_parse,
             world_cfg=load_world(self.world_root).config if self.world_root else None)
         log_table(trainer.loggers, "realunify/samples", TABLE_COLUMNS, table_rows(samples, self.table_rows),
                   step=trainer.global_step)

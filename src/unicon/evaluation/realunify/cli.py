@@ -45,8 +45,10 @@ FLAGS = {
     "judge": Flag("UEG polling judge: 'exact' (ShapesWorld) or 'vlm:<local model directory>'"),
     "settings": Flag("settings to run: direct, stepwise or both", comma=True),
     "edit_prompt": Flag("GEU stepwise edit prompt: 'paper' (Tables 10-13) or 'row' (the row's edit_instruction)"),
-    "answer_mode": Flag("GEU answers: 'generate' (Table 8, the letter parsed strictly) or 'likelihood' "
+    "answer_mode": Flag("GEU answers: 'generate' (Table 8, the letter read per --letter-parse) or 'likelihood' "
                         "(the option text with the lowest mean NLL after the bare question)"),
+    "letter_parse": Flag("GEU reply reading: 'strict' (a letter alone or after 'The best answer is'/'Answer:') or "
+                         "'lenient' (the first capital A-D anywhere: the authors' scorer, reproduces the paper)"),
     "max_samples": Flag("instances per category, the first ones (standalone default: all)", names=("--limit",),
                         dest="limit", default=None),
     "max_new_tokens": Flag("token budget of the stepwise UEG refined prompt (Table 9)"),
@@ -123,7 +125,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         info = {
             "ckpt": str(args.ckpt), "checkpoint": str(Path(args.ckpt).resolve()), "model_fingerprint": fingerprint,
             "data": str(cfg.data), "limit": cfg.max_samples, "edit_prompt": cfg.edit_prompt,
-            "answer_mode": cfg.answer_mode,
+            "answer_mode": cfg.answer_mode, "letter_parse": cfg.letter_parse,
             "generation": {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
                            "image": dataclasses.asdict(image_config)},
             "judge_settings": {"judge": cfg.judge, "dtype": args.judge_dtype,
@@ -132,13 +134,14 @@ def cli(argv: Sequence[str] | None = None) -> int:
         }
         metrics, samples = evaluate_realunify(
             model, instances, judge, out, settings, cfg.max_new_tokens, cfg.batch_size, image_config, info,
-            edit_prompt_source=cfg.edit_prompt, answer_mode=cfg.answer_mode, world_cfg=load_world(root).config if root else None,
+            edit_prompt_source=cfg.edit_prompt, answer_mode=cfg.answer_mode, letter_parse=cfg.letter_parse,
+            world_cfg=load_world(root).config if root else None,
             check_model=shards.mode != "merge")
     if shards.mode == "shard":
         print(f"realunify: shard {args.shard} done ({len(samples)} instances); "
               "merge with --merge once every shard is done")
         return 0
-    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"realunify-{out.name}")
+    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"realunify-{out.name}", replace=True)
     log_eval_config(loggers, args, fingerprint)
     log_metrics(loggers, {f"realunify/{k}": v for k, v in metrics.items()}, step=0)
     log_table(loggers, "realunify/samples", TABLE_COLUMNS, table_rows(samples, cfg.table_rows), step=0)

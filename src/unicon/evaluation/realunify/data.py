@@ -28,9 +28,11 @@ public release's layout, or a UEG JSONL file.
   as ``questions`` and ``category``).
 
 Every malformed row -- a missing column or field, an image whose bytes do not decode (or a missing
-image file), options that are not four, an answer that is not a letter A-D (GEU) or yes/no (UEG) --
-is a :class:`UserError` whose one line names the file and the row (0-based row of a parquet file,
-1-based line of a JSONL file).
+image file), options that are not four, an answer that is not a letter A-D (GEU) or yes/no (UEG), a
+category that is not one of the paper's (:data:`UEG_CATEGORIES`, :data:`GEU_CATEGORIES`) -- is a
+:class:`UserError` whose one line names the file and the row (0-based row of a parquet file, 1-based
+line of a JSONL file). So are a file without rows and two instances of a category with one id (their
+images would be saved to one file, ``images/<setting>/<category>_<id>.png``): the line names both rows.
 """
 
 from __future__ import annotations
@@ -214,7 +216,15 @@ def read_parquet(path: str | Path) -> list[GEUInstance]:
     except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a file it cannot read
         raise UserError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0]})") \
             from None
-    return [_geu_from_parquet_row(row, f"{path}: row {i}", i) for i, row in enumerate(table.to_pylist())]
+    return _nonempty([_geu_from_parquet_row(row, f"{path}: row {i}", i) for i, row in enumerate(table.to_pylist())],
+                     path)
+
+
+def _nonempty(instances: list, path: Path) -> list:
+    """``instances``; a file without rows is a :class:`UserError` naming it."""
+    if not instances:
+        raise UserError(f"{path}: holds no rows (a RealUnify data file needs at least one instance)")
+    return instances
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +249,8 @@ def ueg_from_row(row: dict, where: str) -> UEGInstance:
         raise UserError(f"{where}: 'prompt' is empty")
     if not isinstance(questions, list) or not questions:
         raise UserError(f"{where}: 'questions' must be a non-empty list of {{question, answer}}")
+    if normalize_category(category) not in UEG_CATEGORIES:
+        raise UserError(f"{where}: category {category!r} is not a UEG category ({', '.join(UEG_CATEGORIES)})")
     for k, q in enumerate(questions):
         if not isinstance(q, dict) or not isinstance(q.get("question"), str) or not q["question"].strip():
             raise UserError(f"{where}: question {k} has no 'question' text")
@@ -251,7 +263,7 @@ def ueg_from_row(row: dict, where: str) -> UEGInstance:
 def read_ueg_jsonl(path: str | Path) -> list[UEGInstance]:
     """The UEG instances of a JSONL file (module docstring)."""
     path = Path(path)
-    return [ueg_from_row(row, where) for where, row in _jsonl_rows(path)]
+    return _nonempty([ueg_from_row(row, where) for where, row in _jsonl_rows(path)], path)
 
 
 def read_geu_jsonl(path: str | Path, root: str | Path) -> list[GEUInstance]:
@@ -276,7 +288,7 @@ def read_geu_jsonl(path: str | Path, root: str | Path) -> list[GEUInstance]:
                                image_path=str(image), target_scene=row.get("target_scene"),
                                edit_instruction=row.get("edit_instruction"),
                                stepwise_question=row.get("stepwise_question")))
-    return out
+    return _nonempty(out, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,8 +300,29 @@ def world_root_of(data: str | Path) -> Path | None:
     return p if p.is_dir() and (p / "world.json").is_file() else None
 
 
+def check_unique(instances: Iterable[Instance]) -> None:
+    """Refuse two instances with one :attr:`~GEUInstance.key` (category and id, the name of their saved
+    images): a :class:`UserError` naming both rows and ids."""
+    seen: dict[str, Instance] = {}
+    for inst in instances:
+        first = seen.get(inst.key)
+        seen.setdefault(inst.key, inst)
+        if first is not None:
+            other = "" if first.id == inst.id else f" (id {first.id!r})"
+            raise UserError(f"{inst.source}: id {inst.id!r} ({inst.category}) repeats {first.source}{other}; "
+                            "the instances of a category need distinct ids (their images are saved as "
+                            f"images/<setting>/{inst.key}.png)")
+
+
 def load_instances(data: str | Path) -> list[Instance]:
-    """Every instance ``--data`` names (module docstring): UEG ones first, each file in its order."""
+    """Every instance ``--data`` names (module docstring): UEG ones first, each file in its order;
+    ids distinct per category (:func:`check_unique`)."""
+    instances = _load(data)
+    check_unique(instances)
+    return instances
+
+
+def _load(data: str | Path) -> list[Instance]:
     p = Path(data)
     if not p.exists():
         raise UserError(f"--data {p} does not exist")

@@ -1,4 +1,5 @@
-"""Judges of RealUnify: the UEG polling judges and the strict GEU multiple-choice letter extraction.
+"""Judges of RealUnify: the UEG polling judges and the GEU multiple-choice letter extraction
+(strict, or lenient as the authors' scorer).
 
 UEG (Understanding Enhances Generation). A generated image is polled with each of the instance's
 yes/no questions (Table 7). **An instance counts as correct only when every one of its polling
@@ -32,8 +33,19 @@ case)::
 
 e.g. ``A``, `` b. ``, ``(C)``, ``D)``, ``The best answer is: A``, ``Answer: (B).``. Anything else --
 ``A. a red circle``, ``A or B``, an empty reply -- is unparseable: a failure kept in the denominator
-and counted. (The authors' script takes the first capital A-D anywhere in the reply, so "Because
-..." is read as "B".)
+and counted. That is ``letter_parse="strict"``, the default.
+
+``letter_parse="lenient"`` (:func:`parse_choice_lenient`) reads a reply as the authors' scorer does
+(``extract_characters_regex`` of ``eval/eval_understanding.py`` in github.com/FrankYang-17/RealUnify,
+which produced the paper's GEU numbers; lmms-eval's RealUnify tasks read replies the same way): the
+phrases "The best answer is", "The correct answer is", "The answer is", "The answer", "The best option
+is", "The correct option is", "Best answer:", "Best option:", "Answer" and "Answer is" are deleted
+wherever they occur (case-sensitive, in that order), then the first capital A, B, C or D **anywhere**
+in what is left is the choice; none is unparseable. So ``A. a red circle`` is read as ``A`` (strict:
+unparseable), but so is "Because ..." as ``B`` and "I think it is a Circle" as ``C``, and a lower-case
+``b`` is not read at all. Lenient reproduces the paper's scoring; strict never guesses a letter from
+prose. ``realunify.json`` records which one ran (``letter_parse``), and ``samples.jsonl`` keeps every
+reply, so either reading can be recomputed from a run.
 """
 
 from __future__ import annotations
@@ -69,6 +81,27 @@ def parse_choice(reply: str | None) -> str | None:
     if m is None:
         return None
     return (m.group(1) or m.group(2)).upper()
+
+
+#: the answer phrases the authors' scorer deletes before it looks for a letter, in its order
+LENIENT_PHRASES = ("The best answer is", "The correct answer is", "The answer is", "The answer",
+                   "The best option is", "The correct option is", "Best answer:", "Best option:", "Answer",
+                   "Answer is")
+_CAPITAL_CHOICE = re.compile(r"[ABCD]")
+
+
+def parse_choice_lenient(reply: str | None) -> str | None:
+    """The first capital ``A``-``D`` of the reply once :data:`LENIENT_PHRASES` are deleted (the
+    authors' reading, module docstring), else None."""
+    text = (reply or "").strip()
+    for phrase in LENIENT_PHRASES:
+        text = text.replace(phrase, "")
+    m = _CAPITAL_CHOICE.search(text)
+    return m.group(0) if m else None
+
+
+#: ``letter_parse`` -> the reader of a Table 8 reply
+LETTER_PARSERS = {"strict": parse_choice, "lenient": parse_choice_lenient}
 
 
 def parse_yes_no(reply: str | None) -> str:
@@ -210,7 +243,10 @@ def edit_matches(image: Image.Image | None, target_scene: dict, cfg: WorldConfig
         return False
 
 
-def geu_prediction(inst: GEUInstance, reply: str | None) -> tuple[str | None, bool]:
-    """``(letter or None, correct)`` of a reply to the instance's Table 8 question."""
-    letter = parse_choice(reply)
+def geu_prediction(inst: GEUInstance, reply: str | None, letter_parse: str = "strict") -> tuple[str | None, bool]:
+    """``(letter or None, correct)`` of a reply to the instance's Table 8 question, read by
+    ``letter_parse`` (``strict``: :func:`parse_choice`; ``lenient``: :func:`parse_choice_lenient`)."""
+    if letter_parse not in LETTER_PARSERS:
+        raise UserError(f"letter_parse must be one of {', '.join(LETTER_PARSERS)}, got {letter_parse!r}")
+    letter = LETTER_PARSERS[letter_parse](reply)
     return letter, letter == inst.answer

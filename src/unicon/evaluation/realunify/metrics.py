@@ -21,8 +21,8 @@ question got its expected answer; GEU: the parsed letter equals the answer), ``c
   accuracy;
 * stepwise edit accuracy of ShapesWorld GEU rows with a ``target_scene``: ``edit_acc/<c> = 100 *
   #(edited image parses to exactly target_scene) / #(rows with a target_scene)``, and ``edit_acc``;
-* counts: ``n``, ``n/<c>``; per setting ``unparseable_<s>/geu`` (multiple-choice replies outside the
-  letter grammar), ``unparseable_<s>/ueg`` (judge replies that are not yes/no, per question),
+* counts: ``n``, ``n/<c>``; per setting ``unparseable_<s>/geu`` (multiple-choice replies from which the
+  run's ``letter_parse`` reads no letter), ``unparseable_<s>/ueg`` (judge replies that are not yes/no, per question),
   ``no_scene_<s>`` (UEG images the exact judge cannot parse), ``missing_<s>`` (no image: generation
   or editing failed, or an empty refined prompt), ``empty_refined`` (stepwise UEG). **Unparseable
   replies and missing images are failures that stay in the denominators.**

@@ -7,8 +7,10 @@ For every instance, in the settings asked for (``direct``, ``stepwise``):
   gives the refined prompt (whitespace and wrapping quotes stripped), then
   ``model.generate_image([refined])`` (an empty refined prompt draws nothing: a failure). Both images
   are polled by the judge (:mod:`.judges`);
-* GEU direct: ``model.answer([image], [Table 8(question, options)])``, the letter parsed strictly
-  (``answer_mode="generate"``, the paper's protocol), or, with ``answer_mode="likelihood"`` (our
+* GEU direct: ``model.answer([image], [Table 8(question, options)])`` (``answer_mode="generate"``,
+  the paper's protocol), the letter read from the reply strictly or, with ``letter_parse="lenient"``,
+  as the authors' scorer reads it (:mod:`.judges`; recorded in ``realunify.json``), or, with
+  ``answer_mode="likelihood"`` (our
   addition, for models never trained on Table 8's format, e.g. a ShapesWorld model whose context
   cannot even hold Table 8), the option whose text is likeliest after the bare question,
   ``argmin_k score_text(image, question, option_k).nll`` (the per-token mean, so that a one-word
@@ -55,8 +57,8 @@ from unicon.config import RealUnifyEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
-from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, ordered_categories
-from unicon.evaluation.realunify.judges import PollVerdict, edit_matches, geu_prediction
+from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, check_unique, ordered_categories
+from unicon.evaluation.realunify.judges import LETTER_PARSERS, PollVerdict, edit_matches, geu_prediction
 from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
 from unicon.evaluation.realunify.plots import plot_results
 from unicon.evaluation.realunify.prompts import LETTERS, edit_prompt, multiple_choice_prompt, refine_prompt
@@ -180,7 +182,8 @@ def answer_choices(model: UnifiedModel, images: list, insts: Sequence[GEUInstanc
 
 
 def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_source: str, world_cfg,
-             answer_mode: str = RealUnifyEvalConfig.answer_mode) -> None:
+             answer_mode: str = RealUnifyEvalConfig.answer_mode,
+             letter_parse: str = RealUnifyEvalConfig.letter_parse) -> None:
     insts: list[GEUInstance] = [s.instance for s in batch]  # type: ignore[misc]
     images = [i.image() for i in insts]
     if "direct" in settings:
@@ -210,7 +213,7 @@ def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_sou
                 s.edit_match = edit_matches(s.images["stepwise"], s.instance.target_scene, world_cfg or WorldConfig())
     for s in batch:
         for setting in settings:
-            s.preds[setting], s.correct[setting] = geu_prediction(s.instance, s.replies.get(setting))
+            s.preds[setting], s.correct[setting] = geu_prediction(s.instance, s.replies.get(setting), letter_parse)
 
 
 def generate_samples(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
@@ -219,7 +222,8 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
                      image_config: ImageGenerationConfig | None = None,
                      edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
                      world_cfg: WorldConfig | None = None,
-                     answer_mode: str = RealUnifyEvalConfig.answer_mode) -> list[Sample]:
+                     answer_mode: str = RealUnifyEvalConfig.answer_mode,
+                     letter_parse: str = RealUnifyEvalConfig.letter_parse) -> list[Sample]:
     """Run the settings for every instance (GEU answers scored; UEG images not yet judged)."""
     samples = [Sample(inst) for inst in instances]
     for axis, run in (("ueg", _run_ueg), ("geu", _run_geu)):
@@ -231,7 +235,7 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
             if axis == "ueg":
                 run(model, batch, settings, max_new_tokens, image_config)
             else:
-                run(model, batch, settings, image_config, edit_prompt_source, world_cfg, answer_mode)
+                run(model, batch, settings, image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse)
     return samples
 
 
@@ -350,16 +354,22 @@ def evaluate_realunify(
     world_cfg: WorldConfig | None = None,
     check_model: bool = True,
     answer_mode: str = RealUnifyEvalConfig.answer_mode,
+    letter_parse: str = RealUnifyEvalConfig.letter_parse,
 ) -> tuple[dict[str, float], list[Sample]]:
     """Generate, judge and score ``instances`` on every rank of the process group (or alone, a shard,
     a merge). Returns the metrics (the same on every rank) and this rank's samples.
 
-    ``check_model`` False skips :func:`check_editing` (a merge: the shards checked their model)."""
+    Two instances of a category with one id are refused (:func:`~.data.check_unique`): their images
+    would overwrite each other. ``check_model`` False skips :func:`check_editing` (a merge: the shards
+    checked their model)."""
     if not instances:
         raise UserError("RealUnify: no instances to evaluate")
+    check_unique(instances)  # one image file per instance and setting
     settings = check_settings(list(settings))
     if answer_mode not in ("generate", "likelihood"):
         raise UserError(f"eval.realunify.answer_mode must be 'generate' or 'likelihood', got {answer_mode!r}")
+    if letter_parse not in LETTER_PARSERS:
+        raise UserError(f"eval.realunify.letter_parse must be 'strict' or 'lenient', got {letter_parse!r}")
     if check_model:
         check_editing(model, instances, settings, edit_prompt_source)
     mine = shard_indices(len(instances))
@@ -368,7 +378,7 @@ def evaluate_realunify(
     try:
         with torch.no_grad():
             samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,
-                                       image_config, edit_prompt_source, world_cfg, answer_mode)
+                                       image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse)
     finally:
         model.train(was_training)
     judge_samples(judge, samples, settings)
@@ -385,5 +395,6 @@ def evaluate_realunify(
     gathered = gather_records(records)
     if out is not None and writes_outputs():
         write_summary(out, list(gathered.values()), metrics,
-                      {"judge": getattr(judge, "name", str(judge)), "settings": settings, **(info or {})})
+                      {"judge": getattr(judge, "name", str(judge)), "settings": settings,
+                       "letter_parse": letter_parse, **(info or {})})
     return metrics, samples

@@ -104,7 +104,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if examples and cfg.examples:
         plot_examples(examples, out / "shapes_eval.png", cfg.examples)
     if args.logger != "none":
-        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}")
+        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}",
+                               replace=True)
         log_metrics(loggers, logged_scalars(metrics), step=0)
         for lg in loggers:
             lg.finalize("success")

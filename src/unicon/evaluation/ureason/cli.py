@@ -120,7 +120,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         print(f"ureason: shard {args.shard} done ({len(samples)} instances); "
               "merge with --merge once every shard is done")
         return 0
-    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"ureason-{out.name}")
+    loggers = make_loggers(LoggerConfig(type=args.logger), out, name=f"ureason-{out.name}", replace=True)
     log_eval_config(loggers, args, info["model_fingerprint"])
     log_metrics(loggers, {f"ureason/{k}": v for k, v in metrics.items()}, step=0)
     log_table(loggers, "ureason/samples", TABLE_COLUMNS, table_rows(samples, cfg.table_rows), step=0)

@@ -41,7 +41,7 @@ import torch
 from PIL import Image
 
 from unicon.config import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS
-from unicon.core import DTYPES
+from unicon.core import torch_dtype
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
@@ -217,7 +217,7 @@ def _generate_replies(model, tokenizer, inputs: dict, max_new_tokens: int) -> li
 def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:
     if dtype not in JUDGE_DTYPES:
         raise UserError(f"judge dtype must be one of {', '.join(JUDGE_DTYPES)}, got {dtype!r}")
-    return {"dtype": dtype if dtype == "auto" else DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    return {"dtype": dtype if dtype == "auto" else torch_dtype(dtype), "trust_remote_code": trust_remote_code}
 
 
 class _TransformersJudge(Judge):

@@ -1,5 +1,7 @@
 // Drag-to-rank with a <select> fallback, and JSON submission of a judgement.
 // Without this script the page still works: the selects give the ranks and the form posts.
+// No rank is chosen when the page opens: a ranking left untouched is not sent (the shown order
+// is random, not a judgement); the first drag or rank choice fills every rank.
 (function () {
   "use strict";
   var form = document.getElementById("judgement");
@@ -63,6 +65,15 @@
     });
     if (missing.length) {
       status.textContent = "Rate every output first: " + missing.join(", ");
+      status.className = "error";
+      return;
+    }
+    var unranked = ["understanding", "generation"].filter(function (section) {
+      var selects = form.querySelectorAll('ol.ranking[data-section="' + section + '"] select');
+      return Array.prototype.some.call(selects, function (s) { return !s.value; });
+    });
+    if (unranked.length) {
+      status.textContent = "Rank the outputs first (drag them or pick their ranks): " + unranked.join(", ");
       status.className = "error";
       return;
     }
