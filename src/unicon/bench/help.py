@@ -29,7 +29,8 @@ from typing import Sequence
 from unicon.errors import UserError
 
 #: libraries that no ``--help`` needs (each costs a second or more to import)
-HEAVY = ("torch", "lightning.pytorch", "transformers", "torchmetrics", "torchvision", "matplotlib", "wandb")
+HEAVY = ("torch", "lightning.pytorch", "deepspeed", "diffusers", "transformers", "torchmetrics", "torchvision",
+         "matplotlib", "wandb")
 #: the first word of the line the timed process writes last on stderr
 MARK = "unicon-bench-help:"
 #: what the ``unicon`` console script runs, plus, when the process exits, ``MARK <modules> <heavy ...>``

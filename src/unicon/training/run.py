@@ -397,7 +397,7 @@ def check_strategy(name: str, micro_batch_size: int = 1) -> dict | None:
 
 def cpu_adam_unavailable() -> str | None:
     """None when DeepSpeed's CPU Adam op loads without compiling (built at install with
-    ``DS_BUILD_CPU_ADAM=1``, or by ``make setup`` into torch's extension cache); otherwise why not."""
+    ``DS_BUILD_CPU_ADAM=1``, or by ``make test`` into torch's extension cache); otherwise why not."""
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder import CPUAdamBuilder
     from torch.utils.cpp_extension import _get_build_directory
@@ -408,7 +408,7 @@ def cpu_adam_unavailable() -> str | None:
     if installed_ops.get("cpu_adam") or any(Path(_get_build_directory(builder.name, False)).glob("*.so")):
         return None
     return ("its C++ op is not built; build it once with `python scripts/build_deepspeed_ops.py` "
-            "(make setup does), or install deepspeed with DS_BUILD_CPU_ADAM=1")
+            "(make test does), or install deepspeed with DS_BUILD_CPU_ADAM=1")
 
 
 def make_strategy(name: str, micro_batch_size: int = 1, broadcast_buffers: bool = True):
