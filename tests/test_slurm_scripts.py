@@ -150,6 +150,18 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
     assert bad.returncode == 2 and "suite 'shapes' cannot be sharded" in bad.stderr
 
 
+def test_evaluate_array_shards_every_suite_that_takes_shard():
+    """The suites the array script accepts are exactly the registered suites whose CLI has --shard."""
+    import re
+
+    from unicon.evaluation.suites import suites
+
+    shardable = sorted(name for name, s in suites().items() if name != "all" and "--shard" in subprocess.run(
+        [sys.executable, "-m", "unicon.cli", "evaluate", name, "--help"], capture_output=True, text=True).stdout)
+    (accepted,) = re.findall(r'case "\$s" in ([a-z|]+)\)', ARRAY_SCRIPT.read_text())
+    assert sorted(accepted.split("|")) == shardable
+
+
 def test_evaluate_array_submit_checks_its_inputs_before_sbatch(srun_shim, tmp_path):
     log = tmp_path / "sbatch.log"
     _sbatch_shim(srun_shim, log)
