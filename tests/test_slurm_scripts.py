@@ -151,15 +151,17 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
 
 
 def test_evaluate_array_shards_every_suite_that_takes_shard():
-    """The suites the array script accepts are exactly the registered suites whose CLI has --shard."""
+    """The suites the array script accepts are exactly the registered suites whose CLI has --shard
+    (and the registry's ``shardable`` says which those are)."""
     import re
 
     from unicon.evaluation.suites import suites
 
-    shardable = sorted(name for name, s in suites().items() if name != "all" and "--shard" in subprocess.run(
-        [sys.executable, "-m", "unicon.cli", "evaluate", name, "--help"], capture_output=True, text=True).stdout)
+    helps = {name: subprocess.run([sys.executable, "-m", "unicon.cli", "evaluate", name, "--help"],
+                                  capture_output=True, text=True).stdout for name in suites()}
+    assert {name: "--shard" in text for name, text in helps.items()} == {n: s.shardable for n, s in suites().items()}
     (accepted,) = re.findall(r'case "\$s" in ([a-z|]+)\)', ARRAY_SCRIPT.read_text())
-    assert sorted(accepted.split("|")) == shardable
+    assert sorted(accepted.split("|")) == sorted(n for n, s in suites().items() if s.shardable)
 
 
 def test_evaluate_array_submit_checks_its_inputs_before_sbatch(srun_shim, tmp_path):

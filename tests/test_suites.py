@@ -179,3 +179,32 @@ def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkey
     assert run.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
         [r for r in registered if r[0] not in ("drift", "shapes", *off)]
     assert run.make_eval_callbacks(compose(["eval=shapes_tasks"])) == [r for r in registered if r[0] == "shapes"]
+
+
+def test_evaluate_all_shards_what_can_be_sharded_and_runs_the_rest_whole_in_shard_0(monkeypatch, tmp_path):
+    """``unicon evaluate all --shard I/N`` passes --shard to every shardable suite; a suite that cannot
+    be sharded (shapes) runs whole in shard 0 only, and --merge leaves it alone."""
+    calls = []
+
+    def fake(name):
+        return lambda argv: calls.append((name, list(argv))) or 0
+
+    registry = {"cococon": suites.Suite("cococon", "", fake("cococon"), "cococon", lambda cfg: []),
+                "shapes": suites.Suite("shapes", "", fake("shapes"), "shapes", lambda cfg: [], shardable=False)}
+    monkeypatch.setattr(suites, "suites", lambda: registry)
+    base = ["--ckpt", "m", "--out", str(tmp_path), "eval.cococon.enabled=true", "eval.shapes.enabled=true"]
+
+    def run(*extra):
+        calls.clear()
+        assert suites.all_cli([*base, *extra]) == 0
+        return {name: argv for name, argv in calls}
+
+    first = run("--shard", "0/2")
+    assert first["cococon"][:2] == ["--ckpt", "m"] and "--shard" in first["cococon"] and "0/2" in first["cococon"]
+    assert "--shard" not in first["shapes"] and "--merge" not in first["shapes"]
+    second = run("--shard", "1/2")
+    assert "--shard" in second["cococon"] and "shapes" not in second
+    merged = run("--merge")
+    assert "--merge" in merged["cococon"] and "shapes" not in merged
+    whole = run()
+    assert "--shard" not in whole["shapes"] and "--shard" not in whole["cococon"]

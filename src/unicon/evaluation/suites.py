@@ -41,6 +41,7 @@ class Suite:
     section: str | None = None  # eval.<section> of the run config (None: no epoch-end counterpart)
     argv: Callable | None = None  # (run config) -> the command's arguments for `evaluate all`
     callback: str | None = None  # "module:Class" of the epoch-end callback (EvalCallback) of eval.<section>
+    shardable: bool = True  # its command takes --shard I/N and --merge
 
     def callback_class(self):
         """The epoch-end callback class (imported now), None without one."""
@@ -54,15 +55,15 @@ _SUITES: dict[str, Suite] = {}
 
 
 def register_suite(name: str, help: str, section: str | None = None, argv: Callable | None = None,
-                   callback: str | None = None):
+                   callback: str | None = None, shardable: bool = True):
     """Function decorator: ``cli`` becomes ``unicon evaluate <name>``; ``callback``: ``"module:Class"``
-    of its epoch-end callback."""
+    of its epoch-end callback; ``shardable``: whether the command takes ``--shard``/``--merge``."""
 
     def register(cli):
         known = _SUITES.get(name)
         if known is not None and known.cli is not cli:
             raise ValueError(f"suite {name!r} is already registered by {known.cli.__module__}")
-        _SUITES[name] = Suite(name, help, cli, section, argv, callback)
+        _SUITES[name] = Suite(name, help, cli, section, argv, callback, shardable)
         return cli
 
     return register
@@ -113,7 +114,9 @@ def evaluate_cli(argv: Sequence[str] | None = None) -> int:
 
 
 def all_cli(argv: Sequence[str] | None = None) -> int:
-    """``unicon evaluate all --ckpt X --out DIR eval=<group> [key=value ...]``."""
+    """``unicon evaluate all --ckpt X --out DIR eval=<group> [key=value ...]``. With ``--shard I/N``, a
+    suite that cannot be sharded (``Suite.shardable``) runs whole in shard 0 and not in the others,
+    and ``--merge`` leaves it as shard 0 wrote it."""
     p = argparse.ArgumentParser(
         prog="unicon evaluate all",
         description="Run the evaluation suites that a training run's eval group enables (configs/eval/<group>.yaml), "
@@ -131,17 +134,27 @@ def all_cli(argv: Sequence[str] | None = None) -> int:
                    help="config choices and overrides as for `unicon train` (e.g. eval=shapes data.root=data/shapes)")
     args = p.parse_args(argv)
     cfg = compose(list(args.overrides))
+    shard = None
+    if args.shard is not None:
+        from unicon.evaluation.distributed import Shard  # lazy: pulls in torch
+
+        shard = Shard.parse(args.shard)
     common = ["--ckpt", args.ckpt]
-    for flag, value in (("--device", args.device), ("--logger", args.logger), ("--shard", args.shard)):
+    for flag, value in (("--device", args.device), ("--logger", args.logger)):
         if value is not None:
             common += [flag, value]
-    common += ["--allow-pickle"] * args.allow_pickle + ["--merge"] * args.merge + ["--overwrite"] * args.overwrite
+    common += ["--allow-pickle"] * args.allow_pickle + ["--overwrite"] * args.overwrite
+    split = ["--shard", args.shard] * (shard is not None) + ["--merge"] * args.merge
     ran = []
     for s in suites().values():
         if s.section is None or s.argv is None or not cfg.eval[s.section].enabled:
             continue
-        print(f"unicon evaluate all: {s.name}")
-        code = int(s.cli([*common, *s.argv(cfg), "--out", str(Path(args.out) / s.name)]) or 0)
+        if not s.shardable and (args.merge or (shard is not None and shard.index != 0)):
+            print(f"unicon evaluate all: {s.name} cannot be sharded: shard 0 runs it whole")
+            continue
+        print(f"unicon evaluate all: {s.name}" + (" (whole: it cannot be sharded)" if not s.shardable and shard else ""))
+        code = int(s.cli([*common, *(split if s.shardable else []), *s.argv(cfg),
+                          "--out", str(Path(args.out) / s.name)]) or 0)
         if code:
             return code
         ran.append(s.name)
