@@ -181,6 +181,24 @@ def test_the_runner_reads_the_worlds_edit_rows_and_counts_them_by_kind(tiny_shap
     assert got["edit_pref/other"] == pytest.approx(sum(closer) / len(rows)) and got["edit_pref/other_n"] == len(rows)
 
 
+def test_the_runner_stops_at_the_next_batch_when_preempted(tiny_shapes_world, monkeypatch):
+    """A watched SIGTERM/SIGUSR1 stops the task loop before its next batch (Preempted), as in every
+    other suite's runner: a standalone ``unicon evaluate shapes`` no longer runs to its end."""
+    import signal
+
+    from unicon.evaluation import preemption
+    from unicon.evaluation.shapes.runner import shapes_task_accuracies
+
+    model = _fake_model(tiny_shapes_world)
+    calls = []
+    answer = model.answer
+    monkeypatch.setattr(model, "answer", lambda *a, **k: calls.append(1) or answer(*a, **k), raising=False)
+    monkeypatch.setattr(preemption, "_received", [signal.SIGTERM])
+    with pytest.raises(preemption.Preempted):
+        shapes_task_accuracies(model, tiny_shapes_world, "test", limit=4, batch_size=2, tasks=["vqa"])
+    assert calls == []
+
+
 def test_edit_preference_by_hand():
     m = EditPreference()
     m.update([1.0, 5.0, 2.0], [2.0, 4.0, 2.0], [3.0, None, 1.0])  # ties count as misses

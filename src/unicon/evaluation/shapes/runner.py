@@ -50,6 +50,7 @@ from PIL import Image
 
 from unicon.data.mixture import read_edits, read_mixture
 from unicon.errors import UserError
+from unicon.evaluation import preemption
 from unicon.evaluation.distributed import metric_sync_kwargs, owned_indices, shard_indices
 from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, EditPreference, RelationFlip, report
 from unicon.progress import track
@@ -210,6 +211,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             mine, owned = shard_indices(len(items)), set(owned_indices(len(items)))
             batches = [mine[i: i + batch_size] for i in range(0, len(mine), batch_size)]
             for batch in track(batches, f"shapes: {task}", len(batches), unit="batches"):
+                preemption.check()  # SIGTERM/SIGUSR1 (watched by the caller): stop before the next batch
                 chunk = [items[i] for i in batch]
                 images = [image(r) for r in chunk] if task != "t2i" else []
                 preds, targets = _predict(model, task, chunk, images, image_config)
