@@ -367,6 +367,10 @@ def test_evaluate_all_runs_the_shapes_tasks_group_with_its_settings(tiny_shapes_
                         "eval.shapes.examples=0"]) == 0
     assert [p.name for p in (tmp_path / "all").iterdir()] == ["shapes"]
     saved = json.loads((tmp_path / "all" / "shapes" / "shapes_eval.json").read_text())
+    # --logger none: no W&B or CSV run, but metrics.jsonl, as in every suite
+    (row,) = [json.loads(line) for line in (tmp_path / "all" / "shapes" / "metrics.jsonl").read_text().splitlines()]
+    assert row["shapes/vqa/vqa_accuracy"] == saved["metrics"]["vqa_accuracy"]
+    assert not (tmp_path / "all" / "shapes" / "csv").exists() and not (tmp_path / "all" / "shapes" / "wandb").exists()
     standins.assert_strict_json(tmp_path / "all")  # results and metrics: no NaN / Infinity
     assert saved["limit"] == 2 and saved["world"] == str(tiny_shapes_world.resolve())
     assert saved["metrics"]["vqa_accuracy_n"] == 2 and saved["metrics"]["loc_iou50_n"] == 2

@@ -207,14 +207,14 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if shards.mode == "shard":
         print(f"drift: shard {args.shard} done; merge with --merge once every shard is done")
         return 0
-    if args.logger != "none":
-        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["drift"]), out, name=f"drift-{out.name}",
-                               replace=True)
-        log_eval_config(loggers, args, model_id["fingerprint"])
-        log_metrics(loggers, drift_metrics(report), step=0)
-        log_plots(loggers, report, out, step=0)
-        for lg in loggers:
-            lg.finalize("success")
+    # --logger none: no W&B or CSV run, but metrics.jsonl, as every suite writes
+    loggers = make_loggers(LoggerConfig(type=args.logger, tags=["drift"]), out, name=f"drift-{out.name}",
+                           replace=True)
+    log_eval_config(loggers, args, model_id["fingerprint"])
+    log_metrics(loggers, drift_metrics(report), step=0)
+    log_plots(loggers, report, out, step=0)
+    for lg in loggers:
+        lg.finalize("success")
     summary = {k: report[k] for k in ("MCD_avg", "MCD", "MGG", "MGG_micro") if k in report}
     summary["out"] = str(out)
     summary["repairs"] = len(report["repairs"])

@@ -103,12 +103,12 @@ def cli(argv: Sequence[str] | None = None) -> int:
     (out / "shapes_eval.json").write_text(jsonsafe.dumps(result, indent=1) + "\n")
     if examples and cfg.examples:
         plot_examples(examples, out / "shapes_eval.png", cfg.examples)
-    if args.logger != "none":
-        loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}",
-                               replace=True)
-        log_metrics(loggers, logged_scalars(metrics), step=0)
-        for lg in loggers:
-            lg.finalize("success")
+    # --logger none: no W&B or CSV run, but metrics.jsonl, as every suite writes
+    loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}",
+                           replace=True)
+    log_metrics(loggers, logged_scalars(metrics), step=0)
+    for lg in loggers:
+        lg.finalize("success")
     print(jsonsafe.dumps(metrics, indent=1))
     print(f"wrote {out / 'shapes_eval.json'}" + (f" and {out / 'shapes_eval.png'}" if examples else ""))
     return 0
