@@ -317,7 +317,8 @@ def test_eval_group_argv_and_callback_from_config(world, ofa, tmp_path):
     metrics = cb.evaluate(trainer, ofa)
     saved = json.loads((tmp_path / "eval" / "editing" / "epoch-1" / "editing.json").read_text())
     assert saved["epoch"] == 1 and saved["results"]["n"] == 8
-    assert metrics == {f"editing/{k}": v for k, v in saved["results"]["metrics"].items() if k != "n"}
+    assert metrics == {f"editing/{k}": v for k, v in saved["results"]["metrics"].items()}  # the CLI's names, n too
+    assert "editing/n" in metrics
     assert "editing/tau_b/score/overall" in metrics
     with pytest.raises(Exception, match="editscore"):
         EditingCallback(tmp_path / "editscore" / "editscore.jsonl")

@@ -459,6 +459,9 @@ def test_callback_logs_headline_metrics(tmp_path):
     assert logged["ureason/acc_s1"] == 0.0 and logged["ureason/acc_s3"] == 100.0
     assert logged["ureason/delta_23"] == 100.0 and logged["ureason/delta_12"] == 0.0
     assert (tmp_path / "eval" / "ureason" / "epoch-1" / "ureason.json").is_file()
+    # every metric of ureason.json under the name `unicon evaluate ureason` logs it (per category too)
+    saved = json.loads((tmp_path / "eval" / "ureason" / "epoch-1" / "ureason.json").read_text())["metrics"]
+    assert {f"ureason/{k}" for k in saved} <= set(logged) and "ureason/acc_s1/code" in logged
     table = (tmp_path / "tables" / "ureason_samples.jsonl").read_text().splitlines()
     assert [json.loads(r)["id"] for r in table] == ["1", "3", "2"]
 

@@ -66,4 +66,4 @@ class EditingCallback(EvalCallback):
         log_table(trainer.loggers, "editing/samples", TABLE_COLUMNS, table_rows(records, self.samples(), self.table_rows),
                   step=trainer.global_step)
         log_figures(trainer.loggers, "editing", out, FIGURES, step=trainer.global_step)
-        return {f"editing/{k}": v for k, v in results["metrics"].items() if k != "n"}
+        return {f"editing/{k}": v for k, v in results["metrics"].items()}  # the names `unicon evaluate editing` logs

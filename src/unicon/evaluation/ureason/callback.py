@@ -18,12 +18,10 @@ from unicon.evaluation.ureason.judges import Judge, build_judge, check_judge_fit
 from unicon.evaluation.ureason.plots import FIGURES
 from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
 
-HEADLINE = ("acc_s1", "acc_s2", "acc_s3", "delta_12", "delta_23", "chain_acc", "fallback_rate")
-
-
 class UReasonCallback(EvalCallback):
-    """Logs ``ureason/acc_s{1,2,3}``, ``ureason/delta_12``, ``ureason/delta_23`` (+ ``chain_acc``,
-    ``fallback_rate``) every ``every_n_epochs`` epochs. Defaults: :class:`unicon.config.UReasonEvalConfig`."""
+    """Logs every UReason metric as ``ureason/<key>`` (``acc_s{1,2,3}``, ``delta_12``, ``delta_23``,
+    ``chain_acc``, ``fallback_rate``, per category), as ``unicon evaluate ureason`` does, every
+    ``every_n_epochs`` epochs. Defaults: :class:`unicon.config.UReasonEvalConfig`."""
 
     name = "ureason"
 
@@ -82,4 +80,4 @@ class UReasonCallback(EvalCallback):
         log_table(trainer.loggers, "ureason/samples", TABLE_COLUMNS, table_rows(samples, self.table_rows),
                   step=trainer.global_step)
         log_figures(trainer.loggers, "ureason", self.output_dir(trainer), FIGURES, step=trainer.global_step)
-        return {f"ureason/{k}": metrics[k] for k in HEADLINE if k in metrics}
+        return {f"ureason/{k}": v for k, v in metrics.items()}  # the names `unicon evaluate ureason` logs
