@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -208,3 +209,19 @@ def test_evaluate_all_shards_what_can_be_sharded_and_runs_the_rest_whole_in_shar
     assert "--merge" in merged["cococon"] and "shapes" not in merged
     whole = run()
     assert "--shard" not in whole["shapes"] and "--shard" not in whole["cococon"]
+
+
+def test_every_epoch_end_callback_honours_eval_fail_on_error(shipped_world):
+    """``eval.fail_on_error`` reaches every suite's callback through its ``from_config`` (no suite is
+    special-cased by name in the training run)."""
+    from unicon.config import compose
+    from unicon.training import run
+
+    on = [f"eval.{s.section}.enabled=true" for s in suites.suites().values() if s.callback]
+    for flag in (True, False):
+        built = run.make_eval_callbacks(compose(["eval=shapes", f"data.root={shipped_world}", *on,
+                                                 f"eval.fail_on_error={str(flag).lower()}"]))
+        assert len(built) == len(on) and all(cb.fail_on_error is flag for cb in built), \
+            [(type(cb).__name__, cb.fail_on_error) for cb in built]
+    source = Path(run.__file__).read_text()
+    assert not [name for name in suites.suites() if f'"{name}"' in source], "training/run.py names a suite"

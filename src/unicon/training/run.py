@@ -471,8 +471,6 @@ def make_eval_callbacks(cfg: DictConfig) -> list:
 def _make_callback(suite: str, cls, cfg: DictConfig):
     """Each suite's constructor: ``from_config(RunConfig)`` where it has one, else ``(section, world_root)``."""
     if hasattr(cls, "from_config"):
-        if suite == "ureason":
-            return cls.from_config(cfg, fail_on_error=cfg.eval.fail_on_error)
         return cls.from_config(cfg)
     return cls(cfg.eval[suite], world_root=cfg.data.root, fail_on_error=cfg.eval.fail_on_error)
 

@@ -62,7 +62,7 @@ class AlignmentCallback(EvalCallback):
         self.pairs()  # a bad data file fails before training starts
 
     @classmethod
-    def from_config(cls, cfg: Any, fail_on_error: bool = False) -> "AlignmentCallback":
+    def from_config(cls, cfg: Any) -> "AlignmentCallback":
         """From a RunConfig: ``eval.alignment.*``; data defaults to ``data.root``."""
         c = cfg.eval.alignment
         return cls(data=c.data or cfg.data.root, images=c.images, bagel_modes=list(c.bagel_modes),
@@ -70,7 +70,7 @@ class AlignmentCallback(EvalCallback):
                    bagel_scale=c.bagel_scale, rating_min=c.rating_min,
                    rating_max=c.rating_max, max_samples=c.max_samples, batch_size=c.batch_size,
                    table_rows=c.table_rows, every_n_epochs=c.every_n_epochs,
-                   fail_on_error=fail_on_error or cfg.eval.fail_on_error)
+                   fail_on_error=cfg.eval.fail_on_error)
 
     def pairs(self) -> list[Pair]:
         if self._pairs is None:

@@ -45,12 +45,12 @@ class EditingCallback(EvalCallback):
         self.samples()  # a bad data file fails before training starts
 
     @classmethod
-    def from_config(cls, cfg: Any, fail_on_error: bool = False) -> "EditingCallback":
+    def from_config(cls, cfg: Any) -> "EditingCallback":
         """From a RunConfig: ``eval.editing.*``; data defaults to the world's editscore file."""
         c = cfg.eval.editing
         return cls(data=c.data or default_data(cfg.data.root), world=cfg.data.root, max_samples=c.max_samples,
                    batch_size=c.batch_size, own_edits=c.own_edits, table_rows=c.table_rows,
-                   every_n_epochs=c.every_n_epochs, fail_on_error=fail_on_error or cfg.eval.fail_on_error)
+                   every_n_epochs=c.every_n_epochs, fail_on_error=cfg.eval.fail_on_error)
 
     def samples(self) -> list[EditSample]:
         if self._samples is None:

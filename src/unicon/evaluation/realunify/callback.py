@@ -61,14 +61,14 @@ class RealUnifyCallback(EvalCallback):
         self.instances()  # a bad data file fails before training starts
 
     @classmethod
-    def from_config(cls, cfg: Any, fail_on_error: bool = False) -> "RealUnifyCallback":
+    def from_config(cls, cfg: Any) -> "RealUnifyCallback":
         """From a RunConfig: ``eval.realunify.*``; data defaults to ``data.root``."""
         c = cfg.eval.realunify
         return cls(data=c.data or cfg.data.root, judge=c.judge, settings=list(c.settings), edit_prompt=c.edit_prompt,
                    answer_mode=c.answer_mode, letter_parse=c.letter_parse, max_samples=c.max_samples,
                    max_new_tokens=c.max_new_tokens, batch_size=c.batch_size,
                    table_rows=c.table_rows, every_n_epochs=c.every_n_epochs,
-                   fail_on_error=fail_on_error or cfg.eval.fail_on_error)
+                   fail_on_error=cfg.eval.fail_on_error)
 
     def instances(self) -> list[Instance]:
         if self._instances is None:

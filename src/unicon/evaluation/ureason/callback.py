@@ -45,7 +45,7 @@ class UReasonCallback(EvalCallback):
         self._instances: list[UReasonInstance] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, fail_on_error: bool = False) -> "UReasonCallback":
+    def from_config(cls, cfg: Any) -> "UReasonCallback":
         """From a RunConfig: ``eval.ureason.*``; data defaults to ``<data.root>`` (its ``ureason/``)."""
         u = cfg.eval.ureason
         return cls(
@@ -57,7 +57,7 @@ class UReasonCallback(EvalCallback):
             batch_size=u.batch_size,
             table_rows=u.table_rows,
             every_n_epochs=u.every_n_epochs,
-            fail_on_error=fail_on_error or cfg.eval.fail_on_error,
+            fail_on_error=cfg.eval.fail_on_error,
         )
 
     def instances(self) -> list[UReasonInstance]:
