@@ -13,7 +13,8 @@ question got its expected answer; GEU: the parsed letter equals the answer), ``c
 * ``acc_<s>/<c> = 100 * sum_{i in c} y_i^s / N_c^s`` per category;
 * ``acc_<s>/ueg``, ``acc_<s>/geu`` and ``acc_<s>`` (overall) = ``100 * sum_i y_i^s / sum N^s`` over the
   axis's (all) instances, the micro average: with the paper's 100 instances per category it equals
-  the mean of the category accuracies, and it is the authors' "Total Acc";
+  the mean of the category accuracies. The authors' "Total Acc" is per axis (``acc_<s>/ueg``,
+  ``acc_<s>/geu``); the pooled ``acc_<s>`` over both axes is ours, not a figure of the paper;
 * ``delta/<c>``, ``delta/ueg``, ``delta/geu``, ``delta = acc_stepwise - acc_direct`` (same keys),
   when both settings ran;
 * UEG per-question accuracy ``q_acc_<s>/<c> = 100 * sum_{i in c} sum_k 1[status_ik == answer_ik] /
