@@ -398,7 +398,8 @@ def _geu(i, cat, direct, stepwise, answer="A", edit=None):
 
 RECORDS = [
     _ueg(1, "logical_reasoning", ("yes", "no"), ("yes", "yes")),             # direct right; stepwise 1 of 2 questions
-    _ueg(2, "logical_reasoning", ("unparseable", "no"), ("yes", "no")),      # stepwise right
+    {**_ueg(2, "logical_reasoning", ("unparseable", "no"), ("yes", "no")),   # stepwise right, its refinement cut
+     "refined_truncated": True},
     _ueg(3, "code_to_image", ("no_scene", "no_scene"), ("no_input", "no_input")),
     _geu(4, "mental_tracking", "A", "A", edit=True),
     _geu(5, "mental_tracking", None, "B", edit=False),                       # direct unparseable
@@ -419,6 +420,10 @@ def test_metric_equations_on_hand_made_records():
     assert (m["unparseable_direct/ueg"], m["unparseable_direct/geu"], m["unparseable_stepwise/geu"]) == (1, 1, 1)
     assert m["no_scene_direct"] == 1 and m["missing_stepwise"] == 1 and m["missing_direct"] == 0
     assert "q_acc_direct/mental_tracking" not in m and m["n"] == 6 and m["n/code_to_image"] == 1
+    assert m["truncated_refined"] == 1 and m["empty_refined"] == 0  # counted, never silent
+    from unicon.evaluation.realunify.metrics import markdown_table
+
+    assert "refined prompts cut at the token budget (stepwise UEG) 1" in markdown_table(m)
 
 
 def test_shard_states_merged_equal_the_unsharded_metrics():

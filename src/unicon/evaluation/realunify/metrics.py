@@ -25,7 +25,8 @@ question got its expected answer; GEU: the parsed letter equals the answer), ``c
 * counts: ``n``, ``n/<c>``; per setting ``unparseable_<s>/geu`` (multiple-choice replies from which the
   run's ``letter_parse`` reads no letter), ``unparseable_<s>/ueg`` (judge replies that are not yes/no, per question),
   ``no_scene_<s>`` (UEG images the exact judge cannot parse), ``missing_<s>`` (no image: generation
-  or editing failed, or an empty refined prompt), ``empty_refined`` (stepwise UEG). **Unparseable
+  or editing failed, or an empty refined prompt), ``empty_refined`` and ``truncated_refined`` (stepwise
+  UEG refinements that were empty, or cut at the ``max_new_tokens`` budget and drawn as cut). **Unparseable
   replies and missing images are failures that stay in the denominators.**
 
 A ratio over zero instances is absent from the dict (not NaN), so a category without UEG
@@ -56,6 +57,7 @@ COUNTS = (
     "edit_checked",
     "edit_match",
     "empty_refined",
+    "truncated_refined",
 )
 
 
@@ -79,8 +81,9 @@ def record_counts(record: Mapping[str, Any]) -> Counter:
     if record.get("edit_match") is not None:
         c["edit_checked"] += 1
         c["edit_match"] += bool(record["edit_match"])
-    c["empty_refined"] += record["axis"] == "ueg" and record.get("correct_stepwise") is not None \
-        and not record.get("refined_prompt")
+    stepwise_ueg = record["axis"] == "ueg" and record.get("correct_stepwise") is not None
+    c["empty_refined"] += stepwise_ueg and not record.get("refined_prompt")
+    c["truncated_refined"] += stepwise_ueg and bool(record.get("refined_truncated"))
     return c
 
 
@@ -137,6 +140,7 @@ class RealUnifyMetric(CategoryCounts):
                 m[f"no_scene_{s}"] = float(total[f"no_scene_{s}"])
         if groups["ueg"]["ran_stepwise"]:
             m["empty_refined"] = float(total["empty_refined"])
+            m["truncated_refined"] = float(total["truncated_refined"])
         if total["edit_checked"]:
             m["edit_n"] = float(total["edit_checked"])
         return m
@@ -188,6 +192,8 @@ def markdown_table(metrics: Mapping[str, float]) -> str:
                             if f"no_scene_{s}" in metrics else ""))
     if "empty_refined" in metrics:
         notes.append(f"empty refined prompts (stepwise UEG) {metrics['empty_refined']:.0f}")
+    if metrics.get("truncated_refined"):
+        notes.append(f"refined prompts cut at the token budget (stepwise UEG) {metrics['truncated_refined']:.0f}")
     lines.append("")
     lines.append("Accuracy in %: an instance is right when every polling question matches (UEG) or the letter "
                  "is the answer (GEU); unparseable replies and missing images count as failures. "
