@@ -380,6 +380,22 @@ def _fake_model_class():
             self._call("score_edit", len(images))
             return self._scores([[pixel_distance(im, t)] for im, t in zip(images, targets)])
 
+        # embeddings (EditingScore): each row a function of its own input only, never of the batch
+        def image_latents(self, images):
+            """``[B, 192]``: the 8x8 RGB pixels in [0, 1], times ``scale``."""
+            self._call("image_latents", len(images))
+            return self.prepare_images(images).flatten(1) * self.scale.detach().float()
+
+        def embed_image(self, images):
+            """``[B, 12]``: the 2x2 RGB pixels, centred (in [-0.5, 0.5])."""
+            self._call("embed_image", len(images))
+            return pil_to_tensor([im.resize((2, 2)) for im in images]).flatten(1) - 0.5
+
+        def embed_text(self, texts):
+            """``[B, 12]``: 12 bytes of sha256 of the text, centred (in [-0.5, 0.5])."""
+            self._call("embed_text", len(texts))
+            return torch.tensor([list(hashlib.sha256(t.encode()).digest()[:12]) for t in texts]) / 255.0 - 0.5
+
         def generate_image(self, prompts, context=None, config=None):
             self._call("generate_image", len(prompts))
             self.image_calls.append((list(prompts), None if context is None else list(context)))

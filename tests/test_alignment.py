@@ -445,3 +445,166 @@ def test_clip_prefix_is_hessels_for_a_real_clip_none_for_the_worlds_and_recorded
         saved = json.loads((tmp_path / setting / "alignment.json").read_text())["settings"]
         assert saved["clip_prefix"] == {"setting": setting, "text": prefix}
         assert saved["bagel_scale"]["name"] == "cf" and saved["bagel_scale"]["values"] == [0.0, 0.3, 0.6, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 1's other baselines: BLEU-1, ROUGE-L, SPICE, BERTScore
+# ---------------------------------------------------------------------------------------------
+def _no_java(monkeypatch):
+    import shutil
+
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "java" else which(name, *a, **k))
+
+
+TWO_CAPTIONS = ["A cat sits on the mat.", "a dog runs in the park", "a caption without references"]
+TWO_REFERENCES = [["The cat is on the mat.", "There is a cat on the mat."], ["A dog is running through the park."], []]
+
+
+def test_bleu1_and_rouge_l_of_two_captions_by_hand(monkeypatch):
+    """Without java the captions are lower-cased and stripped of punctuation, so the counts are those of
+    the words. Caption 1 ``a cat sits on the mat`` (6 words) against ``the cat is on the mat`` (6) and
+    ``there is a cat on the mat`` (7): 5 of its unigrams are matched (all but "sits"), the closest
+    reference length is 6 (no brevity penalty); LCS 4 and 5. Caption 2 ``a dog runs in the park`` (6)
+    against ``a dog is running through the park`` (7): 4 matched unigrams, LCS 4, brevity penalty
+    exp(1 - 7/6). pycocoevalcap adds 1e-15 to every match count and 1e-9 to every n-gram count and
+    length (its own smoothing, reproduced here), the rest is float64 rounding."""
+    from unicon.evaluation.alignment.metrics import reference_metrics
+
+    _no_java(monkeypatch)
+    scores, notes = reference_metrics(TWO_CAPTIONS, TWO_REFERENCES, ["bleu1", "rouge_l"])
+    assert notes == {"tokenizer": "simple"} and set(scores) == {"bleu1", "rouge_l"}
+
+    def bleu1(correct, guess, reflen):
+        ratio = (guess + 1e-15) / (reflen + 1e-9)
+        return (correct + 1e-15) / (guess + 1e-9) * (math.exp(1 - 1 / ratio) if ratio < 1 else 1.0)
+
+    def rouge_l(lcs_len, cand_len, ref_lens):
+        p, r, b2 = max(lcs / cand_len for lcs in lcs_len), max(lcs / n for lcs, n in zip(lcs_len, ref_lens)), 1.2 ** 2
+        return (1 + b2) * p * r / (r + b2 * p)
+
+    tol = 8 * EPS64
+    assert scores["bleu1"][0] == pytest.approx(bleu1(5, 6, 6), rel=tol)
+    assert scores["bleu1"][1] == pytest.approx(bleu1(4, 6, 7), rel=tol)
+    assert scores["bleu1"][0] == pytest.approx(5 / 6, rel=1e-9)  # the smoothing is below 1e-9 here
+    assert scores["rouge_l"][0] == pytest.approx(rouge_l([4, 5], 6, [6, 7]), rel=tol)
+    assert scores["rouge_l"][1] == pytest.approx(rouge_l([4], 6, [7]), rel=tol)
+    assert scores["bleu1"][2] is None and scores["rouge_l"][2] is None  # no references: no score
+    # the captions swapped: each is scored against the other's references, and scores less
+    swapped, _ = reference_metrics(TWO_CAPTIONS[1::-1] + TWO_CAPTIONS[2:], TWO_REFERENCES, ["bleu1", "rouge_l"])
+    for name in ("bleu1", "rouge_l"):
+        assert all(s < o for s, o in zip(swapped[name][:2], scores[name][:2])), name
+
+
+def test_spice_is_skipped_with_the_reason_without_java_or_corenlp(monkeypatch):
+    from unicon.evaluation.alignment import metrics
+
+    _no_java(monkeypatch)
+    scores, notes = metrics.reference_metrics(TWO_CAPTIONS, TWO_REFERENCES, ["spice", "bleu1"])
+    assert "spice" not in scores and "bleu1" in scores
+    assert notes["spice"] == "java is not on the PATH (pycocoevalcap's SPICE runs a Java jar)"
+    # java there, the CoreNLP jars not: skipped, naming them, and nothing is downloaded
+    monkeypatch.setattr(metrics.shutil, "which", lambda name, *a, **k: "/usr/bin/java")
+    monkeypatch.setattr(metrics, "SPICE_CORENLP_JARS", ("no-such-corenlp.jar",))
+    monkeypatch.setattr(metrics, "spice_scores", lambda *a: pytest.fail("SPICE ran without CoreNLP"))
+    assert "no-such-corenlp.jar" in metrics.spice_unavailable()
+    monkeypatch.setattr("pycocoevalcap.tokenizer.ptbtokenizer.PTBTokenizer.tokenize",
+                        lambda self, d: {k: [_simple(v["caption"]) for v in vs] for k, vs in d.items()})
+    _, notes = metrics.reference_metrics(TWO_CAPTIONS, TWO_REFERENCES, ["spice"])
+    assert "Stanford CoreNLP" in notes["spice"] and "no-such-corenlp.jar" in notes["spice"]
+
+
+def _simple(text):
+    from unicon.evaluation.alignment.metrics import _simple_tokenize
+
+    return _simple_tokenize(text)
+
+
+def test_spice_reads_the_jars_all_f_per_pair(monkeypatch, tmp_path):
+    """The jar's output (a JSON list of ``{"image_id", "scores": {"All": {"f"}}}``) becomes one value per
+    pair in the order of the input; a NaN F is no score; a failing jar is a reason, not a crash."""
+    import subprocess
+
+    from unicon.evaluation.alignment import metrics
+
+    seen = {}
+
+    def fake_java(cmd, cwd, **kwargs):
+        rows = json.loads(Path(cmd[cmd.index("-jar") + 3]).read_text())
+        seen["rows"], seen["cwd"] = rows, cwd
+        out = [{"image_id": r["image_id"], "scores": {"All": {"f": f, "pr": 0, "re": 0}}}
+               for r, f in zip(rows[::-1], ["NaN", 0.25])]
+        Path(cmd[cmd.index("-out") + 1]).write_text(json.dumps(out))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(metrics.subprocess, "run", fake_java)
+    values, why = metrics.spice_scores({3: ["a cat"], 7: ["a dog", "the dog"]}, {3: ["a cat"], 7: ["a dog"]})
+    assert why is None and values == [0.25, None]
+    assert [r["refs"] for r in seen["rows"]] == [["a cat"], ["a dog", "the dog"]] and seen["cwd"].name == "spice"
+
+    def failing(cmd, **kwargs):
+        raise subprocess.CalledProcessError(1, cmd, stderr="Exception in thread main\njava.lang.OutOfMemoryError")
+
+    monkeypatch.setattr(metrics.subprocess, "run", failing)
+    assert metrics.spice_scores({0: ["a"]}, {0: ["a"]}) == ([], "SPICE failed: java exited with 1 "
+                                                               "(java.lang.OutOfMemoryError)")
+
+
+def test_bertscore_greedy_matching_by_hand():
+    """Candidate tokens e1, e2 against a reference token e1: P = (1 + 0) / 2, R = 1, F = 2/3."""
+    from unicon.evaluation.alignment.bertscore import greedy_match
+
+    cand = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    ref = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    assert greedy_match(cand, ref) == (0.5, 1.0, pytest.approx(2 / 3, rel=EPS64))
+    assert greedy_match(ref, cand) == (1.0, 0.5, pytest.approx(2 / 3, rel=EPS64))  # P and R swap
+    assert greedy_match(cand[:0], ref) == (0.0, 0.0, 0.0)
+
+
+def test_bertscore_with_the_local_minilm_is_one_for_the_same_text_and_lower_for_another():
+    from unicon.evaluation.alignment.bertscore import NOT_COMPARABLE, default_scorer
+
+    scorer = default_scorer()
+    caption = "a red circle left of a blue square"
+    got = scorer.score([caption, "three green triangles", caption],
+                       [[caption], [caption], ["two yellow stars", caption]])
+    d = 384  # the model's hidden size: float64 rounding of the unit-vector dot products
+    assert got[0] == pytest.approx((1.0, 1.0, 1.0), abs=d * EPS64)
+    assert got[2] == got[0]  # several references: the best one
+    assert 0 < got[1][2] < got[0][2] - 0.1
+    assert scorer.model.config.hidden_size == d
+    info = scorer.describe()
+    assert "all-MiniLM-L6-v2" in info["model"] and info["layer"] == 6 and info["note"] == NOT_COMPARABLE
+    assert "roberta-large" in NOT_COMPARABLE and "layer 17" in NOT_COMPARABLE
+
+
+def test_table1_baselines_in_the_tau_table_and_the_files(tmp_path, monkeypatch):
+    """BLEU-1, ROUGE-L, SPICE and BERTScore through ``evaluate_alignment``: τ of each equals scipy's on
+    the samples file, SPICE without java is listed under ``not_run`` with its reason (as METEOR), and
+    BERTScore's model and its note are in ``alignment.json`` and ``table.md``."""
+    from scipy.stats import kendalltau
+
+    from unicon.evaluation.alignment.runner import evaluate_alignment
+
+    _no_java(monkeypatch)
+    captions = ["a cat on a mat", "a dog in the park", "two birds on a wire", "a red car", "a cat"]
+    refs = ["a cat sits on the mat", "a dog runs in the park", "birds sit on a wire", "a blue bus", "a cat on a mat"]
+    for i in range(len(captions)):
+        _images(1)[0].save(tmp_path / f"{i}.png")
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(
+        {"image": f"{i}.png", "caption": c, "rating": float(i % 4 + 1), "references": [r]}) + "\n"
+        for i, (c, r) in enumerate(zip(captions, refs))))
+    pairs, _ = load_pairs(tmp_path / "pairs.jsonl")
+    results, _ = evaluate_alignment(standins.FakeModel(), pairs, tmp_path / "out", [],
+                                    ["bleu1", "rouge_l", "meteor", "spice", "bertscore"])
+    assert list(results["metrics"]) == ["bleu1", "rouge_l", "bertscore"]
+    assert "java" in results["not_run"]["meteor"] and "java" in results["not_run"]["spice"]
+    saved = json.loads((tmp_path / "out" / "alignment.json").read_text())
+    assert saved["not_run"] == results["not_run"] and "all-MiniLM-L6-v2" in saved["bertscore_model"]["model"]
+    rows = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    for name in ("bleu1", "rouge_l", "bertscore"):
+        want = kendalltau([r["scores"][name] for r in rows], [r["rating"] for r in rows], variant="b").statistic
+        assert saved["metrics"][name]["tau_b"] == pytest.approx(want, abs=EPS64) and saved["metrics"][name]["n"] == 5
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| bertscore |" in table and "spice: not run (java is not on the PATH" in table
+    assert "roberta-large" in table and "all-MiniLM-L6-v2" in table

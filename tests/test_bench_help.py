@@ -6,6 +6,10 @@ command's module (``unicon.cli.COMMANDS``; for ``evaluate``, every suite's modul
 torch, Lightning, DeepSpeed, diffusers or transformers at import time. Each of them takes one to
 ten seconds to import, against a 1 s budget for a ``--help``; the commands import them in the
 functions that run the steps needing them.
+
+A standalone evaluation goes further: it reaches its first model batch without Lightning, DeepSpeed
+or diffusers (its loggers are made after the evaluation; transformers comes with the OFA model), and
+``unicon bench first-batch`` times that against the same run with Lightning imported first.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from unicon import config, core
+from unicon.bench import first_batch
 from unicon.bench import help as bench_help
 from unicon.cli import COMMANDS, _usage
 from unicon.evaluation import suites
@@ -142,3 +148,70 @@ def test_bench_help_fails_on_a_command_whose_help_fails(capsys):
     with pytest.raises(UserError, match="--help failed for unicon no-such-command --help"):
         bench_help.cli(["--repeats", "1", "--commands", "no-such-command"])
     assert json.loads(capsys.readouterr().out)["failed"] == ["unicon no-such-command --help"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A standalone evaluation's first batch: no Lightning before it (unicon bench first-batch)
+# ---------------------------------------------------------------------------------------------
+#: what no standalone evaluation of the OFA model imports before its first model batch
+NOT_BEFORE_FIRST_BATCH = ("lightning", "deepspeed", "diffusers")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_shapes_world, tmp_path_factory) -> tuple[Path, Path]:
+    """``(world, checkpoint)``: the tiny ShapesWorld and a random-weight tiny OFA saved for it."""
+    import torch
+
+    from unicon.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(config.compose(["model=ofa_shapes_tiny", f"data.root={tiny_shapes_world}"]).model,
+                        world_root=tiny_shapes_world)
+    ckpt = tmp_path_factory.mktemp("first_batch") / "model"
+    model.save_pretrained(str(ckpt))
+    return tiny_shapes_world, ckpt
+
+
+def test_a_standalone_evaluation_imports_no_lightning_before_its_first_batch(tiny_model, tmp_path):
+    """``unicon evaluate cococon --logger none`` in a fresh interpreter, stopped at the model's first
+    call (:data:`unicon.bench.first_batch.ENTRY`): none of :data:`NOT_BEFORE_FIRST_BATCH` is imported
+    by then; a failure names the module that imports one and the chain to it."""
+    world, ckpt = tiny_model
+    data, out = world / "cococon_test.json", tmp_path / "out"
+    evaluate = first_batch.evaluate_args(str(ckpt), str(data), 2, str(out))
+    argv = first_batch.first_batch_argv(evaluate, importtime=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    call = first_batch.first_call(done.stderr)
+    errors = "\n".join(ln for ln in done.stderr.splitlines() if not ln.startswith("import time:"))
+    assert call is not None, f"exit {done.returncode} before the first model call:\n{errors[-2000:]}"
+    before = done.stderr.split(first_batch.MARK)[0]  # the imports finished before the first model call
+    found = []
+    for package in NOT_BEFORE_FIRST_BATCH:
+        chain = importers(before, package)
+        assert bool(chain) == (package in call["heavy"]), (package, chain, call["heavy"])
+        if chain:
+            module = next((m for m in reversed(chain) if m.split(".")[0] in FIRST_PARTY), "?")
+            found.append(f"{module} imports {package} before the first batch ({' > '.join(chain)})")
+    assert found == [], "unicon evaluate cococon: " + "; ".join(found)
+
+
+def test_bench_first_batch_times_both_variants(tiny_model, capsys):
+    world, ckpt = tiny_model
+    assert first_batch.cli(["--ckpt", str(ckpt), "--data", str(world / "cococon_test.json"), "--repeats", "1",
+                            "--warmup", "0", "--max-samples", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"command", "repeats", "warmup", "as_is", "lightning_first", "difference_seconds",
+                           "ratio", "machine"}
+    for variant in ("as_is", "lightning_first"):
+        timing = result[variant]
+        assert set(timing) == {"median_seconds", "seconds", "median_cpu_seconds", "modules_at_first_call",
+                               "first_call", "heavy_at_first_call"}
+        assert timing["median_seconds"] > 0 and timing["median_cpu_seconds"] > 0
+        assert len(timing["seconds"]) == 1
+        assert timing["first_call"] in first_batch.MODEL_CALLS
+    assert "lightning" not in result["as_is"]["heavy_at_first_call"]
+    assert "lightning" in result["lightning_first"]["heavy_at_first_call"]
+    assert result["lightning_first"]["modules_at_first_call"] > result["as_is"]["modules_at_first_call"] > 100
+    a, b = result["as_is"]["median_seconds"], result["lightning_first"]["median_seconds"]
+    assert result["difference_seconds"] == pytest.approx(b - a) and result["ratio"] == pytest.approx(b / a)
+    assert result["machine"]["cpus"] >= 1 and len(result["machine"]["load_average_before"]) == 3

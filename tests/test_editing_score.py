@@ -281,6 +281,25 @@ def test_cli_end_to_end_tau_equals_scipy_from_the_samples_file_and_shards_merge(
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["id"], key)
 
 
+def test_table_rows_flag_sets_the_rows_of_the_samples_table(world, tmp_path, capsys):
+    """``--table-rows`` (generated from EditingEvalConfig, as every suite's flags) is the number of rows of
+    the samples table (W&B, tables/editing_samples.jsonl); its default is the config's."""
+    import standins
+    from unicon.config import EditingEvalConfig
+    from unicon.evaluation.editing.cli import build_parser
+
+    assert build_parser().parse_args(["--ckpt", "c", "--out", "o", "--data", "d"]).table_rows == \
+        EditingEvalConfig.table_rows
+    ckpt = tmp_path / "fake"
+    standins.FakeModel(scale=0.5).save_pretrained(str(ckpt))
+    out = tmp_path / "out"
+    assert _cli("--ckpt", str(ckpt), "--data", str(world / "editscore" / "editscore.jsonl"), "--out", str(out),
+                "--limit", "5", "--table-rows", "3") == 0
+    capsys.readouterr()
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 5
+    assert len((out / "tables" / "editing_samples.jsonl").read_text().splitlines()) == 3
+
+
 def test_cli_refuses_a_missing_data_file_and_a_bad_flag(export, tmp_path):
     with pytest.raises(UserError, match="--data .*nope.jsonl does not exist"):
         _cli("--ckpt", str(export), "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"))
@@ -309,7 +328,8 @@ def test_eval_group_argv_and_callback_from_config(world, ofa, tmp_path):
     cfg = config.compose(["eval=editing", f"data.root={world}", "eval.editing.max_samples=8"])
     assert cfg.eval.editing.enabled and not cfg.eval.cococon.enabled and not config.compose([]).eval.editing.enabled
     data = world / "editscore" / "editscore.jsonl"
-    assert suites.suite("editing").argv(cfg) == [f"--data={data}", "--batch-size=16", "--own-edits=0", "--limit=8"]
+    assert suites.suite("editing").argv(cfg) == [f"--data={data}", "--limit=8", "--batch-size=16", "--own-edits=0",
+                                                 "--table-rows=16"]
     cb = EditingCallback.from_config(cfg)
     assert len(cb.samples()) == 8 and cb.data == data
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), current_epoch=0, global_step=3, loggers=[],
@@ -340,3 +360,141 @@ def test_direction_is_compared_with_the_papers_results():
     assert down["agrees_with_paper"]["overall"] is False and down["score_direction"]["overall"] == "lower score = better rating"
     assert "overall: lower score = better rating (the paper's is the opposite)" in markdown_table(down)
     assert "overall: higher score = better rating (agrees with the paper)" in markdown_table(up)
+
+
+# ---- the paper's Table 2 (Pearson matrix) and Table 3 (the judge baseline) -------------------------
+def _table2_records(n: int = 12):
+    """Records with the four components, a rating and a judge score; one non-finite score, one sample
+    without an overall rating and one unparseable judge reply, so each Pearson entry has its own n."""
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(n):
+        cos, sim, rls = float(rng.uniform(0.2, 1.0)), float(rng.uniform(-0.2, 0.6)), float(rng.uniform(0.1, 2.0))
+        recs.append({"cos_image": cos, "sim_text": sim, "rls": rls, "score": cos * sim / (rls ** 2 + EPS),
+                     "no_cos": sim / (rls ** 2 + EPS), "no_sim_text": cos / (rls ** 2 + EPS), "no_rls": cos * sim,
+                     "ratings": {"overall": float(rng.choice([0.0, 0.25, 0.5, 0.75, 1.0])),
+                                 "editing_accuracy": float(rng.uniform())},
+                     "judge_score": float(rng.choice([0.0, 0.3, 0.6, 1.0])), "judge_reply": "0.6"})
+    recs[3]["score"] = float("inf")
+    del recs[5]["ratings"]["overall"]
+    recs[7]["judge_score"], recs[7]["judge_reply"] = None, "a fine edit"
+    return recs
+
+
+def test_pearson_matrix_is_symmetric_with_unit_diagonal_and_equals_scipy():
+    from scipy.stats import pearsonr
+
+    from unicon.evaluation.editing.judges import describe
+    from unicon.evaluation.editing.metrics import summarize
+    from unicon.evaluation.editing.runner import markdown_table
+
+    recs = _table2_records()
+    results = summarize(recs, {}, judge=describe("model"))
+    m = results["pearson"]
+    names = m["variables"]
+    assert names == ["score", "rls", "cos_image", "sim_text", "human", "judge"] and m["human"] == "overall"
+
+    def column(name):
+        if name == "human":
+            return [r["ratings"].get("overall") for r in recs]
+        return [r["judge_score"] if name == "judge" else r[name] for r in recs]
+
+    for i, a in enumerate(names):
+        assert m["r"][i][i] == 1.0
+        for j, b in enumerate(names):
+            assert m["r"][i][j] == m["r"][j][i] and m["n"][i][j] == m["n"][j][i]
+            if i == j:
+                continue
+            pts = [(x, y) for x, y in zip(column(a), column(b))
+                   if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
+            want = pearsonr(*zip(*pts))
+            assert m["n"][i][j] == len(pts) and m["r"][i][j] == want.statistic and m["p"][i][j] == want.pvalue
+    assert m["n"][0][4] == 10  # the inf score and the missing rating left out, pairwise
+    assert m["n"][4][5] == 10 and m["n"][1][2] == 12
+    assert results["metrics"]["pearson/score/human"] == m["r"][0][4]
+    # Table 3: Kendall tau against the Human Score of the human score, EditingScore and the judge
+    t3 = results["table3"]
+    human = [r["ratings"].get("overall") for r in recs]
+    for key, xs in (("score", [r["score"] for r in recs]), ("judge", [r["judge_score"] for r in recs])):
+        pts = [(x, y) for x, y in zip(xs, human) if x is not None and y is not None and math.isfinite(x)]
+        assert t3["rows"][key]["tau_b"] == kendalltau(*zip(*pts), variant="b").statistic
+        assert t3["rows"][key]["tau_c"] == kendalltau(*zip(*pts), variant="c").statistic
+    assert t3["rows"]["human"]["tau_b"] == pytest.approx(1.0, abs=EPS)
+    assert t3["judge"]["spec"] == "model" and t3["judge"]["failures"] == 1 and t3["judge"]["judged"] == 12
+    assert results["kendall"]["judge"]["overall"] == t3["rows"]["judge"]
+    table = markdown_table(results)
+    assert "Table 2: Pearson's r" in table and "(-0.78)" in table and "Table 3: Kendall tau" in table
+    assert "| judge score (tau_b) |" in table and "1 of 12 replies unparseable" in table
+
+
+def test_without_a_judge_table3_says_why_and_the_matrix_has_the_papers_five():
+    from unicon.evaluation.editing.metrics import summarize
+    from unicon.evaluation.editing.runner import markdown_table
+
+    recs = [{k: v for k, v in r.items() if not k.startswith("judge")} for r in _table2_records()]
+    results = summarize(recs, {})
+    assert results["pearson"]["variables"] == ["score", "rls", "cos_image", "sim_text", "human"]
+    assert "judge" not in results["kendall"] and results["table3"]["rows"]["judge"] is None
+    assert "GPT-based" in results["table3"]["judge"]["not_run"]
+    assert "judge not run: no --judge given" in markdown_table(results)
+    constant = [{**r, "sim_text": 0.5} for r in recs]  # a constant variable: r undefined, its diagonal too
+    m = summarize(constant, {})["pearson"]
+    assert math.isnan(m["r"][3][3]) and math.isnan(m["r"][0][3]) and m["r"][0][0] == 1.0
+
+
+def test_model_judge_rates_edits_through_the_cli_and_shards_merge(world, tmp_path, capsys):
+    """``--judge model``: the evaluated model is asked the edited-image prompt; replies are parsed
+    strictly (failures counted), written per sample, correlated in Tables 2 and 3; shards and their
+    merge give one run's results."""
+    import standins
+    from unicon.evaluation.alignment.prompts import parse_rating
+    from unicon.evaluation.editing.judges import EDITED_ONLY_PROMPT, judge_prompt
+
+    ckpt = tmp_path / "fake"
+    standins.FakeModel(scale=0.5, answers=["0.6", "maybe", "1.0", "0.3", "0"]).save_pretrained(str(ckpt))
+    data = world / "editscore" / "editscore.jsonl"
+    common = ["--ckpt", str(ckpt), "--data", str(data), "--limit", "10", "--batch-size", "4", "--judge", "model"]
+    assert _cli(*common, "--out", str(tmp_path / "one")) == 0
+    assert "Table 3: Kendall tau" in capsys.readouterr().out
+    report = json.loads((tmp_path / "one" / "editing.json").read_text())
+    rows = [json.loads(x) for x in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
+    answers = ["0.6", "maybe", "1.0", "0.3", "0"]
+    for r in rows:  # the stand-in answers answers[len(question) % 5]
+        reply = answers[len(judge_prompt(r["instruction"], pair=False)) % 5]
+        assert r["judge_reply"] == reply and r["judge_score"] == parse_rating(reply, "cf")
+    t3 = report["results"]["table3"]
+    assert t3["judge"]["spec"] == "model" and t3["judge"]["prompt"] == EDITED_ONLY_PROMPT
+    assert t3["judge"]["failures"] == sum(r["judge_score"] is None for r in rows)
+    assert report["results"]["pearson"]["variables"][-1] == "judge"
+    for i in range(2):
+        assert _cli(*common, "--out", str(tmp_path / "split"), "--shard", f"{i}/2") == 0
+    assert _cli(*common, "--out", str(tmp_path / "split"), "--merge") == 0
+    merged = json.loads((tmp_path / "split" / "editing.json").read_text())
+    assert merged["results"]["table3"] == t3 and merged["results"]["pearson"] == report["results"]["pearson"]
+    with pytest.raises(UserError, match="--judge 'gpt-4o'"):
+        _cli(*common[:-1], "gpt-4o", "--out", str(tmp_path / "x"))
+
+
+def test_vlm_edit_judge_shows_the_source_then_the_edited_image(tmp_path):
+    """``--judge vlm:<dir>`` with a 1-layer Qwen2-VL: two image slots per prompt, the source and the edited
+    image in that order, greedy replies equal to an independent ``generate`` on the same inputs, parsed
+    strictly."""
+    import standins
+    from test_ureason import _reference_replies
+    from unicon.evaluation.editing.judges import build_judge
+
+    standins.qwen2_vl(tmp_path / "vlm")
+    judge = build_judge(f"vlm:{tmp_path / 'vlm'}", max_new_tokens=4, batch_size=2)
+    sources = [Image.new("RGB", (56, 56), c) for c in ("red", "green")]
+    edited = [Image.new("RGB", (56, 56), c) for c in ("blue", "white")]
+    results = judge.rate(sources, edited, ["make it blue", "make it white"])
+    text = judge.build_text("make it blue")
+    assert text.count("<|image_pad|>") == 2 and text.index("<|image_pad|>") < text.index("make it blue")
+    inputs = judge.processor(text=[judge.build_text(i) for i in ("make it blue", "make it white")],
+                             images=[sources[0], edited[0], sources[1], edited[1]], return_tensors="pt", padding=True)
+    assert inputs["image_grid_thw"].shape[0] == 4  # two images per prompt
+    expected = _reference_replies(judge.model, judge.tokenizer, inputs, 4)
+    assert [r.reply for r in results] == [reply for reply, _ in expected]
+    from unicon.evaluation.alignment.prompts import parse_rating
+
+    assert [r.score for r in results] == [parse_rating(reply, "cf") for reply, _ in expected]

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from unicon.config import ConfigError, compose, config_dir
-from unicon.evaluation.callbacks import log_metrics, log_table
+from unicon.evaluation.logs import log_metrics, log_table
 from unicon.loggers import JsonlLogger, make_loggers, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]

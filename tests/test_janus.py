@@ -320,6 +320,35 @@ def test_text_generation_and_truncation(model, images):
     assert out[0].num_tokens <= 3 and out[0].truncated == (out[0].num_tokens == 3)
 
 
+def test_answer_images_is_the_processor_layout_with_every_image(model, images):
+    """Two images before the question: the prompt ids and the greedy reply equal transformers' own
+    ``JanusProcessor`` + ``generate`` over the same chat (both images' features in their placeholders);
+    one image is :meth:`answer`'s prompt; the second image changes the first reply token's logits."""
+    q = "Which is it?\nA. x\nB. y"
+    assert model._images_question_ids(1, q) == model._image_question_ids(q)
+    chat = model.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": q}]}],
+        add_generation_prompt=True, tokenize=False)
+    inputs = model.processor(text=[chat], images=[im.convert("RGB") for im in images], return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == model._images_question_ids(2, q)
+    assert (inputs["input_ids"][0] == model.image_token_id).sum() == 2 * model.num_image_tokens
+    ref = model.janus.generate(**inputs, generation_mode="text", do_sample=False, max_new_tokens=4,
+                               pad_token_id=model.pad_id, eos_token_id=model.eos_id)
+    want = model.tokenizer.decode(ref[0, inputs["input_ids"].shape[1]:].tolist(), skip_special_tokens=True).strip()
+    other = Image.new("RGB", (32, 32), (250, 10, 10))
+    got = model.answer_images([images, [images[0], other]], [q, q], max_new_tokens=4)
+    assert got[0] == want
+    with torch.no_grad():
+        last = [model.janus(input_ids=inputs["input_ids"],
+                            pixel_values=model.prepare_images([images[0], second])).logits[0, -1]
+                for second in (images[1], other)]
+    assert (last[0] - last[1]).abs().max() > tol(last[0])
+    with pytest.raises(ValueError, match="row 0 has no image"):
+        model.answer_images([[]], [q])
+    with pytest.raises(ValueError, match="2 questions for 1 rows"):
+        model.answer_images([images], [q, q])
+
+
 # ---- LoRA ----------------------------------------------------------------------------------------
 def test_lora_step_changes_only_adapters_and_merges_on_save(model, images, tmp_path):
     m = copy.deepcopy(model)

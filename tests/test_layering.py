@@ -105,7 +105,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("unicon.embedders",),
     ("unicon.models",),
     ("unicon.losses",),
-    ("unicon.loggers", "unicon.report"),
+    ("unicon.loggers", "unicon.lightning_loggers", "unicon.report"),
     ("unicon.evaluation",),
     ("unicon.training",),
     ("unicon.experiments", "unicon.bench", "unicon.study", "data_builders"),

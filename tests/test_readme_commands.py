@@ -106,6 +106,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon bench chains": (["--repeats", "1", "--t2i-base-codes", "2"], 0),
     "unicon bench pretrain": (["--steps", "1", "--warmup", "0", "data.batch_size=4"], 0),
     "unicon bench help": (["--repeats", "1", "--commands", "evaluate cococon", "report"], 0),
+    "unicon bench first-batch": (["--repeats", "1", "--warmup", "0", "--max-samples", "2"], 0),
     "python -m unicon.data.shapes_coco export --world data/shapes --splits test": ([], 0),
     "unicon build-data cococon --captions data/shapes/coco/captions_test.json --questions data/shapes/coco/questions_test.json --annotations data/shapes/coco/vqa_annotations_test.json --instances data/shapes/coco/instances_test.json --images data/shapes --candidates vocab --lm none --out data/cococon_shapes": (
         ["--shards", "4", "--workers", "1", "--quiet"], 0),

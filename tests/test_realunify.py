@@ -610,3 +610,166 @@ def test_letter_parse_changes_the_score_and_is_recorded(tmp_path):
     assert got == {"strict": (0.0, 2.0, [None, None]), "lenient": (50.0, 0.0, ["A", "A"])}
     with pytest.raises(UserError, match="letter_parse"):
         evaluate_realunify(Double(), insts, ExactPollJudge(CFG), settings=["direct"], letter_parse="loose")
+
+
+# ---------------------------------------------------------------------------------------------
+# GEU stepwise input: the edited image alone, or the original and the edited one (the release)
+# ---------------------------------------------------------------------------------------------
+class TwoImageDouble(Double):
+    """:class:`Double` that edits every image into ``OTHER`` (so the edited image differs from the
+    input) and takes several images per question: ``answer_images`` replies "B" and records the
+    images and prompts it got; ``answer`` replies "A" and records its questions."""
+
+    supports_multi_image = True
+
+    def __init__(self, **kw):
+        super().__init__(editing=True, **kw)
+        self.multi: list[tuple[list[list[Image.Image]], list[str]]] = []
+        self.single: list[str] = []
+
+    def edit_image(self, images, instructions, config=None):
+        self._call("edit_image", len(images))
+        return [render(OTHER, CFG, seed=0) for _ in images]
+
+    def answer(self, images, questions, **kw):
+        self.single += list(questions)
+        return super().answer(images, questions, **kw)
+
+    def answer_images(self, images, questions, **kw):
+        self._call("answer_images", len(questions))
+        self.multi.append(([list(row) for row in images], list(questions)))
+        return ["B" for _ in questions]
+
+
+def _pixels(image: Image.Image) -> list:
+    return list(image.convert("RGB").getdata())
+
+
+def test_two_image_prompt_is_the_release_sentence_then_table_8():
+    q, opts = "Where does the red circle end?", ["w", "x", "y", "z"]
+    got = prompts.two_image_prompt("mental_tracking", q, opts)
+    assert got == ("In addition to the original image, you are also given a transformed version of the image with "
+                   "the modifications applied according to the question.\n\n" + prompts.multiple_choice_prompt(q, opts))
+    assert set(prompts.TWO_IMAGE_NOTES) == set(prompts.EDIT_TABLES)  # every GEU category has its sentence
+    with pytest.raises(ValueError, match="no two-image note"):
+        prompts.two_image_prompt("world_knowledge", q, opts)
+
+
+def test_stepwise_input_auto_resolves_by_the_rows_origin(tmp_path):
+    from unicon.evaluation.realunify.runner import resolve_stepwise_input
+
+    world = load_instances(_world_data(tmp_path / "world"))
+    release = load_instances(_write_parquet(tmp_path / "mt.parquet", [_release_row(0)]))
+    assert resolve_stepwise_input("auto", world) == "edited"  # ShapesWorld: the stepwise wording needs no original
+    assert resolve_stepwise_input("auto", release) == "original+edited"  # the release's runner
+    assert resolve_stepwise_input("auto", world[:2]) is None  # UEG only: no GEU row to answer
+    assert resolve_stepwise_input("original+edited", world) == "original+edited"
+    assert resolve_stepwise_input("edited", release) == "edited"
+    with pytest.raises(UserError, match=r"--stepwise-input.*got 'both'"):
+        resolve_stepwise_input("both", world)
+
+
+def test_original_and_edited_images_reach_a_two_image_model_in_order(tmp_path):
+    f = _write_parquet(tmp_path / "mt.parquet", [_release_row(0, "B"), _release_row(1, "A")])
+    insts = load_instances(f)
+    model = TwoImageDouble()
+    out = tmp_path / "out"
+    metrics, samples = evaluate_realunify(model, insts, ExactPollJudge(CFG), out_dir=out, batch_size=2)  # auto
+    assert json.loads((out / "realunify.json").read_text())["stepwise_input"] == "original+edited"
+    [(rows, questions)] = model.multi  # one stepwise batch, both rows
+    assert len(rows) == 2 and all(len(r) == 2 for r in rows)
+    for (first, second), inst, question in zip(rows, insts, questions):
+        assert _pixels(first) == _pixels(inst.image())  # the input image first
+        assert _pixels(second) == _pixels(render(OTHER, CFG, seed=0))  # then the edited one
+        assert question == prompts.two_image_prompt("mental_tracking", inst.question, inst.options)
+        assert question.startswith("In addition to the original image, you are also given")
+    assert model.single == [prompts.multiple_choice_prompt(i.question, i.options) for i in insts]  # direct only
+    # direct answers "A" (row 1 right), stepwise "B" (row 0 right)
+    assert [s.preds["stepwise"] for s in samples] == ["B", "B"] and [s.correct["stepwise"] for s in samples] == [
+        True, False]
+    assert metrics["acc_direct/geu"] == metrics["acc_stepwise/geu"] == 50.0
+    # "edited": the edited image alone, through answer(); answer_images is not called
+    model = TwoImageDouble()
+    evaluate_realunify(model, insts, ExactPollJudge(CFG), out_dir=tmp_path / "edited", settings=["stepwise"],
+                       stepwise_input="edited")
+    assert model.multi == [] and len(model.single) == 2
+    assert json.loads((tmp_path / "edited" / "realunify.json").read_text())["stepwise_input"] == "edited"
+
+
+def test_shapesworld_rows_ask_the_stepwise_wording_of_the_edited_image_and_the_direct_one_of_both(tmp_path):
+    data = _world_data(tmp_path / "world")
+    geu = data / "realunify" / "geu.jsonl"
+    rows = [{**json.loads(line), "stepwise_question": f"Where is it now {k}?"}
+            for k, line in enumerate(geu.read_text().splitlines())]
+    geu.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    insts = load_instances(data)[2:]
+    model = TwoImageDouble()
+    evaluate_realunify(model, insts, ExactPollJudge(CFG), out_dir=tmp_path / "auto", settings=["stepwise"],
+                       world_cfg=CFG)
+    assert json.loads((tmp_path / "auto" / "realunify.json").read_text())["stepwise_input"] == "edited"
+    assert model.multi == [] and model.single == [prompts.multiple_choice_prompt(f"Where is it now {k}?", i.options)
+                                                  for k, i in enumerate(insts)]
+    model = TwoImageDouble()
+    evaluate_realunify(model, insts, ExactPollJudge(CFG), settings=["stepwise"], world_cfg=CFG,
+                       stepwise_input="original+edited")
+    assert model.single == [] and model.multi[0][1] == [prompts.two_image_prompt(i.category, i.question, i.options)
+                                                        for i in insts]
+
+
+def test_original_and_edited_on_a_one_image_model_is_refused_before_any_generation(tmp_path):
+    release = load_instances(_write_parquet(tmp_path / "mt.parquet", [_release_row(0)]))
+    world = load_instances(_world_data(tmp_path / "world"))
+    model = Double(editing=True)  # edits, one image per question
+    for insts, value in ((release, "auto"), (world, "original+edited")):
+        with pytest.raises(UserError, match=r"original\+edited .*backend 'fake' takes one image per question"):
+            evaluate_realunify(model, insts, ExactPollJudge(CFG), settings=["direct", "stepwise"],
+                               stepwise_input=value, world_cfg=CFG)
+    two = TwoImageDouble()
+    with pytest.raises(UserError, match=r"--stepwise-input original\+edited .*--answer-mode likelihood"):
+        evaluate_realunify(two, release, ExactPollJudge(CFG), answer_mode="likelihood")
+    assert model.calls == [] and two.calls == []
+    # the edited image alone, or direct only, runs on the one-image model
+    evaluate_realunify(model, release, ExactPollJudge(CFG), stepwise_input="edited")
+    evaluate_realunify(model, release, ExactPollJudge(CFG), settings=["direct"])
+
+
+def test_cli_stepwise_input_flag_parses_is_recorded_and_refused_on_a_one_image_backend(tmp_path, capsys):
+    data = _world_data(tmp_path / "world")
+    ckpt = tmp_path / "ckpt"
+    standins.FakeModel(answers=["A", "B"], draw="world", world=str(data)).save_pretrained(str(ckpt))
+    assert not standins.FakeModel.supports_multi_image and standins.FakeModel.supports_editing
+    common = ["evaluate", "realunify", "--ckpt", str(ckpt), "--data", str(data), "--device", "cpu", "--logger", "none",
+              "--settings", "stepwise", "--batch-size", "2"]
+    for flag, recorded in ((None, "edited"), ("edited", "edited")):
+        out = tmp_path / f"run-{flag}"
+        assert unicon_main([*common, *(["--stepwise-input", flag] if flag else []), "--out", str(out)]) == 0
+        assert json.loads((out / "realunify.json").read_text())["stepwise_input"] == recorded
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    assert unicon_main([*common, "--stepwise-input", "original+edited", "--out", str(refused)]) == 2
+    err = capsys.readouterr().err
+    assert "backend 'fake' takes one image per question" in err and "original+edited" in err, err
+    assert not (refused / "images").exists() and not (refused / "samples.jsonl").exists()  # nothing generated
+    with pytest.raises(SystemExit):
+        unicon_main([*common, "--stepwise-input", "both", "--out", str(tmp_path / "bad")])
+    assert "--stepwise-input: invalid choice: 'both'" in capsys.readouterr().err
+
+
+def test_stepwise_input_is_checked_at_compose_time_and_resolved_by_the_callback(tmp_path):
+    from unicon import config
+    from unicon.evaluation import suites
+    from unicon.evaluation.realunify.callback import RealUnifyCallback
+
+    data = _world_data(tmp_path / "world")
+    bad = r"command line: eval\.realunify\.stepwise_input=.both. is not one of"
+    with pytest.raises(config.ConfigError, match=bad):
+        config.compose(["eval=realunify", f"data.root={data}", "eval.realunify.stepwise_input=both"])
+    cfg = config.compose(["eval=realunify", f"data.root={data}"])
+    assert cfg.eval.realunify.stepwise_input == "auto"
+    assert "--stepwise-input=auto" in suites.suite("realunify").argv(cfg)
+    assert RealUnifyCallback.from_config(cfg).stepwise_input == "edited"  # a ShapesWorld root
+    cfg = config.compose(["eval=realunify", f"data.root={data}", "eval.realunify.stepwise_input=original+edited"])
+    cb = RealUnifyCallback.from_config(cfg)
+    with pytest.raises(UserError, match="backend 'fake' takes one image per question"):
+        cb.setup(None, Double(editing=True), "fit")
+    cb.setup(None, TwoImageDouble(), "fit")

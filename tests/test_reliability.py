@@ -314,7 +314,8 @@ def test_csv_resume_survives_a_header_rewrite_after_the_checkpoint(tmp_path):
     not a byte prefix that the rewrite has moved) and drops the later rows and a cut last line."""
     from types import SimpleNamespace
 
-    from unicon.loggers import KeepingCSVLogger, LogFilesCallback
+    from unicon.lightning_loggers import KeepingCSVLogger
+    from unicon.training.log_files import LogFilesCallback
 
     def csv_logger():
         return KeepingCSVLogger(save_dir=str(tmp_path), name="csv", version="")
@@ -760,7 +761,7 @@ def test_tables_and_metrics_hold_no_bare_nan_or_infinity(tmp_path):
     from PIL import Image
 
     from unicon import jsonsafe
-    from unicon.evaluation.callbacks import log_metrics, log_table
+    from unicon.evaluation.logs import log_metrics, log_table
     from unicon.evaluation.cococon.runner import nan_to_none
     from unicon.loggers import JsonlLogger
 

@@ -1,11 +1,13 @@
-"""``unicon evaluate <suite> --shard i/n`` + ``--merge`` == one run, byte for byte, for CocoCon, drift
-and UReason; the merge's refusals (a missing shard, other settings, other weights); the partition is
-the DistributedSampler's; the merge reads only the JSON parts the shards write, never a pickle.
+"""``unicon evaluate <suite> --shard i/n`` + ``--merge`` == one run, byte for byte, for every suite that
+takes them (``Suite.shardable``: all but ``shapes``); the merge's refusals (a missing shard, other
+settings, other weights); the partition is the DistributedSampler's; the merge reads only the JSON
+parts the shards write, never a pickle.
 
 Every run goes through the real CLI and ``load_model`` on a saved ``standins.FakeModel`` whose
 outputs depend on their inputs (a wrong order, a lost or doubled sample changes the files). The
-world has 3 drift seeds and an odd number of CocoCon samples, so shard 1 of 2 carries a padding
-repeat, as a rank does."""
+world has 3 drift seeds and an odd number of CocoCon samples, and the other suites run on odd counts
+(RealUnify 7 instances, alignment 3 pairs, EditingScore 3 rows and 1 own edit), so shard 1 of 2
+carries a padding repeat, as a rank does."""
 
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ import pytest
 import standins
 from unicon import loggers
 from unicon.errors import UserError
+from unicon.evaluation.alignment import cli as alignment_cli
 from unicon.evaluation.cococon import cli as cococon_cli
 from unicon.evaluation.distributed import Shard, shard_indices
 from unicon.evaluation.drift import cli as drift_cli
+from unicon.evaluation.editing import cli as editing_cli
+from unicon.evaluation.realunify import cli as realunify_cli
 from unicon.evaluation.ureason import cli as ureason_cli
 
 
@@ -54,7 +59,22 @@ SUITES = {
               ["drift.json"], ()),
     "ureason": (ureason_cli.cli, lambda w: ["--data", str(w), "--judge", "exact"],
                 ["ureason.json", "samples.jsonl", "table.md"], ()),
+    "realunify": (realunify_cli.cli, lambda w: ["--data", str(w), "--limit", "1"],  # 1 per category: 7
+                  ["realunify.json", "samples.jsonl", "table.md"], ()),
+    # clip_s is not run (no --clip); bleu4 is computed by the merge over every pair
+    "alignment": (alignment_cli.cli, lambda w: ["--data", str(w), "--limit", "3", "--baselines", "clip_s,bleu4"],
+                  ["alignment.json", "samples.jsonl", "table.md"], ()),
+    "editing": (editing_cli.cli, lambda w: ["--data", str(w / "editscore" / "editscore.jsonl"), "--limit", "3",
+                                            "--own-edits", "1"],
+                ["editing.json", "samples.jsonl", "own_edits.jsonl", "table.md"], ()),
 }
+
+
+def test_every_shardable_suite_is_covered():
+    from unicon.evaluation.suites import suites
+
+    assert sorted(SUITES) == sorted(s.name for s in suites().values() if s.shardable)
+    assert [s.name for s in suites().values() if not s.shardable] == ["shapes"]
 
 
 def _without(text: str, timing: tuple[str, ...]) -> str:
@@ -84,8 +104,9 @@ def test_two_shards_and_merge_equal_one_run(suite, world, ckpt, tmp_path, capsys
         a, b = (one / name).read_text(), (split / name).read_text()
         assert _without(b, timing if name == "results.json" else ()) == \
             _without(a, timing if name == "results.json" else ()), name
-    if suite == "ureason":  # the images each shard saved are the ones one run saves
-        assert _tree(split, "images") == _tree(one, "images") and _tree(one, "images")
+    images = {"ureason": "images", "realunify": "images", "editing": "own_edits"}.get(suite)
+    if images:  # the images each shard saved are the ones one run saves
+        assert _tree(split, images) == _tree(one, images) and _tree(one, images)
     if suite == "drift":  # shard i's chains are where rank i of a 2-rank run keeps them
         report = json.loads((one / "drift.json").read_text())
         assert report["num_chains"] == 3 and report["model_fingerprint"]

@@ -375,7 +375,12 @@ def test_six_concurrent_annotators_match_ground_truth(tmp_path):
     assert truth["generation"]["strong"]["shares"]["good"] == pytest.approx(5 / 6)
     assert result["consistency"]["strong"]["consistent"] == pytest.approx(5 / 6)  # seed 0: poor caption, medium image
     html = (tmp_path / "export" / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 2 and "<script" not in html
+    assert html.count("data:image/png;base64,") == 3 and "<script" not in html
+    assert "alt='fidelity heatmap'" in html  # Fig. 14, from study.json's consistency counts
+    from unicon.study.export import fidelity_matrix
+
+    strong = fidelity_matrix(result["consistency"]["strong"])
+    assert np.trace(strong) == pytest.approx(100 * 5 / 6) and strong.sum() == pytest.approx(100.0)
 
 
 def test_noisy_study_alpha_and_spearman_equal_the_packages(tmp_path):
@@ -755,3 +760,24 @@ def test_two_model_study_exports_no_rho(tmp_path):
     assert result["sections"]["understanding"]["per_item"]["MCD_avg"]["agreement"] == pytest.approx(0.5)
     assert result["workload"]["per_annotator"] == {f"annotator-{i}": {"pages": 4, "items": 8} for i in (1, 2)}
     assert "rho=" not in (study / "report.html").read_text()
+
+
+def test_fidelity_heatmap_cells_and_its_place_in_report_html(tmp_path):
+    """The paper's Fig. 14: rows are the image's (generation) rating, columns the caption's
+    (understanding), Good-Medium-Poor from the top and from the left, each cell a percentage of the
+    model's rated pairs; drawn in report.html once study.json has rated pairs, a note until then."""
+    from unicon.study.export import compute, fidelity_matrix, report_html
+
+    entry = {"n": 10, "consistent": 0.5, "pairs": {"good/good": 5, "good/poor": 3, "poor/good": 2}}
+    m = fidelity_matrix(entry)
+    good, poor = db.LEVELS.index("good"), db.LEVELS.index("poor")
+    assert m[good, good] == 50.0 and m[poor, good] == 30.0 and m[good, poor] == 20.0  # [generation, understanding]
+    assert m.sum() == pytest.approx(100.0) and np.trace(m) == 100.0 * entry["consistent"]
+    assert not fidelity_matrix({"n": 0, "pairs": {}}).any()
+    study, _ = create(tmp_path, ("strong", "weak"), annotators="2", n=2)
+    result = compute(db.engine_for(db.study_url(study)))
+    page = report_html(result)
+    assert "fidelity heatmap" not in page and "No sample has both its caption and its image rated" in page
+    result["consistency"]["strong"] = entry
+    page = report_html(result)
+    assert "alt='fidelity heatmap'" in page and page.count("data:image/png;base64,") == 3

@@ -18,8 +18,10 @@ from unicon.cli import main as unicon_main
 from unicon.errors import UserError
 from unicon.evaluation import suites
 from unicon.evaluation.cli_common import Flag, add_config_args, config_argv, config_from_args
+from unicon.evaluation.alignment import cli as alignment_cli
 from unicon.evaluation.cococon import cli as cococon_cli
 from unicon.evaluation.drift import cli as drift_cli
+from unicon.evaluation.editing import cli as editing_cli
 from unicon.evaluation.realunify import cli as realunify_cli
 from unicon.evaluation.shapes import cli as shapes_cli
 from unicon.evaluation.ureason import cli as ureason_cli
@@ -31,6 +33,8 @@ GENERATED = {
     "ureason": (config.UReasonEvalConfig, ureason_cli.build_parser, ureason_cli.FLAGS, (), ["--data", "d"]),
     "shapes": (config.ShapesEvalConfig, shapes_cli.parser, shapes_cli.FLAGS, (), []),
     "realunify": (config.RealUnifyEvalConfig, realunify_cli.build_parser, realunify_cli.FLAGS, (), ["--data", "d"]),
+    "alignment": (config.AlignmentEvalConfig, alignment_cli.build_parser, alignment_cli.FLAGS, (), ["--data", "d"]),
+    "editing": (config.EditingEvalConfig, editing_cli.build_parser, editing_cli.FLAGS, (), ["--data", "d"]),
 }
 
 

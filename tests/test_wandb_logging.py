@@ -407,7 +407,7 @@ def test_long_loops_report_progress_in_logs(runs):
 # Pieces
 # ---------------------------------------------------------------------------------------------
 def test_summary_rules():
-    from unicon.loggers import summary_for
+    from unicon.lightning_loggers import summary_for
 
     assert summary_for("cococon/t2i/C_3") == summary_for("cococon/probe/vqa/rho") == "max,last"
     assert summary_for("drift/clip/MCD_i2t") == summary_for("drift/MGG_counting") == "max,last"

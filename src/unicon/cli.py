@@ -18,6 +18,7 @@ Each subcommand lives with the code it drives; this file only routes ``argv`` th
 ``unicon bench chains``    ``unicon.bench.chains.bench_cli``
 ``unicon bench build-cococon`` ``data_builders.cococon.bench_main``
 ``unicon bench help``      ``unicon.bench.help.cli``
+``unicon bench first-batch`` ``unicon.bench.first_batch.cli``
 =========================  ==============================================
 
 Before routing, :func:`quiet_libraries` hides the library messages of :data:`LIBRARY_NOISE`, which
@@ -68,6 +69,8 @@ COMMANDS: dict = {
         "chains": ("unicon.bench.chains", "bench_cli", "batched vs one-at-a-time drift chains"),
         "build-cococon": ("data_builders.cococon", "bench_main", "CocoCon builder pairs/s and peak memory"),
         "help": ("unicon.bench.help", "cli", "every command's --help: seconds, modules imported (fresh processes)"),
+        "first-batch": ("unicon.bench.first_batch", "cli",
+                        "seconds to an evaluation's first batch, as is vs Lightning imported first"),
     },
 }
 

@@ -94,6 +94,8 @@ EVAL_TASKS = ("vqa", "localization", "t2i")  # CocoCon's evaluation tasks t_i (c
 SHAPES_EVAL_TASKS = ("vqa", "caption", "grounding", "t2i", "edit")  # the tasks of `unicon evaluate shapes`
 SHAPES_DEFAULT_TASKS = ("vqa", "caption", "grounding", "t2i")  # its default: edit only for models that edit
 REALUNIFY_SETTINGS = ("direct", "stepwise")  # the settings of `unicon evaluate realunify`
+#: the images GEU stepwise answers on (``eval.realunify.stepwise_input``; "auto" is resolved when the data loads)
+REALUNIFY_STEPWISE_INPUTS = ("auto", "original+edited", "edited")
 COCOCON_MAX_K = 5  # the largest CocoCon difficulty k reported (samples have at most 5 contrast sets)
 DRIFT_CHAINS = ("text-first", "image-first")  # the two chains of `unicon evaluate drift`
 # judge weight dtypes: the names of unicon.core.DTYPES, or "auto" (the checkpoint's own)
@@ -307,6 +309,11 @@ class RealUnifyEvalConfig:
     # GEU reply reading: "strict" (a letter alone or in a short answer phrase; ours) or "lenient" (the first
     # capital A-D anywhere once answer phrases are deleted: the authors' scorer, which reproduces the paper)
     letter_parse: str = choice("strict", ("strict", "lenient"))
+    # what GEU stepwise answers on: "original+edited" (the input image, then the edited one, the prompt saying
+    # so: the public release's runner), "edited" (the edited image alone), or "auto" (resolved when the data
+    # loads: "edited" for ShapesWorld rows, whose stepwise questions are worded about the edited board,
+    # "original+edited" for the release's)
+    stepwise_input: str = choice("auto", REALUNIFY_STEPWISE_INPUTS)
     max_samples: Optional[int] = bounded(4, 1)  # instances per category (the first ones of each)
     max_new_tokens: int = bounded(64, 1)  # the stepwise UEG prompt refinement (Table 9)
     batch_size: int = bounded(8, 1)
@@ -314,7 +321,10 @@ class RealUnifyEvalConfig:
 
 
 ALIGNMENT_BAGEL_MODES = ("expected", "decode")  # BagelScore modes (unicon.evaluation.alignment.bagelscore)
-ALIGNMENT_BASELINES = ("clip_s", "refclip_s", "bleu4", "meteor", "cider")  # compared with BagelScore
+# compared with BagelScore: the baselines of the BagelScore paper's Table 1 (BERTScore with a local
+# sentence model, unicon.evaluation.alignment.bertscore)
+ALIGNMENT_BASELINES = ("clip_s", "refclip_s", "bleu1", "bleu4", "rouge_l", "meteor", "cider", "spice",
+                       "bertscore")
 
 
 @dataclass

@@ -1,18 +1,27 @@
 """Experiment loggers: W&B (or CSV) plus a local ``metrics.jsonl`` that always exists.
 
-``make_loggers(cfg, run_dir)`` returns the Lightning loggers of a run:
+``make_loggers(cfg, run_dir)`` returns the loggers of a run:
 
 * ``WandbLogger`` (``logger.type=wandb``, the default) or ``CSVLogger`` (``logger.type=csv``);
 * :class:`JsonlLogger`, which appends every scalar to ``<run_dir>/metrics.jsonl`` so that tests,
   ``unicon report`` and users read the numbers back without W&B. The file exists from the start.
 
-A resumed run continues the same files: :class:`LogFilesCallback` records in every checkpoint how
-many bytes of ``metrics.jsonl`` and how many lines of ``csv/metrics.csv`` existed when it was
-written (lines, not bytes: Lightning's CSV writer rewrites the whole file under a wider header when
-a new key appears, which moves every byte offset but keeps the rows and their order). On resume
-each file keeps that prefix plus the later rows of steps before the restored step (Lightning logs
-a step's metrics just after an on-batch-end checkpoint), and loses the rows a killed run wrote
-after its checkpoint, including a partial last line. Nothing written before the checkpoint is lost.
+This module does not import Lightning (six seconds and more of imports): the loggers built on
+Lightning's classes (:class:`~unicon.lightning_loggers.UniconWandbLogger`,
+:class:`~unicon.lightning_loggers.KeepingCSVLogger`) live in :mod:`unicon.lightning_loggers`, which
+:func:`make_loggers` imports when it makes one. :class:`JsonlLogger` implements the part of
+Lightning's ``Logger`` interface that a Trainer calls, without deriving from it, so that a standalone
+evaluation with ``--logger none`` logs without Lightning. Rank zero is the one Lightning's
+``rank_zero_only`` sees (:func:`global_rank`).
+
+A resumed run continues the same files: :class:`unicon.training.log_files.LogFilesCallback` records
+in every checkpoint how many bytes of ``metrics.jsonl`` and how many lines of ``csv/metrics.csv``
+existed when it was written (lines, not bytes: Lightning's CSV writer rewrites the whole file under
+a wider header when a new key appears, which moves every byte offset but keeps the rows and their
+order). On resume each file keeps that prefix plus the later rows of steps before the restored step
+(Lightning logs a step's metrics just after an on-batch-end checkpoint), and loses the rows a killed
+run wrote after its checkpoint, including a partial last line. Nothing written before the checkpoint
+is lost.
 
 W&B mode: ``logger.mode`` if set, else ``$WANDB_MODE``, else ``online`` when an API key is
 configured (``$WANDB_API_KEY`` or a ``~/.netrc`` entry for api.wandb.ai) and ``offline``
@@ -20,7 +29,8 @@ otherwise. Offline runs land in ``<run_dir>/wandb/offline-run-*``; sync them lat
 ``wandb sync <run_dir>/wandb/offline-run-*`` -- the usual practice on SLURM clusters without
 internet. ``$WANDB_PROJECT`` is respected when ``logger.project`` is unset.
 
-What reaches W&B (:class:`UniconWandbLogger`, Lightning's ``WandbLogger`` plus the points below):
+What reaches W&B (:class:`~unicon.lightning_loggers.UniconWandbLogger`, Lightning's ``WandbLogger``
+plus the points below):
 
 * **One step axis.** Everything -- scalars, tables, figures, charts -- goes through
   ``WandbLogger.log_metrics(values, step)``, which logs ``{**values, "trainer/global_step": step}``
@@ -28,12 +38,13 @@ What reaches W&B (:class:`UniconWandbLogger`, Lightning's ``WandbLogger`` plus t
   ``trainer/global_step`` (Lightning's ``define_metric("*", step_metric=...)``). Nothing passes
   ``step=`` to ``wandb.log``: W&B drops rows whose explicit step is below its current one, which is
   how epoch-end tables used to vanish after Lightning had logged the epoch's scalars.
-  :mod:`unicon.evaluation.callbacks` holds the helpers the suites call (``log_table``,
+  :mod:`unicon.evaluation.logs` holds the helpers the suites call (``log_table``,
   ``log_figures``, ``log_wandb``).
-* **Summaries.** The first time a key is logged that matches :data:`SUMMARY_RULES` (CocoCon
-  ``C_k``/``acc@k``/``rho``, drift ``MCD``/``MGG``/drift rate, UReason accuracies, training
-  losses), it gets ``define_metric(key, summary="max,last")`` (or ``"min,last"`` where lower is
-  better), so the runs table can sort on the best and the last value.
+* **Summaries.** The first time a key is logged that matches
+  :data:`~unicon.lightning_loggers.SUMMARY_RULES` (CocoCon ``C_k``/``acc@k``/``rho``, drift
+  ``MCD``/``MGG``/drift rate, UReason accuracies, training losses), it gets
+  ``define_metric(key, summary="max,last")`` (or ``"min,last"`` where lower is better), so the runs
+  table can sort on the best and the last value.
 * **Run config.** :func:`log_run_config` sends the resolved RunConfig, flattened to dotted keys
   (``model.backend``, ``loss.lambda_``, ``optim.lr``, ...), with :func:`environment_info` (git
   commit and dirtiness of the checkout unicon runs from, when it runs from one; python, torch,
@@ -65,10 +76,9 @@ What reaches W&B (:class:`UniconWandbLogger`, Lightning's ``WandbLogger`` plus t
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+import functools
 import importlib.metadata
-import io
 import json
 import math
 import os
@@ -77,14 +87,10 @@ import re
 import secrets
 import string
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
-
-from lightning.pytorch import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.utilities import rank_zero_only
+from typing import Any, Callable, Mapping
 
 import unicon
 from unicon.core import weights_fingerprint
@@ -92,18 +98,64 @@ from unicon.data.jsonl import read_jsonl
 from unicon.errors import UserError
 
 
-class JsonlLogger(Logger):
+#: the launcher's variables that hold a process's global rank, in the order Lightning reads them
+LAUNCHER_RANKS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def global_rank() -> int:
+    """This process's global rank, as Lightning's ``rank_zero_only`` has it (a Trainer sets it) where
+    Lightning is imported; else as Lightning would read it: the first of :data:`LAUNCHER_RANKS`
+    that is set, else 0. Imports nothing."""
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    rank = getattr(getattr(rank_zero, "rank_zero_only", None), "rank", None)
+    if rank is not None:
+        return int(rank)
+    for key in LAUNCHER_RANKS:
+        if os.environ.get(key) is not None:
+            return int(os.environ[key])
+    return 0
+
+
+def on_rank_zero(fn: Callable) -> Callable:
+    """``fn`` runs on global rank zero only (:func:`global_rank`) and returns None on the other ranks,
+    as under Lightning's ``rank_zero_only``."""
+
+    @functools.wraps(fn)
+    def on_zero(*args, **kwargs):
+        return fn(*args, **kwargs) if global_rank() == 0 else None
+
+    return on_zero
+
+
+def is_wandb(logger: Any) -> bool:
+    """Whether ``logger`` is a Lightning ``WandbLogger``. Imports nothing: where Lightning's loggers
+    are not imported, no logger is one."""
+    module = sys.modules.get("lightning.pytorch.loggers")
+    return module is not None and isinstance(logger, module.WandbLogger)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file beside it, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class JsonlLogger:
     """Appends ``{"step": s, "time": t, "<name>": value, ...}`` lines to ``metrics.jsonl``.
 
     Only finite-or-not scalars are written (NaN/inf are written as strings so that the
     file stays valid JSON). Rank-zero only under DDP, like every Lightning logger.
+
+    The methods and properties of Lightning's ``Logger`` that a Trainer calls (``name``, ``version``,
+    ``save_dir``, ``log_dir``, ``log_metrics``, ``log_hyperparams``, ``save``, ``finalize``, ...), with
+    Lightning's defaults where this logger has nothing to do, and no Lightning base class.
     """
 
     def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl"):
-        super().__init__()
         self._run_dir = Path(run_dir)
         self.path = self._run_dir / filename
-        if rank_zero_only.rank == 0:
+        if global_rank() == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.touch()
 
@@ -116,6 +168,10 @@ class JsonlLogger(Logger):
         return "0"
 
     @property
+    def root_dir(self) -> str | None:
+        return None
+
+    @property
     def save_dir(self) -> str:
         return str(self._run_dir)
 
@@ -123,11 +179,15 @@ class JsonlLogger(Logger):
     def log_dir(self) -> str:
         return str(self._run_dir)
 
-    @rank_zero_only
+    @property
+    def group_separator(self) -> str:
+        return "/"
+
+    @on_rank_zero
     def log_hyperparams(self, params: Any, *args, **kwargs) -> None:  # config.yaml holds them
         pass
 
-    @rank_zero_only
+    @on_rank_zero
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         row: dict[str, Any] = {"step": step, "time": round(time.time(), 3)}
         for key, value in metrics.items():
@@ -137,139 +197,22 @@ class JsonlLogger(Logger):
         with self.path.open("a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
 
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        pass
+
+    def save(self) -> None:  # each row is written when it is logged
+        pass
+
+    def finalize(self, status: str) -> None:
+        pass
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        pass
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     """Read ``metrics.jsonl`` back (one dict per logged call)."""
     return [row for _, row in read_jsonl(path, UserError, "metrics file")]
-
-
-class _KeepingCSVWriter(ExperimentWriter):
-    """Lightning's CSV writer deletes an existing ``metrics.csv`` when it starts; this one appends
-    to it (a resumed run), keeping its columns."""
-
-    def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
-                self.metrics_keys = sorted(next(csv.reader(f), []))
-
-
-class KeepingCSVLogger(CSVLogger):
-    """``CSVLogger`` that appends to the run's ``metrics.csv`` instead of deleting it on resume."""
-
-    @property
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            os.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _KeepingCSVWriter(log_dir=self.log_dir)
-        return self._experiment
-
-
-def _rows_before(lines: list[bytes], step_of, restored_step: int) -> tuple[list[bytes], int]:
-    """The complete rows among ``lines`` whose step (``step_of(line)``: an int, or None for a row
-    that cannot be read, e.g. one cut by a kill) is below ``restored_step``, and how many were dropped."""
-    kept, dropped = [], 0
-    for line in lines:
-        if not line.strip():
-            continue
-        step = step_of(line)
-        if step is not None and step < restored_step:
-            kept.append(line)
-        else:
-            dropped += 1
-    return kept, dropped
-
-
-def _jsonl_step(line: bytes) -> int | None:
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else None
-
-
-def _trim_jsonl(path: Path, keep_bytes: int, restored_step: int) -> int:
-    """Keep the first ``keep_bytes`` of a JSONL file (cut back to a complete line; a line the cut
-    fell inside is judged with the rest) plus later rows whose step is below ``restored_step``;
-    returns the number of rows dropped."""
-    data = path.read_bytes()
-    head = data[:keep_bytes]
-    if head and not head.endswith(b"\n"):
-        head = head[: head.rfind(b"\n") + 1]
-    kept, dropped = _rows_before(data[len(head):].split(b"\n"), _jsonl_step, restored_step)
-    _atomic_write(path, head + b"".join(line + b"\n" for line in kept))
-    return dropped
-
-
-def _trim_csv(path: Path, keep_lines: int, restored_step: int) -> int:
-    """:func:`_trim_jsonl` for Lightning's ``metrics.csv`` (column ``step``), keeping the first
-    ``keep_lines`` lines (the header included) rather than a byte prefix."""
-    lines = path.read_bytes().split(b"\n")
-    cut = 1 if lines[-1].strip() else 0  # whatever follows the last newline is a row cut by the kill
-    keep_lines = max(keep_lines, 1)  # the header stays, even for a checkpoint written before any row
-    head, tail = lines[:-1][:keep_lines], lines[:-1][keep_lines:]
-    header = next(csv.reader(io.StringIO(head[0].decode() if head else "")), [])
-
-    def step_of(line: bytes) -> int | None:
-        row = next(csv.reader(io.StringIO(line.decode(errors="replace"))), [])
-        if len(row) != len(header) or "step" not in header:
-            return None
-        try:
-            return int(float(row[header.index("step")]))
-        except ValueError:
-            return None
-
-    kept, dropped = _rows_before(tail, step_of, restored_step)
-    _atomic_write(path, b"".join(line + b"\n" for line in head + kept))
-    return dropped + cut
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-class LogFilesCallback(Callback):
-    """Keeps the run's metric files consistent with its checkpoints (see the module docstring)."""
-
-    KEY = "unicon_log_bytes"
-
-    def __init__(self, loggers: list[Logger]):
-        self.files: dict[str, tuple[Logger, Path]] = {}
-        for lg in loggers:
-            if isinstance(lg, JsonlLogger):
-                self.files["jsonl"] = (lg, lg.path)
-            elif isinstance(lg, CSVLogger):
-                self.files["csv"] = (lg, Path(lg.log_dir) / ExperimentWriter.NAME_METRICS_FILE)
-        self.dropped: dict[str, int] = {}
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        sizes = {}
-        for key, (lg, path) in self.files.items():
-            if isinstance(lg, CSVLogger):
-                if trainer.is_global_zero:
-                    lg.save()  # flush the rows buffered so far, so the file holds every row before this point
-                sizes["csv_lines"] = path.read_bytes().count(b"\n") if path.is_file() else 0
-            else:
-                sizes[key] = path.stat().st_size if path.is_file() else 0
-        checkpoint[self.KEY] = sizes
-
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        sizes = checkpoint.get(self.KEY)
-        if not trainer.is_global_zero or sizes is None:
-            return
-        step = int(checkpoint.get("global_step", 0))
-        for key, (lg, path) in self.files.items():
-            if not path.is_file():
-                continue
-            if key == "jsonl" and "jsonl" in sizes:
-                self.dropped[key] = _trim_jsonl(path, int(sizes["jsonl"]), step)
-            elif key == "csv" and "csv_lines" in sizes:
-                self.dropped[key] = _trim_csv(path, int(sizes["csv_lines"]), step)
-            else:
-                continue
-            if self.dropped[key]:
-                print(f"resume: dropped {self.dropped[key]} row(s) of {path} written after the checkpoint")
 
 
 def wandb_mode(configured: str | None = None) -> str:
@@ -289,76 +232,7 @@ def wandb_mode(configured: str | None = None) -> str:
     return "offline"
 
 
-# ---- W&B: one step axis, summaries, persistent run id ------------------------------------------
-STEP_KEY = "trainer/global_step"  # Lightning's x-axis for every W&B key (``define_metric("*", step_metric=...)``)
-
-#: ``(pattern, summary)``: a logged key matching ``pattern`` gets ``define_metric(key, summary=...)``
-#: (W&B globs only allow a trailing ``*``, hence patterns on the first use of each key). MCD is a
-#: mean cosine *similarity* to the chain's input: higher means less drift.
-SUMMARY_RULES: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"^cococon/.+/(C_\d+|acc@\d+|rho)$"), "max,last"),
-    (re.compile(r"^drift/(.+/)?(MCD_\w+|MGG(_\w+)?)$"), "max,last"),
-    (re.compile(r"^drift/drift_rate_\w+$"), "min,last"),
-    (re.compile(r"^ureason/(acc_s\d|chain_acc)$"), "max,last"),
-    (re.compile(r"^train/loss(_ce|_const)?$"), "min,last"),
-)
-
-
-def summary_for(key: str) -> str | None:
-    """The W&B summary aggregation of a metric key (:data:`SUMMARY_RULES`), or None."""
-    return next((summary for pattern, summary in SUMMARY_RULES if pattern.match(key)), None)
-
-
-def _is_scalar(value: Any) -> bool:
-    if hasattr(value, "numel"):  # a tensor
-        return value.numel() == 1
-    return isinstance(value, (int, float))
-
-
-class UniconWandbLogger(WandbLogger):
-    """Lightning's ``WandbLogger`` that defines the summary of each :data:`SUMMARY_RULES` key the
-    first time it is logged (with ``trainer/global_step`` as its x-axis: a key's own definition
-    replaces the ``"*"`` glob's)."""
-
-    def __init__(self, *args, artifacts: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        # Lightning passes wandb.init anonymous=None, a setting wandb deprecates (it warns when one is given)
-        self._wandb_init.pop("anonymous", None)
-        self._defined: set[str] = set()
-        self.artifacts = artifacts  # logger.log_model: log_run_artifacts logs, then finishes the run
-        self._finish_pending = False
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        for key, value in metrics.items():
-            if key in self._defined or not _is_scalar(value):  # tables, images, charts: no summary
-                continue
-            self._defined.add(key)
-            summary = summary_for(key)
-            if summary:
-                self.experiment.define_metric(key, step_metric=STEP_KEY, step_sync=True, summary=summary)
-        super().log_metrics(metrics, step)
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        """Lightning's finalize, then finish the W&B run when the run is over (``success`` /
-        ``failed``; not ``finished``, which Lightning's SLURM requeue handler sends while training
-        goes on until the job is killed). Lightning would leave it open until the process exits,
-        and a later ``WandbLogger`` in the same process would log into it. One ``fit`` per logger."""
-        super().finalize(status)
-        if status in ("success", "failed") and self._experiment is not None:
-            if status == "success" and self.artifacts:
-                self._finish_pending = True  # the export comes after fit: log_run_artifacts finishes the run
-                return
-            self._experiment.finish(exit_code=0 if status == "success" else 1)
-
-    def finish_run(self) -> None:
-        """Finish the W&B run that ``finalize("success")`` left open for the artifacts."""
-        if self._experiment is not None:
-            self._experiment.finish(exit_code=0)
-        self._finish_pending = False
-
-
+# ---- W&B: persistent run id ------------------------------------------------------------------
 WANDB_ID_FILE = "wandb_run_id"
 _ID_CHARS = string.ascii_lowercase + string.digits
 
@@ -373,9 +247,9 @@ def persistent_run_id(run_dir: str | Path) -> str:
             raise UserError(f"{path} does not hold a W&B run id ({run_id[:40]!r}); delete it to start a new W&B run")
         return run_id
     run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
-    if rank_zero_only.rank == 0:
+    if global_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, f"{run_id}\n".encode())
+        atomic_write(path, f"{run_id}\n".encode())
     return run_id
 
 
@@ -384,8 +258,9 @@ LOG_FILES = ("metrics.jsonl", "csv", "tables")
 
 
 def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist_run_id: bool = False,
-                 replace: bool = False) -> list[Logger]:
+                 replace: bool = False) -> list:
     """The loggers of a run: [W&B or CSV, JsonlLogger]. ``cfg`` is a RunConfig (or its ``logger`` section).
+    Lightning is imported for a W&B or CSV logger only (:mod:`unicon.lightning_loggers`).
 
     ``persist_run_id`` (training runs): the W&B run id is :func:`persistent_run_id` of ``run_dir``,
     so that a resumed or requeued run continues the same W&B run. Standalone evaluations start a
@@ -397,15 +272,17 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist
     # absolute: W&B writes from its own service process, whose working directory may be another one
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    if replace and rank_zero_only.rank == 0:
+    if replace and global_rank() == 0:
         for entry in (run_dir / f for f in LOG_FILES):
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
     lcfg = cfg.logger if hasattr(cfg, "logger") else cfg
     name = name or getattr(cfg, "name", None) or run_dir.name
-    loggers: list[Logger] = []
+    loggers: list = []
     if lcfg.type == "wandb":
         mode = wandb_mode(lcfg.mode)
         if mode != "disabled":
+            from unicon.lightning_loggers import UniconWandbLogger
+
             project = lcfg.project or os.environ.get("WANDB_PROJECT") or "unicon"
             loggers.append(
                 UniconWandbLogger(
@@ -421,6 +298,8 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist
                 )
             )
     elif lcfg.type == "csv":
+        from unicon.lightning_loggers import KeepingCSVLogger
+
         loggers.append(KeepingCSVLogger(save_dir=str(run_dir), name="csv", version=""))
     elif lcfg.type != "none":
         raise UserError(f"logger.type must be wandb, csv or none, got {lcfg.type!r}")
@@ -428,10 +307,10 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist
     return loggers
 
 
-def wandb_run_dir(loggers: list[Logger]) -> str | None:
+def wandb_run_dir(loggers: list) -> str | None:
     """Directory of the W&B run, if any (printed at the end of a run)."""
     for lg in loggers:
-        if isinstance(lg, WandbLogger):
+        if is_wandb(lg):
             try:
                 return str(Path(lg.experiment.dir).parent)
             except Exception:  # wandb failed to start; the error was already logged
@@ -509,8 +388,8 @@ def environment_info() -> dict[str, Any]:
     return info
 
 
-@rank_zero_only
-def log_run_config(loggers: list[Logger], cfg: Any, model: Any = None) -> dict[str, Any]:
+@on_rank_zero
+def log_run_config(loggers: list, cfg: Any, model: Any = None) -> dict[str, Any]:
     """Send the flattened run config, :func:`environment_info` and the weights fingerprint of
     ``model`` (``weights.fingerprint``; ``weights.resume_fingerprint`` when ``cfg.resume`` is set)
     to every logger's ``log_hyperparams``. Returns the dict sent."""
@@ -539,13 +418,15 @@ def artifact_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
 
 
-@rank_zero_only
-def log_run_artifacts(loggers: list[Logger], cfg: Any, export_dir: str | Path | None, run_dir: str | Path,
+@on_rank_zero
+def log_run_artifacts(loggers: list, cfg: Any, export_dir: str | Path | None, run_dir: str | Path,
                       step: int | None = None) -> list[str]:
     """Log a finished training run's artifacts to every :class:`UniconWandbLogger` that has
     ``artifacts`` on (``logger.log_model=true``; see the module docstring), then finish its W&B
     run. ``export_dir`` None or missing (ZeRO-3): only the evaluation outputs; no ``eval/`` folder
     (``eval=none``): only the export. Returns the names of the artifacts logged."""
+    from unicon.lightning_loggers import STEP_KEY, UniconWandbLogger  # training: Lightning is loaded
+
     run_dir = Path(run_dir)
     logged: list[str] = []
     for lg in loggers:

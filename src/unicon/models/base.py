@@ -85,6 +85,11 @@ class EditingNotSupported(NotImplementedError):
     names the backend and the call that was refused."""
 
 
+class MultiImageNotSupported(NotImplementedError):
+    """The backend takes one image per question (``UnifiedModel.supports_multi_image`` is False); the
+    message names the backend and the call that was refused."""
+
+
 class EmbeddingNotSupported(NotImplementedError):
     """The backend has no latents / joint embeddings for EditingScore (``image_latents``,
     ``embed_image``, ``embed_text``); the message names the backend and the call."""
@@ -116,6 +121,8 @@ class UnifiedModel(nn.Module, abc.ABC):
 
     #: True on backends that implement :meth:`edit_image` and :meth:`score_edit`
     supports_editing: bool = False
+    #: True on backends that implement :meth:`answer_images` (several images before one question)
+    supports_multi_image: bool = False
 
     #: human-readable backend name, e.g. ``"ofa"`` or ``"janus"``
     backend: str = "abstract"
@@ -192,6 +199,17 @@ class UnifiedModel(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def answer(self, images: ImageBatch, questions: Sequence[str], **generate_kwargs) -> list[str]: ...
+
+    def answer_images(self, images: Sequence[Sequence[Image.Image]], questions: Sequence[str],
+                      **generate_kwargs) -> list[str]:
+        """One generated reply per question, where ``images[b]`` is the list of PIL images of row ``b``
+        (one or more), shown to the model in that order before ``questions[b]``, in one user turn (the
+        backend's own multi-image layout; see its docstring). :meth:`answer` is the one-image case. A
+        row without images, or ``len(images) != len(questions)``, is a ``ValueError``. Backends that
+        take several images set :attr:`supports_multi_image`; the default raises
+        :class:`MultiImageNotSupported` naming the backend."""
+        raise MultiImageNotSupported(f"the {self._backend_name()} backend takes one image per question "
+                                     "(answer_images)")
 
     @abc.abstractmethod
     def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:

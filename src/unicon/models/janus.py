@@ -35,6 +35,17 @@ Scores (all negative log-likelihoods, see ``base.py``)
   distribution ``generate(generation_mode="image")`` samples from when ``guidance_scale == 1``;
   ``tests/test_janus.py`` checks it against the logits of that loop.
 
+Several images per question
+---------------------------
+``answer_images(images, questions)`` (``supports_multi_image``) writes the row's images one after the
+other in the user turn, as the chat template lays out a list of image items, then the question::
+
+    [system prompt]<|User|>: <image 1>\n<image 2>\n{question}\n\n<|Assistant|>:
+
+each ``<image k>`` expanded as above; the images' SigLIP + aligner features fill the placeholders in
+order (row by row, image by image), exactly as ``JanusProcessor`` with a list of images does. With one
+image it is ``answer``'s prompt.
+
 Image editing
 -------------
 ``edit_image(images, instructions)`` prompts with the understanding layout above, the instruction as
@@ -258,6 +269,7 @@ class JanusUnifiedModel(UnifiedModel):
     """Janus / Janus-Pro as a unified model (see module docstring for prompts and scores)."""
 
     supports_editing = True
+    supports_multi_image = True
 
     #: instruction used for captioning and for scoring captions (read by training and CocoCon)
     caption_prompt = CAPTION_PROMPT
@@ -875,6 +887,32 @@ class JanusUnifiedModel(UnifiedModel):
             raise ValueError(f"got {len(questions)} questions for {pixels.shape[0]} images")
         generate_kwargs.setdefault("max_new_tokens", 16)
         ids = [self._image_question_ids(q) for q in questions]
+        return [g.text for g in self._generate_text(ids, pixels, **generate_kwargs)]
+
+    def _images_question_ids(self, n_images: int, question: str) -> list[int]:
+        """Token ids of a prompt with ``n_images`` images, then ``question`` (module docstring): the chat
+        template over ``n_images`` image items and the text, every image placeholder expanded to
+        ``<begin_of_image> + N x <image_placeholder> + <end_of_image>``, the system prompt first."""
+        text = self._chat([{"type": "image"}] * n_images + [{"type": "text", "text": _SENTINEL}])
+        image_token = self.tokenizer.image_token
+        if text.count(image_token) != n_images or _SENTINEL not in text.split(image_token)[-1]:
+            raise ValueError(f"the chat template does not place {n_images} images before the text")
+        expanded = self.tokenizer.boi_token + image_token * self.num_image_tokens + self.tokenizer.eoi_token
+        text = self._system() + text.replace(image_token, expanded).replace(_SENTINEL, question.strip())
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def answer_images(self, images: Sequence[Sequence], questions: Sequence[str], **generate_kwargs) -> list[str]:
+        """Several images, then the question, in one user turn (module docstring); greedy, at most 16
+        new tokens unless ``max_new_tokens`` says otherwise, as :meth:`answer`."""
+        rows = [list(row) for row in images]
+        if len(rows) != len(questions):
+            raise ValueError(f"got {len(questions)} questions for {len(rows)} rows of images")
+        empty = [b for b, row in enumerate(rows) if not row]
+        if empty:
+            raise ValueError(f"row {empty[0]} has no image")
+        pixels = self._pixels([im for row in rows for im in row])
+        generate_kwargs.setdefault("max_new_tokens", 16)
+        ids = [self._images_question_ids(len(row), q) for row, q in zip(rows, questions)]
         return [g.text for g in self._generate_text(ids, pixels, **generate_kwargs)]
 
     def locate(self, images: ImageBatch, expressions: Sequence[str]) -> torch.Tensor:

@@ -7,6 +7,12 @@ Every annotation is an independent data point (the paper does not average annota
 * **Mean rank**: per section and model, the mean of its rank (1 = best) over all annotations.
 * **Consistency** (paper Fig. 9): per model, how often the same annotator gave the same rating to its
   caption and its image of the same sample, and the counts of each (understanding, generation) pair.
+  ``report.html`` draws them as the paper's Fig. 14 (:func:`fidelity_matrix`): per model a 3 x 3 heatmap
+  of generation fidelity (rows: Good, Medium, Poor from the top) against understanding fidelity
+  (columns: Good, Medium, Poor from the left), each cell the percentage of that model's (annotator,
+  sample) pairs, darker for more; the diagonal is consistent, the top-right corner (generation Good,
+  understanding Poor) and the bottom-left corner (understanding Good, generation Poor) are the two
+  kinds of inconsistency.
 * **Agreement**: Krippendorff's alpha (the ``krippendorff`` package, ordinal; poor=0 < medium=1 <
   good=2) over units (sample, model) with one value per annotator, per section and over both;
   on rankings, Kendall's W per (sample, section) averaged over the units, and the mean pairwise
@@ -323,8 +329,60 @@ def _png_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def fidelity_matrix(entry: dict[str, Any]) -> np.ndarray:
+    """Fig. 14's cells for one model's ``consistency`` entry: ``M[g, u] = 100 * count("<u>/<g>") / n``,
+    rows ``g`` and columns ``u`` in :data:`db.LEVELS` order (good, medium, poor); all zero when ``n`` is 0."""
+    m = np.zeros((len(db.LEVELS), len(db.LEVELS)))
+    n = entry.get("n") or 0
+    if not n:
+        return m
+    for key, count in (entry.get("pairs") or {}).items():
+        u, g = key.split("/")
+        m[db.LEVELS.index(g), db.LEVELS.index(u)] = 100.0 * count / n
+    return m
+
+
+def heatmap_figure(result: dict[str, Any]):
+    """Fig. 14: one heatmap per model with rated pairs (:func:`fidelity_matrix`), the percentage in every
+    cell, one shared colour scale from 0 to 100 % (Blues: darker = more); None when no model has a
+    sample whose caption and image one annotator both rated."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    names = [m for m in result["models"] if (result.get("consistency", {}).get(m) or {}).get("n")]
+    if not names:
+        return None
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols + 0.8, 3.6 * rows), squeeze=False,
+                             layout="constrained")
+    labels = [lv.capitalize() for lv in db.LEVELS]
+    image = None
+    for k, m in enumerate(names):
+        ax = axes[k // cols][k % cols]
+        mat = fidelity_matrix(result["consistency"][m])
+        image = ax.imshow(mat, cmap="Blues", vmin=0.0, vmax=100.0)
+        for g in range(len(db.LEVELS)):
+            for u in range(len(db.LEVELS)):
+                ax.text(u, g, f"{mat[g, u]:.1f}", ha="center", va="center", fontsize=9,
+                        color="white" if mat[g, u] > 60 else "black")
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_xlabel("understanding fidelity")
+        ax.set_ylabel("generation fidelity")
+        ax.set_title(f"{m}\nGeneration vs Understanding fidelity (%)\nn = {result['consistency'][m]['n']}",
+                     fontsize=9)
+    for k in range(len(names), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="% of rated pairs")
+    return fig
+
+
 def figures(result: dict[str, Any]) -> dict[str, str]:
-    """Data URIs: ``shares`` (stacked G/M/P bars per section) and ``scatter`` (human rank vs metrics)."""
+    """Data URIs: ``shares`` (stacked G/M/P bars per section), ``scatter`` (human rank vs metrics) and,
+    once a caption and an image of one sample were both rated, ``heatmap`` (Fig. 14, :func:`heatmap_figure`)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -364,7 +422,12 @@ def figures(result: dict[str, Any]) -> dict[str, str]:
     fig.tight_layout()
     scatter = _png_uri(fig)
     plt.close(fig)
-    return {"shares": shares, "scatter": scatter}
+    out = {"shares": shares, "scatter": scatter}
+    fig = heatmap_figure(result)
+    if fig is not None:
+        out["heatmap"] = _png_uri(fig)
+        plt.close(fig)
+    return out
 
 
 def _fmt(v: Any) -> str:
@@ -407,6 +470,14 @@ def report_html(result: dict[str, Any]) -> str:
                          f" [{_fmt(sec['per_item'][k]['ci95'][0])}, {_fmt(sec['per_item'][k]['ci95'][1])}]"
                          if sec['per_item'][k]['ci95'] else "") + f" (n = {sec['per_item'][k]['n_annotations']} "
                          "annotations)" for k in METRICS) + ".</p>")
+    parts.append("<h2>Generation vs understanding fidelity</h2>")
+    if "heatmap" in figs:
+        parts.append("<p>Per model, the percentage of (annotator, sample) pairs with each rating of the caption "
+                     "(understanding, columns) and of the image (generation, rows), as the paper's Fig. 14; the "
+                     "diagonal is consistent, the top-right and bottom-left corners are the two kinds of "
+                     f"inconsistency.</p><img alt='fidelity heatmap' src='{figs['heatmap']}'>")
+    else:
+        parts.append("<p>No sample has both its caption and its image rated by one annotator yet.</p>")
     parts.append(f"<h2>Human rank vs metrics</h2><img alt='scatter' src='{figs['scatter']}'></body></html>")
     return "".join(parts)
 

@@ -600,8 +600,8 @@ def _train(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue 
 
     from unicon.models.checkpoints import export_model  # lazy: pulls in every model backend (transformers)
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
-    # lazy: pulls in Lightning, not needed by unicon train --help
-    from unicon.loggers import LogFilesCallback, log_run_artifacts, log_run_config, make_loggers, wandb_run_dir
+    from unicon.loggers import log_run_artifacts, log_run_config, make_loggers, wandb_run_dir  # not for --help
+    from unicon.training.log_files import LogFilesCallback  # lazy: pulls in Lightning
     from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
 
     tcfg = cfg.trainer

@@ -21,7 +21,8 @@ from unicon.evaluation.alignment.judges import build_judge, check_judge
 from unicon.evaluation.alignment.metrics import flat_metrics
 from unicon.evaluation.alignment.plots import FIGURES
 from unicon.evaluation.alignment.runner import evaluate_alignment, resolve_bagel_scale, table_columns, table_rows
-from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
+from unicon.evaluation.callbacks import EvalCallback
+from unicon.evaluation.logs import log_figures, log_table
 
 
 class AlignmentCallback(EvalCallback):

@@ -1,5 +1,6 @@
 """``unicon evaluate alignment``: BagelScore of a saved model against human ratings of image-caption
-pairs, with CLIP-S, RefCLIP-S, BLEU-4, METEOR, CIDEr-D (and optionally a VLM judge) side by side.
+pairs, with the baselines of the paper's Table 1, CLIP-S, RefCLIP-S, BLEU-1, BLEU-4, ROUGE-L, METEOR,
+CIDEr-D, SPICE and BERTScore (and optionally a VLM judge), side by side.
 
 The flags of ``eval.alignment``'s fields are generated from :class:`unicon.config.AlignmentEvalConfig`
 (:func:`~unicon.evaluation.cli_common.add_config_args`), so the command and the epoch-end callback
@@ -44,8 +45,10 @@ FLAGS = {
     "images": Flag("folder the image paths are relative to (default: the data file's folder / the world root)"),
     "bagel_modes": Flag("BagelScore modes: expected (likelihood-weighted, ours), decode (generated, the paper's)",
                         comma=True),
-    "baselines": Flag("baselines side by side: clip_s, refclip_s (need --clip), bleu4, meteor, cider "
-                      "(need references)", comma=True),
+    "baselines": Flag("baselines side by side: clip_s, refclip_s (need --clip); bleu1, bleu4, rouge_l, meteor, "
+                      "cider, spice, bertscore (need references; meteor and spice need java, spice the Stanford "
+                      "CoreNLP jars; bertscore uses the local all-MiniLM-L6-v2, not the published roberta-large)",
+                      comma=True),
     "clip": Flag("open_clip model for CLIP-S / RefCLIP-S: a directory, '<arch>:<weights file>' or hf-hub:<repo>"),
     "clip_prefix": Flag("text before every caption and reference CLIP embeds: 'hessel' (\"A photo depicts \", "
                         "Hessel et al.), 'none', or 'auto' (none for a ShapesWorld CLIP, hessel otherwise)"),
@@ -105,7 +108,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     from unicon.evaluation.alignment.metrics import flat_metrics
     from unicon.evaluation.alignment.plots import FIGURES
     from unicon.evaluation.alignment.runner import evaluate_alignment, resolve_bagel_scale, table_columns, table_rows
-    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.logs import log_eval_config, log_figures, log_metrics, log_table
     from unicon.loggers import environment_info, make_loggers
 
     cfg = config_from_args(args, AlignmentEvalConfig, FLAGS)

@@ -13,8 +13,9 @@ For every batch of ``batch_size`` pairs of this rank (:func:`~unicon.evaluation.
 * with a judge (``vlm:<dir>``): the VLM asked the same prompt (:mod:`.judges`), parsed like ``decode``.
 
 The records are gathered over ranks (or shards: a merge replays the gathering), then the reference
-metrics BLEU-4, METEOR and CIDEr-D are computed over the whole set (:func:`~.metrics.reference_metrics`)
-and every metric's Kendall τ_b and τ_c against the ratings (:func:`~.metrics.summarize`).
+metrics BLEU-1, BLEU-4, ROUGE-L, METEOR, CIDEr-D, SPICE and BERTScore are computed over the whole set
+(:func:`~.metrics.reference_metrics`; BERTScore with the bundled all-MiniLM-L6-v2 on the CPU) and every
+metric's Kendall τ_b and τ_c against the ratings (:func:`~.metrics.summarize`).
 
 Rank 0 (or the merge) writes into ``out_dir``:
 
@@ -23,10 +24,13 @@ Rank 0 (or the merge) writes into ``out_dir``:
   (expected, over ``"0", "0.3", "0.6", "1.0"``), ``judge_reply``;
 * ``alignment.json``: ``{"metrics": {metric: {tau_b, tau_c, p_b, p_c, n, missing[, failures,
   failure_rate]}}, "n_pairs", "skipped" (ratings skipped by reason), "not_run" ({metric: why}),
-  "tokenizer", "settings", **info}`` (settings: the modes, baselines, CLIP, judge, batch size,
-  ``bagel_scale`` (name, values, where its prompt comes from) and ``clip_prefix`` (the setting and
-  the text put before every caption); info: checkpoint, weights fingerprint, environment), strict JSON;
-* ``table.md``: the τ table; ``metrics_vs_rating.png``: each metric against the rating (:mod:`.plots`).
+  "tokenizer", "bertscore_model" (the model, layer and why its values are not the published
+  BERTScore's; null without BERTScore), "settings", **info}`` (settings: the modes, baselines, CLIP,
+  judge, batch size, ``bagel_scale`` (name, values, where its prompt comes from) and ``clip_prefix``
+  (the setting and the text put before every caption); info: checkpoint, weights fingerprint,
+  environment), strict JSON;
+* ``table.md``: the τ table, the metrics not run and why, BERTScore's model;
+  ``metrics_vs_rating.png``: each metric against the rating (:mod:`.plots`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from unicon.evaluation.alignment.bagelscore import bagelscore
 from unicon.evaluation.alignment.data import Pair, read_image
 from unicon.evaluation.alignment.metrics import (
     HESSEL_PREFIX,
+    NOTE_INFO,
     REFERENCE_METRICS,
     clip_scores,
     markdown_table,
@@ -162,7 +167,8 @@ def write_outputs(out_dir: Path, records: Sequence[dict], results: dict[str, Any
         for rec in records:
             f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
     (out_dir / "alignment.json").write_text(jsonsafe.dumps(results, indent=2, default=str) + "\n")
-    (out_dir / "table.md").write_text(markdown_table(results["metrics"], results["n_pairs"], results["skipped"]))
+    (out_dir / "table.md").write_text(markdown_table(results["metrics"], results["n_pairs"], results["skipped"],
+                                                     results.get("not_run"), results.get("bertscore_model")))
     plot_results(records, list(results["metrics"]), out_dir)
 
 
@@ -174,7 +180,7 @@ def table_columns(names: Sequence[str]) -> list[str]:
 
 
 def table_rows(records: Sequence[dict], pairs: Sequence[Pair], names: Sequence[str], limit: int | None) -> list[list]:
-    """Rows for :func:`unicon.evaluation.callbacks.log_table`: the image, caption, rating, every score."""
+    """Rows for :func:`unicon.evaluation.logs.log_table`: the image, caption, rating, every score."""
     rows = []
     by_id = {p.id: p for p in pairs}
     for rec in records[:limit]:
@@ -243,13 +249,14 @@ def evaluate_alignment(
     for name, values in ref_scores.items():
         for rec, v in zip(gathered, values):
             rec["scores"][name] = v
-    skipped_metrics = {**not_run(baselines, clip_source), **{k: v for k, v in notes.items() if k != "tokenizer"}}
+    skipped_metrics = {**not_run(baselines, clip_source), **{k: v for k, v in notes.items() if k not in NOTE_INFO}}
     names = [n for n in names if n not in skipped_metrics]
     for rec in gathered:  # every record lists every metric of the run, in order (null: not scored)
         rec["scores"] = {n: rec["scores"].get(n) for n in names}
     results = {"metrics": summarize(gathered, names), "n_pairs": len(gathered),
                "skipped": {k: int(v) for k, v in sorted((skipped or {}).items())},
                "not_run": skipped_metrics, "tokenizer": notes.get("tokenizer"),
+               "bertscore_model": notes.get("bertscore_model"),
                "settings": {"bagel_modes": list(bagel_modes), "baselines": list(baselines), "clip": clip_source,
                             "judge": judge_spec or getattr(judge, "name", None), "batch_size": batch_size,
                             "bagel_scale": scale.describe(),

@@ -1,9 +1,9 @@
-"""CocoCon at the end of training epochs (:class:`CocoConCallback`), and the W&B sample table it
-shares with ``unicon evaluate cococon``.
+"""CocoCon at the end of training epochs: :class:`CocoConCallback`.
 
 Every rank evaluates its shard (:func:`.runner.evaluate_model`); rank zero writes
 ``<run_dir>/eval/cococon/epoch-<e>/`` (results, per-sample rows, plots) and logs the figures and
-the sample table; the base class logs the scalars.
+the sample table (:func:`.runner.table_rows`, as ``unicon evaluate cococon``); the base class logs
+the scalars.
 """
 
 from __future__ import annotations
@@ -12,39 +12,12 @@ from pathlib import Path
 from typing import Sequence
 
 from unicon.config import CocoConEvalConfig
-from unicon.data.cococon import CocoConData, CocoConSample, load_cococon
-from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
+from unicon.data.cococon import CocoConData, load_cococon
+from unicon.evaluation.callbacks import EvalCallback
 from unicon.evaluation.cococon.metrics import TASKS
 from unicon.evaluation.cococon.plots import FIGURES
-from unicon.evaluation.cococon.runner import CocoConResult, evaluate_model, write_outputs
-
-TABLE_COLUMNS = ["image", "id", "caption", "hardest_contrast", "answer", "contrast_answer",
-                 "caption_nll", "vqa_nll", "t2i_nll", "vqa_consistent", "localization_consistent", "t2i_consistent"]
-
-
-def table_rows(result: CocoConResult, samples: dict[int, CocoConSample], n: int) -> list[list]:
-    """The first ``n`` samples with contrasts as rows of :data:`TABLE_COLUMNS`: the hardest contrast
-    (k = 1) and, per task, whether the model was consistent at k = 1 (localization ranks only
-    contrasts with a ``mutex_detection``)."""
-    rows = []
-    for row in result.per_sample:
-        if len(rows) >= n:
-            break
-        caps = row["nll"]["caption"]
-        if len(caps) < 2:
-            continue
-        j = min(range(len(caps) - 1), key=lambda c: (caps[1 + c], c))  # hardest contrast by caption NLL
-        s = samples[row["index"]]
-
-        def pair(task):
-            v = row["nll"][task]
-            return None if v is None else [v[0], v[1 + j]]
-
-        consistent = {t: (row[t]["consistent"][0] if t in row and row[t]["consistent"] else None) for t in TASKS}
-        rows.append([s.load_image(), s.id, row["caption"], row["contrast_captions"][j], row["answer"],
-                     row["contrast_answers"][j], pair("caption"), pair("vqa"), pair("t2i"),
-                     consistent["vqa"], consistent["localization"], consistent["t2i"]])
-    return rows
+from unicon.evaluation.cococon.runner import TABLE_COLUMNS, evaluate_model, table_rows, write_outputs
+from unicon.evaluation.logs import log_figures, log_table
 
 
 class CocoConCallback(EvalCallback):

@@ -105,11 +105,12 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help
-    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
-    from unicon.evaluation.cococon.callback import TABLE_COLUMNS, table_rows
     from unicon.evaluation.cococon.metrics import evaluated_tasks
     from unicon.evaluation.cococon.plots import FIGURES
-    from unicon.evaluation.cococon.runner import evaluate_model, generation_settings, write_outputs
+    from unicon.evaluation.cococon.runner import (
+        TABLE_COLUMNS, evaluate_model, generation_settings, table_rows, write_outputs,
+    )
+    from unicon.evaluation.logs import log_eval_config, log_figures, log_metrics, log_table
     from unicon.loggers import environment_info, make_loggers
 
     cfg = config_from_args(args, CocoConEvalConfig, FLAGS)

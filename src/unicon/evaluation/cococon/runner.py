@@ -39,6 +39,7 @@ candidates of the up to ``world_size - 1`` padding repeats that ``shard_indices`
 those repeats out.
 
 Files (:func:`write_outputs`): ``results.json``, ``per_sample.jsonl`` and the plots of :mod:`.plots`.
+The sample table (:data:`TABLE_COLUMNS`, :func:`table_rows`) goes to the loggers.
 """
 
 from __future__ import annotations
@@ -358,6 +359,36 @@ def write_outputs(result: CocoConResult, out_dir: Path) -> None:
         for row in result.per_sample:
             f.write(json.dumps(nan_to_none(row), default=_json_default, allow_nan=False) + "\n")
     plot_results(result.results, out_dir)
+
+
+#: the columns of the sample table that the epoch-end callback and ``unicon evaluate cococon`` log
+TABLE_COLUMNS = ["image", "id", "caption", "hardest_contrast", "answer", "contrast_answer",
+                 "caption_nll", "vqa_nll", "t2i_nll", "vqa_consistent", "localization_consistent", "t2i_consistent"]
+
+
+def table_rows(result: CocoConResult, samples: dict[int, CocoConSample], n: int) -> list[list]:
+    """The first ``n`` samples with contrasts as rows of :data:`TABLE_COLUMNS`: the hardest contrast
+    (k = 1) and, per task, whether the model was consistent at k = 1 (localization ranks only
+    contrasts with a ``mutex_detection``)."""
+    rows = []
+    for row in result.per_sample:
+        if len(rows) >= n:
+            break
+        caps = row["nll"]["caption"]
+        if len(caps) < 2:
+            continue
+        j = min(range(len(caps) - 1), key=lambda c: (caps[1 + c], c))  # hardest contrast by caption NLL
+        s = samples[row["index"]]
+
+        def pair(task):
+            v = row["nll"][task]
+            return None if v is None else [v[0], v[1 + j]]
+
+        consistent = {t: (row[t]["consistent"][0] if t in row and row[t]["consistent"] else None) for t in TASKS}
+        rows.append([s.load_image(), s.id, row["caption"], row["contrast_captions"][j], row["answer"],
+                     row["contrast_answers"][j], pair("caption"), pair("vqa"), pair("t2i"),
+                     consistent["vqa"], consistent["localization"], consistent["t2i"]])
+    return rows
 
 
 def nan_to_none(x):

@@ -126,7 +126,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help
     from unicon.embedders.factory import load_embedders
-    from unicon.evaluation.callbacks import log_eval_config, log_metrics
+    from unicon.evaluation.logs import log_eval_config, log_metrics
     from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
     from unicon.evaluation.drift.metrics import drift_metrics, without_clip
     from unicon.evaluation.drift.plots import log_plots

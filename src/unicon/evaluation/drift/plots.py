@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from unicon.evaluation.callbacks import log_figures, log_table, log_wandb
 from unicon.evaluation.drift.metrics import MAPPINGS
+from unicon.evaluation.logs import log_figures, log_table, log_wandb
+from unicon.loggers import is_wandb
 
 #: the figures written by :func:`unicon.evaluation.drift.runner.evaluate_drift`, logged as
 #: ``<prefix>/fig/<name>`` (those that exist)
@@ -142,9 +143,7 @@ def log_plots(loggers, report: dict[str, Any], out: Path, step: int | None = Non
     overall by generation, the figures in ``out`` (:data:`FIGURES`, as ``<prefix>/fig/<name>``)
     and the chain-strip table (``log_table``: a ``wandb.Table`` on W&B, ``tables/<key>.jsonl`` +
     PNGs for the other loggers). Reads ``out``: call it where ``out`` was written (rank 0)."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    if any(isinstance(lg, WandbLogger) for lg in loggers):
+    if any(is_wandb(lg) for lg in loggers):
         import wandb
 
         charts = {}

@@ -5,8 +5,11 @@ as raters do.
 One module per room, as every evaluation suite:
 
 * :mod:`~unicon.evaluation.editing.data` -- the Edit-1K-like JSONL samples, bad rows refused by file and line;
-* :mod:`~unicon.evaluation.editing.metrics` -- the score, its ablations, Kendall tau_b/tau_c; pure, no I/O
-  (the choices made where the paper is ambiguous, and its normalisation contradiction, are documented there);
+* :mod:`~unicon.evaluation.editing.metrics` -- the score, its ablations, Kendall tau_b/tau_c, Table 2's
+  Pearson matrix and Table 3; pure, no I/O (the choices made where the paper is ambiguous, and its
+  normalisation contradiction, are documented there);
+* :mod:`~unicon.evaluation.editing.judges` -- Table 3's baseline: a judge rating each edit (the evaluated
+  model, or a local VLM, in place of the paper's GPT-based score);
 * :mod:`~unicon.evaluation.editing.runner` -- model calls (``image_latents``, ``embed_image``,
   ``embed_text``, optionally ``edit_image``), per-sample records and output files, sharded over ranks;
 * :mod:`~unicon.evaluation.editing.plots` -- tau bars and the score-vs-rating scatter;

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from unicon.config import EditingEvalConfig
-from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
+from unicon.evaluation.callbacks import EvalCallback
+from unicon.evaluation.logs import log_figures, log_table
 from unicon.evaluation.editing.cli import default_data
 from unicon.evaluation.editing.data import EditSample, load_samples
 from unicon.evaluation.editing.plots import FIGURES

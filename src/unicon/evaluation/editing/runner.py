@@ -7,13 +7,16 @@ For each batch of samples: ``z_s = model.image_latents(sources)``, ``z_t = model
 (or the merge) writes::
 
     samples.jsonl     one row per sample: id, instruction, source_image, edited_image, ratings (usable ones),
-                      cos_image, sim_text, rls, score, no_cos, no_sim_text, no_rls, + the row's extra keys
+                      cos_image, sim_text, rls, score, no_cos, no_sim_text, no_rls (+ judge_score,
+                      judge_reply with a judge), + the row's extra keys
     editing.json      {"results": metrics.summarize(...), **info}: Kendall tau_b/tau_c of the score, each
-                      ablation and each component vs every criterion; n, skipped ratings, direction
-    table.md          the tau_b table
+                      ablation, each component (and the judge) vs every criterion; n, skipped ratings,
+                      direction; Table 2's Pearson matrix (``pearson``), Table 3 (``table3``)
+    table.md          the tau_b table, Table 2 and Table 3
     tau_by_variant.png, score_vs_rating.png
 
-With ``own_edits`` > 0 (a ShapesWorld root): the first N rows of ``edit_test.jsonl`` are edited by
+With a ``judge`` (:mod:`.judges`: the Table 3 baseline) each batch is also rated by it, on the same
+rank / shard as its scores. With ``own_edits`` > 0 (a ShapesWorld root): the first N rows of ``edit_test.jsonl`` are edited by
 ``model.edit_image`` (``image_config``), each edit is checked exactly against its target scene
 (:func:`~unicon.worlds.shapes_edit.edit_matches`) and scored by EditingScore against its source; rows go
 to ``own_edits.jsonl`` (edited images under ``own_edits/``) and per-kind means beside the exact-match rate
@@ -73,6 +76,7 @@ def sample_record(s: EditSample, values: dict[str, float], root: Path | None) ->
                            "edited_image": rel(s.edited_image),
                            "ratings": {c: rating_or_none(s.ratings[c]) for c in CRITERIA if c in s.ratings}}
     rec.update({k: values[k] for k in (*COMPONENTS, *VARIANTS)})
+    rec.update({k: values[k] for k in ("judge_score", "judge_reply") if k in values})
     for k, v in s.extra.items():
         rec.setdefault(k, v)
     return rec
@@ -110,15 +114,20 @@ def skipped_counts(samples: Sequence[EditSample]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _score_samples(model, samples: Sequence[EditSample], indices: list[int], batch_size: int, eps: float) -> dict[int, dict]:
+def _score_samples(model, samples: Sequence[EditSample], indices: list[int], batch_size: int, eps: float,
+                   judge=None) -> dict[int, dict]:
     values: dict[int, dict] = {}
     starts = range(0, len(indices), batch_size)
     for start in track(starts, "editing: EditingScore", len(starts), unit="batches"):
         preemption.check()
         chunk = indices[start:start + batch_size]
         batch = [samples[i] for i in chunk]
-        out = score_images(model, [s.image("source") for s in batch], [s.image("edited") for s in batch],
-                           [s.instruction for s in batch], eps)
+        sources, edited = [s.image("source") for s in batch], [s.image("edited") for s in batch]
+        instructions = [s.instruction for s in batch]
+        out = score_images(model, sources, edited, instructions, eps)
+        if judge is not None:
+            rated = judge.rate(sources, edited, instructions)
+            out["judge_score"], out["judge_reply"] = [r.score for r in rated], [r.reply for r in rated]
         for k, i in enumerate(chunk):
             values[i] = {key: out[key][k] for key in out}
     return values
@@ -194,8 +203,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     crit = results["criteria"]
     lines = ["| | " + " | ".join(crit) + " |", "|---|" + "---|" * len(crit)]
     names = {"score": "EditingScore", "no_cos": "without cos_image", "no_sim_text": "without sim_text",
-             "no_rls": "without rls", "cos_image": "cos_image alone", "sim_text": "sim_text alone", "rls": "rls alone"}
-    for key in CORRELATED:
+             "no_rls": "without rls", "cos_image": "cos_image alone", "sim_text": "sim_text alone", "rls": "rls alone",
+             "judge": "judge score"}
+    for key in results["kendall"]:
         cells = []
         for c in crit:
             t = results["kendall"][key][c]
@@ -207,7 +217,50 @@ def markdown_table(results: dict[str, Any]) -> str:
                  + ", ".join(f"{c}: {d}" + {True: " (agrees with the paper)", False: " (the paper's is the opposite)"}
                              .get(agrees.get(c), "") for c, d in results["score_direction"].items())
                  + "; the paper's results (Tables 2-4) have a higher score with a better rating")
+    lines += ["", *pearson_lines(results["pearson"]), "", *table3_lines(results["table3"])]
     return "\n".join(lines) + "\n"
+
+
+def _cell(v: Any, fmt: str = "+.3f") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def pearson_lines(pearson: dict[str, Any]) -> list[str]:
+    """Table 2 as markdown: Pearson's r of every pair, the paper's value beside each off-diagonal entry."""
+    names = pearson["variables"]
+    labels = pearson["labels"]
+    lines = ["Table 2: Pearson's r between the metrics (this run; the paper's value in brackets)", "",
+             "| | " + " | ".join(labels[v] for v in names) + " |", "|---|" + "---|" * len(names)]
+    for i, a in enumerate(names):
+        cells = []
+        for j, b in enumerate(names):
+            paper = pearson["paper"].get(f"{a}/{b}", pearson["paper"].get(f"{b}/{a}"))
+            cells.append(_cell(pearson["r"][i][j], "+.2f") + (f" ({paper:+.2f})" if paper is not None else ""))
+        lines.append(f"| {labels[a]} | " + " | ".join(cells) + " |")
+    n = [pearson["n"][i][j] for i in range(len(names)) for j in range(len(names)) if i != j]
+    lines += ["", f"pairwise complete samples per entry: {min(n) if n else 0} to {max(n) if n else 0}; the raw score "
+              "(up to 1e10 for an unchanged image) dominates r, Kendall's tau reads ranks only"]
+    return lines
+
+
+def table3_lines(table3: dict[str, Any]) -> list[str]:
+    """Table 3 as markdown: Kendall tau_b / tau_c against the Human Score, this run and the paper's."""
+    rows, paper, judge = table3["rows"], table3["paper"], table3["judge"]
+    lines = [f"Table 3: Kendall tau against the Human Score ({table3['human']})", "",
+             "| | tau_b | tau_c | n | paper tau_b | paper tau_c |", "|---|---|---|---|---|---|"]
+    label = {"human": "Human Score", "score": "EditingScore",
+             "judge": f"judge ({judge['spec']}, {judge.get('sees')})" if judge.get("spec") else "judge"}
+    for key in ("human", "score", "judge"):
+        t = rows[key] or {}
+        lines.append(f"| {label[key]} | {_cell(t.get('tau_b'))} | {_cell(t.get('tau_c'))} | {t.get('n', 0)} | "
+                     f"{paper[key]['tau_b']:.3f} | {paper[key]['tau_c']:.3f} |")
+    lines.append("")
+    if judge.get("spec"):
+        lines.append(f"the paper's judge is a GPT-based score; here: {judge['spec']} ({judge.get('sees')}), "
+                     f"{judge['failures']} of {judge['judged']} replies unparseable (left out)")
+    else:
+        lines.append(f"judge not run: {judge['not_run']}")
+    return lines
 
 
 def write_outputs(out: Path, records: list[dict], results: dict, info: dict, own: list[dict] | None,
@@ -229,9 +282,16 @@ def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir
                      batch_size: int = BATCH_SIZE, eps: float = EPS, info: dict | None = None,
                      own_edits: int = 0, world_root: str | Path | None = None,
                      image_config: ImageGenerationConfig | None = None, check: bool = True,
-                     data_root: Path | None = None) -> tuple[dict[str, Any], list[dict]]:
-    """Score ``samples`` (and ``own_edits`` of the world's test edits) on every rank / shard / merge.
-    Returns ``(results, records)`` (the gathered per-sample records; the same on every rank)."""
+                     data_root: Path | None = None, judge=None,
+                     judge_spec: str | None = None) -> tuple[dict[str, Any], list[dict]]:
+    """Score ``samples`` (and ``own_edits`` of the world's test edits) on every rank / shard / merge;
+    ``judge`` (:mod:`.judges`) rates every sample too, ``judge_spec`` names it (a merge, which loads
+    none, names the shards' judge). Returns ``(results, records)`` (the gathered per-sample records;
+    the same on every rank)."""
+    from unicon.evaluation.editing.judges import describe
+
+    judge_spec = judge_spec or getattr(judge, "name", None)
+    judge_info = describe(judge_spec) if judge_spec else None
     if not samples:
         raise UserError("EditingScore: no samples to evaluate")
     if check:
@@ -245,7 +305,7 @@ def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir
     model.eval()
     try:
         mine = shard_indices(len(samples))
-        values = _score_samples(model, samples, mine, batch_size, eps)
+        values = _score_samples(model, samples, mine, batch_size, eps, judge)
         records = {i: sample_record(samples[i], values[i], data_root) for i in owned_indices(len(samples))}
         gathered = list(gather_records(records).values())
         own_records = own_summary = None
@@ -259,7 +319,7 @@ def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir
             own_summary = own_edit_summary(own_records) if own_records else None
     finally:
         model.train(was_training)
-    results = summarize(gathered, skipped_counts(samples))
+    results = summarize(gathered, skipped_counts(samples), judge_info)
     if out is not None and writes_outputs():
         write_outputs(out, gathered, results, {"eps": eps, **(info or {})}, own_records, own_summary)
     if own_summary is not None:

@@ -9,7 +9,8 @@ agree; :data:`FLAGS` lists the exceptions: ``--data`` is required, the instances
 into jobs whose merged files equal one run's, byte for byte. Writes ``--out`` (see
 :mod:`unicon.evaluation.realunify.runner`) and prints ``table.md``; ``realunify.json`` also records
 the checkpoint, the weights fingerprint, the settings, the generation and judge settings, the git
-commit and the package versions.
+commit and the package versions. ``--stepwise-input auto`` is resolved once the data is read
+(:func:`~unicon.evaluation.realunify.runner.resolve_stepwise_input`), before any model is loaded.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ FLAGS = {
                         "(the option text with the lowest mean NLL after the bare question)"),
     "letter_parse": Flag("GEU reply reading: 'strict' (a letter alone or after 'The best answer is'/'Answer:') or "
                          "'lenient' (the first capital A-D anywhere: the authors' scorer, reproduces the paper)"),
+    "stepwise_input": Flag("images GEU stepwise answers on: 'original+edited' (the input image, then the edited "
+                           "one, the prompt saying so: the public release's runner), 'edited' (the edited image "
+                           "alone) or 'auto' (edited for a ShapesWorld root, original+edited for the release's "
+                           "files; realunify.json records the resolved value)"),
     "max_samples": Flag("instances per category, the first ones (standalone default: all)", names=("--limit",),
                         dest="limit", default=None),
     "max_new_tokens": Flag("token budget of the stepwise UEG refined prompt (Table 9)"),
@@ -96,10 +101,16 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help
-    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.logs import log_eval_config, log_figures, log_metrics, log_table
     from unicon.evaluation.realunify.judges import build_judge, check_judge_fits
     from unicon.evaluation.realunify.plots import FIGURES
-    from unicon.evaluation.realunify.runner import TABLE_COLUMNS, check_settings, evaluate_realunify, table_rows
+    from unicon.evaluation.realunify.runner import (
+        TABLE_COLUMNS,
+        check_settings,
+        evaluate_realunify,
+        resolve_stepwise_input,
+        table_rows,
+    )
     from unicon.evaluation.ureason.judges import check_judge_spec
     from unicon.loggers import environment_info, make_loggers
     from unicon.worlds.shapes import load_world
@@ -110,6 +121,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     check_judge_spec(cfg.judge)
     instances = subset(load_instances(cfg.data), cfg.max_samples)
     check_judge_fits(cfg.judge, instances)
+    stepwise_input = resolve_stepwise_input(cfg.stepwise_input, instances)  # "auto" by the rows' origin
     root = world_root_of(cfg.data)
     with sharding(args, out) as shards, preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch
         if shards.mode == "merge":  # no judge model is loaded: the shards judged every instance
@@ -135,7 +147,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         metrics, samples = evaluate_realunify(
             model, instances, judge, out, settings, cfg.max_new_tokens, cfg.batch_size, image_config, info,
             edit_prompt_source=cfg.edit_prompt, answer_mode=cfg.answer_mode, letter_parse=cfg.letter_parse,
-            world_cfg=load_world(root).config if root else None,
+            stepwise_input=stepwise_input or cfg.stepwise_input, world_cfg=load_world(root).config if root else None,
             check_model=shards.mode != "merge")
     if shards.mode == "shard":
         print(f"realunify: shard {args.shard} done ({len(samples)} instances); "

@@ -90,6 +90,9 @@ class GEUInstance:
     edit_instruction: str | None = None
     #: the question as it reads of the stepwise edit's result (ShapesWorld rows; None: ``question`` is asked)
     stepwise_question: str | None = None
+    #: read from a ShapesWorld root's ``geu.jsonl`` (False: the public release's parquet layout); what
+    #: ``stepwise_input="auto"`` is resolved by (:func:`~.runner.resolve_stepwise_input`)
+    from_world: bool = False
     axis: str = "geu"
     _image: Any = field(default=None, repr=False, compare=False)
 
@@ -287,7 +290,7 @@ def read_geu_jsonl(path: str | Path, root: str | Path) -> list[GEUInstance]:
                                options=[str(o) for o in row["options"]], answer=answer, source=where,
                                image_path=str(image), target_scene=row.get("target_scene"),
                                edit_instruction=row.get("edit_instruction"),
-                               stepwise_question=row.get("stepwise_question")))
+                               stepwise_question=row.get("stepwise_question"), from_world=True))
     return _nonempty(out, path)
 
 

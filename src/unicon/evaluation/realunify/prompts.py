@@ -12,6 +12,14 @@ so the text it gets is what follows the image in the table.
   edited image, stepwise;
 * Table 9 -- the UEG stepwise refinement of the prompt before drawing (:func:`refine_prompt`);
 * Tables 10-13 -- the GEU stepwise edit instruction of each category (:func:`edit_prompt`).
+
+Not in the paper: with ``stepwise_input="original+edited"`` the GEU stepwise question is shown the
+input image and then the edited one, and Table 8 is preceded by a sentence saying so
+(:func:`two_image_prompt`, :data:`TWO_IMAGE_NOTES`). Those sentences are the public release's stepwise
+runner's (lmms-eval, ``lmms_eval/tasks/realunify/utils.py``, its visual chain-of-thought prompts for
+mental reconstruction, mental tracking and attentional focusing: the sentence, a blank line, then the
+row's evaluation prompt); the release has no cognitive navigation task, and its sentence here is ours,
+written the same way after Table 13's edit.
 """
 
 from __future__ import annotations
@@ -93,6 +101,19 @@ EDIT_TABLES = {
 }
 LETTERS = ("A", "B", "C", "D")
 
+#: the sentence before Table 8 when the stepwise question also shows the edited image (module docstring:
+#: the release's wording, the cognitive navigation one ours)
+TWO_IMAGE_NOTES = {
+    "mental_reconstruction": "In addition to the original image, you are also given a restored version of the "
+                             "shuffled image to help you answer the question.",
+    "mental_tracking": "In addition to the original image, you are also given a transformed version of the image "
+                       "with the modifications applied according to the question.",
+    "attentional_focusing": "In addition to the original image, you are also given a visualization that "
+                            "highlights the regions relevant to the question.",
+    "cognitive_navigation": "In addition to the original image, you are also given a version of the image with "
+                            "the path(s) relevant to the question marked.",
+}
+
 _PLACEHOLDER = re.compile(r"\[(Question|Prompt|Option [ABCD])\]")
 _IMAGE_LINE = re.compile(r"\A\[Image\]\n+")
 
@@ -132,3 +153,11 @@ def edit_prompt(category: str, question: str) -> str:
     if category not in EDIT_TABLES:
         raise ValueError(f"no stepwise edit prompt for GEU category {category!r}; known: {', '.join(EDIT_TABLES)}")
     return fill(EDIT_TABLES[category], question=question)
+
+
+def two_image_prompt(category: str, question: str, options: Sequence[str]) -> str:
+    """The GEU stepwise question asked of the input image and the edited one (in that order): the
+    category's :data:`TWO_IMAGE_NOTES` sentence, a blank line, then Table 8."""
+    if category not in TWO_IMAGE_NOTES:
+        raise ValueError(f"no two-image note for GEU category {category!r}; known: {', '.join(TWO_IMAGE_NOTES)}")
+    return f"{TWO_IMAGE_NOTES[category]}\n\n{multiple_choice_prompt(question, options)}"

@@ -16,20 +16,38 @@ For every instance, in the settings asked for (``direct``, ``stepwise``):
   ``argmin_k score_text(image, question, option_k).nll`` (the per-token mean, so that a one-word
   option does not win by being short; the first option on a tie), recorded as that letter;
   GEU stepwise: ``model.edit_image([image], [Tables 10-13])`` (or, with ``edit_prompt="row"``, the
-  row's own ``edit_instruction``: the words ShapesWorld's edit rows train), then the question asked
-  of the **edited** image alone in the same answer mode. A ShapesWorld row asks its
-  ``stepwise_question`` there: the direct question's wording is about the board before the edit
-  ("on the original board", "through empty cells"), which a perfect edit changes; the stepwise wording
-  asks for the same value of the edited board, so that a perfect edit keeps the answer
-  (:mod:`unicon.worlds.shapes_realunify`). Real GEU rows ask their one question. The public release's
-  stepwise runner (lmms-eval's RealUnify tasks) gives the model the original image **and** the
-  generated one and says so in the prompt; the paper leaves it open. Our backends take one image per
-  question, so the edited image is the one shown: a model that needs the original to answer is
-  scored lower here than there. For ShapesWorld rows with a ``target_scene`` the edited image is also
-  checked against it exactly (the stepwise edit accuracy).
+  row's own ``edit_instruction``: the words ShapesWorld's edit rows train), then the question, asked
+  of the images ``stepwise_input`` names (below). For ShapesWorld rows with a ``target_scene`` the
+  edited image is also checked against it exactly (the stepwise edit accuracy).
 
-A GEU stepwise run on a model whose ``supports_editing`` is False is a :class:`UserError` naming the
-backend, raised before any generation (:func:`check_editing`). A failed ``generate_image`` /
+**What GEU stepwise answers on** (``stepwise_input``). The paper says only that the task is
+"decomposed, with image generation (editing) performed first, followed by visual understanding"
+(supplementary B.2): it does not say whether the understanding step still sees the input image. The
+public release's stepwise runner (lmms-eval's RealUnify tasks, run with a visual chain-of-thought
+model) shows the original image, then the generated one, then the row's evaluation prompt after a
+sentence that says so ("In addition to the original image, you are also given a restored version of
+the shuffled image ..."). The values:
+
+* ``"original+edited"`` -- that protocol, and the one that reproduces the release:
+  ``model.answer_images([[image, edited]], [note + Table 8(question, options)])``
+  (:func:`~.prompts.two_image_prompt`; the row's direct question, as the release keeps its evaluation
+  prompt). Only ``answer_mode="generate"`` (``score_text`` scores one image per question), and only on
+  a model whose ``supports_multi_image`` is True;
+* ``"edited"`` -- the edited image alone, ``model.answer([edited], ...)``, in either answer mode. A
+  ShapesWorld row asks its ``stepwise_question`` there: the direct question's wording is about the
+  board before the edit ("on the original board", "through empty cells"), which a perfect edit
+  changes; the stepwise wording asks for the same value of the edited board, so that a perfect edit
+  keeps the answer (:mod:`unicon.worlds.shapes_realunify`). A release row asks its one question, and a
+  model that needs the original to answer scores lower than with the release's runner;
+* ``"auto"`` (the default) -- resolved when the data loads (:func:`resolve_stepwise_input`):
+  ``"edited"`` when the GEU rows come from a ShapesWorld root (their stepwise questions are worded for
+  the edited image alone), ``"original+edited"`` for the release's rows. ``realunify.json`` records the
+  resolved value (``stepwise_input``; null for data without GEU rows).
+
+A GEU stepwise run on a model whose ``supports_editing`` is False, and an ``"original+edited"`` one on
+a model whose ``supports_multi_image`` is False or with ``answer_mode="likelihood"``, are refused with a
+:class:`UserError` naming the backend (or the answer mode) and the value, before any generation
+(:func:`check_editing`, :func:`check_stepwise_input`). A failed ``generate_image`` /
 ``edit_image`` batch is retried row by row; a row that still fails has no image (a failure counted
 in ``missing_<setting>``). Images are drawn with ``image_config`` (its ``seed`` included).
 
@@ -53,7 +71,7 @@ import torch
 from PIL import Image
 
 from unicon import jsonsafe
-from unicon.config import RealUnifyEvalConfig
+from unicon.config import REALUNIFY_STEPWISE_INPUTS, RealUnifyEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
@@ -61,7 +79,13 @@ from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance,
 from unicon.evaluation.realunify.judges import LETTER_PARSERS, PollVerdict, edit_matches, geu_prediction
 from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
 from unicon.evaluation.realunify.plots import plot_results
-from unicon.evaluation.realunify.prompts import LETTERS, edit_prompt, multiple_choice_prompt, refine_prompt
+from unicon.evaluation.realunify.prompts import (
+    LETTERS,
+    edit_prompt,
+    multiple_choice_prompt,
+    refine_prompt,
+    two_image_prompt,
+)
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 from unicon.worlds.shapes import WorldConfig
@@ -92,6 +116,44 @@ def check_editing(model: UnifiedModel, instances: Sequence[Instance], settings: 
         if bare:
             raise UserError(f"--edit-prompt row: {bare[0]} has no 'edit_instruction' ({len(bare)} rows lack it); "
                             "use --edit-prompt paper (Tables 10-13)")
+
+
+def resolve_stepwise_input(value: str, instances: Sequence[Instance]) -> str | None:
+    """``value``, with ``"auto"`` resolved (module docstring): ``"edited"`` when every GEU instance comes
+    from a ShapesWorld root, ``"original+edited"`` when any comes from the release's files, None when
+    there is no GEU instance. A value outside :data:`~unicon.config.REALUNIFY_STEPWISE_INPUTS` is a
+    :class:`UserError` naming the config key and the flag."""
+    if value not in REALUNIFY_STEPWISE_INPUTS:
+        raise UserError(f"eval.realunify.stepwise_input (--stepwise-input) must be one of "
+                        f"{', '.join(REALUNIFY_STEPWISE_INPUTS)}, got {value!r}")
+    if value != "auto":
+        return value
+    geu = [i for i in instances if isinstance(i, GEUInstance)]
+    if not geu:
+        return None
+    return "edited" if all(i.from_world for i in geu) else "original+edited"
+
+
+def check_stepwise_input(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
+                         stepwise_input: str | None,
+                         answer_mode: str = RealUnifyEvalConfig.answer_mode) -> None:
+    """Refuse, before any generation, a GEU stepwise run on the original and the edited image that
+    cannot happen: ``answer_mode="likelihood"`` (one image per scored question), or a model that
+    takes one image per question (``supports_multi_image`` False). ``stepwise_input``: resolved
+    (:func:`resolve_stepwise_input`)."""
+    if "stepwise" not in settings or not any(isinstance(i, GEUInstance) for i in instances):
+        return
+    if stepwise_input != "original+edited":
+        return
+    if answer_mode != "generate":
+        raise UserError(f"--stepwise-input original+edited asks GEU stepwise of two images, and --answer-mode "
+                        f"{answer_mode} scores an option after one image; run --answer-mode generate, or "
+                        "--stepwise-input edited (the edited image alone)")
+    if not getattr(model, "supports_multi_image", False):
+        raise UserError(f"--stepwise-input original+edited shows GEU stepwise the input and the edited image, and "
+                        f"backend '{model.backend}' takes one image per question (supports_multi_image is "
+                        "False); run --stepwise-input edited (the edited image alone), or a backend that takes "
+                        "several images")
 
 
 @dataclass
@@ -181,9 +243,21 @@ def answer_choices(model: UnifiedModel, images: list, insts: Sequence[GEUInstanc
     return [LETTERS[int(scores.nll[b, :len(inst.options)].argmin())] for b, inst in enumerate(insts)]
 
 
+def answer_with_original(model: UnifiedModel, originals: list, edited: list,
+                         insts: Sequence[GEUInstance]) -> list[str]:
+    """``stepwise_input="original+edited"``: one generated reply per GEU question, asked of the input
+    image and then the edited one with :func:`~.prompts.two_image_prompt` over the row's question."""
+    replies = model.answer_images([[o, e] for o, e in zip(originals, edited)],
+                                  [two_image_prompt(i.category, i.question, i.options) for i in insts])
+    if len(replies) != len(insts):
+        raise RuntimeError(f"answer_images returned {len(replies)} replies for {len(insts)} questions")
+    return replies
+
+
 def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_source: str, world_cfg,
              answer_mode: str = RealUnifyEvalConfig.answer_mode,
-             letter_parse: str = RealUnifyEvalConfig.letter_parse) -> None:
+             letter_parse: str = RealUnifyEvalConfig.letter_parse,
+             stepwise_input: str = "edited") -> None:
     insts: list[GEUInstance] = [s.instance for s in batch]  # type: ignore[misc]
     images = [i.image() for i in insts]
     if "direct" in settings:
@@ -204,8 +278,11 @@ def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_sou
             s.replies["stepwise"] = None
         done = [k for k, im in enumerate(edited) if im is not None]
         if done:
-            replies = answer_choices(model, [edited[k] for k in done], [insts[k] for k in done], answer_mode,
-                                     stepwise=True)
+            asked = [insts[k] for k in done]
+            if stepwise_input == "original+edited":
+                replies = answer_with_original(model, [images[k] for k in done], [edited[k] for k in done], asked)
+            else:
+                replies = answer_choices(model, [edited[k] for k in done], asked, answer_mode, stepwise=True)
             for k, reply in zip(done, replies):
                 batch[k].replies["stepwise"] = reply
         for s in batch:
@@ -223,8 +300,10 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
                      edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
                      world_cfg: WorldConfig | None = None,
                      answer_mode: str = RealUnifyEvalConfig.answer_mode,
-                     letter_parse: str = RealUnifyEvalConfig.letter_parse) -> list[Sample]:
-    """Run the settings for every instance (GEU answers scored; UEG images not yet judged)."""
+                     letter_parse: str = RealUnifyEvalConfig.letter_parse,
+                     stepwise_input: str | None = "edited") -> list[Sample]:
+    """Run the settings for every instance (GEU answers scored; UEG images not yet judged);
+    ``stepwise_input`` resolved (:func:`resolve_stepwise_input`)."""
     samples = [Sample(inst) for inst in instances]
     for axis, run in (("ueg", _run_ueg), ("geu", _run_geu)):
         mine = [s for s in samples if s.instance.axis == axis]
@@ -235,7 +314,8 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
             if axis == "ueg":
                 run(model, batch, settings, max_new_tokens, image_config)
             else:
-                run(model, batch, settings, image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse)
+                run(model, batch, settings, image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse,
+                    stepwise_input)
     return samples
 
 
@@ -317,7 +397,7 @@ TABLE_COLUMNS = ["id", "axis", "category", "text", "direct_image", "direct_outpu
 
 
 def table_rows(samples: Sequence[Sample], limit: int | None = None) -> list[list[Any]]:
-    """Rows for :func:`unicon.evaluation.callbacks.log_table`: per sample, the direct and stepwise
+    """Rows for :func:`unicon.evaluation.logs.log_table`: per sample, the direct and stepwise
     images side by side (UEG: the two drawings; GEU: the input image the direct answer saw and the
     edited one), with the judge's answers / the model's reply and whether each setting was right."""
     rows = []
@@ -355,13 +435,16 @@ def evaluate_realunify(
     check_model: bool = True,
     answer_mode: str = RealUnifyEvalConfig.answer_mode,
     letter_parse: str = RealUnifyEvalConfig.letter_parse,
+    stepwise_input: str = RealUnifyEvalConfig.stepwise_input,
 ) -> tuple[dict[str, float], list[Sample]]:
     """Generate, judge and score ``instances`` on every rank of the process group (or alone, a shard,
     a merge). Returns the metrics (the same on every rank) and this rank's samples.
 
     Two instances of a category with one id are refused (:func:`~.data.check_unique`): their images
-    would overwrite each other. ``check_model`` False skips :func:`check_editing` (a merge: the shards
-    checked their model)."""
+    would overwrite each other. ``stepwise_input`` ``"auto"`` is resolved here
+    (:func:`resolve_stepwise_input`) and the resolved value written to ``realunify.json``.
+    ``check_model`` False skips :func:`check_editing` and :func:`check_stepwise_input` (a merge: the
+    shards checked their model)."""
     if not instances:
         raise UserError("RealUnify: no instances to evaluate")
     check_unique(instances)  # one image file per instance and setting
@@ -370,15 +453,18 @@ def evaluate_realunify(
         raise UserError(f"eval.realunify.answer_mode must be 'generate' or 'likelihood', got {answer_mode!r}")
     if letter_parse not in LETTER_PARSERS:
         raise UserError(f"eval.realunify.letter_parse must be 'strict' or 'lenient', got {letter_parse!r}")
+    stepwise_input = resolve_stepwise_input(stepwise_input, instances)
     if check_model:
         check_editing(model, instances, settings, edit_prompt_source)
+        check_stepwise_input(model, instances, settings, stepwise_input, answer_mode)
     mine = shard_indices(len(instances))
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,
-                                       image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse)
+                                       image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse,
+                                       stepwise_input)
     finally:
         model.train(was_training)
     judge_samples(judge, samples, settings)
@@ -396,5 +482,5 @@ def evaluate_realunify(
     if out is not None and writes_outputs():
         write_summary(out, list(gathered.values()), metrics,
                       {"judge": getattr(judge, "name", str(judge)), "settings": settings,
-                       "letter_parse": letter_parse, **(info or {})})
+                       "letter_parse": letter_parse, "stepwise_input": stepwise_input, **(info or {})})
     return metrics, samples

@@ -15,13 +15,11 @@ from typing import Sequence
 
 from unicon import jsonsafe
 from unicon.config import ShapesEvalConfig
-from unicon.evaluation.callbacks import EvalCallback, log_figures
+from unicon.evaluation.callbacks import EvalCallback
+from unicon.evaluation.logs import log_figures
 from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, logged_scalars
-from unicon.evaluation.shapes.plots import plot_examples
+from unicon.evaluation.shapes.plots import FIGURES, plot_examples
 from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
-
-#: the picture logged as ``shapes/fig/<name>``
-FIGURES = ("shapes_eval",)
 
 
 class ShapesCallback(EvalCallback):

@@ -76,9 +76,9 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help
-    from unicon.evaluation.callbacks import log_metrics
+    from unicon.evaluation.logs import log_eval_config, log_figures, log_metrics
     from unicon.evaluation.shapes.metrics import logged_scalars
-    from unicon.evaluation.shapes.plots import plot_examples
+    from unicon.evaluation.shapes.plots import FIGURES, plot_examples
     from unicon.evaluation.shapes.runner import check_world, shapes_task_accuracies
     from unicon.loggers import environment_info, make_loggers
 
@@ -106,7 +106,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     # --logger none: no W&B or CSV run, but metrics.jsonl, as every suite writes
     loggers = make_loggers(LoggerConfig(type=args.logger, tags=["shapes"]), out, name=f"shapes-{out.name}",
                            replace=True)
+    log_eval_config(loggers, args, fingerprint)
     log_metrics(loggers, logged_scalars(metrics), step=0)
+    log_figures(loggers, "shapes", out, FIGURES, step=0)  # shapes/fig/shapes_eval, as at epoch end
     for lg in loggers:
         lg.finalize("success")
     print(jsonsafe.dumps(metrics, indent=1))

@@ -9,6 +9,9 @@ import textwrap
 from pathlib import Path
 from typing import Sequence
 
+#: the picture, ``<out>/<name>.png``, logged as ``shapes/fig/<name>``
+FIGURES = ("shapes_eval",)
+
 NAMES = {"vqa": "VQA", "caption": "caption", "grounding": "localization", "t2i": "text-to-image",
          "edit": "image editing"}
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import UReasonInstance, load_instances, subset, world_root_of
-from unicon.evaluation.callbacks import EvalCallback, log_figures, log_table
+from unicon.evaluation.callbacks import EvalCallback
+from unicon.evaluation.logs import log_figures, log_table
 from unicon.evaluation.ureason.judges import Judge, build_judge, check_judge_fits
 from unicon.evaluation.ureason.plots import FIGURES
 from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows

@@ -80,7 +80,7 @@ def argv_from_config(cfg) -> list[str]:
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help
-    from unicon.evaluation.callbacks import log_eval_config, log_figures, log_metrics, log_table
+    from unicon.evaluation.logs import log_eval_config, log_figures, log_metrics, log_table
     from unicon.evaluation.ureason.judges import Judge, RecordedJudge, build_judge, check_judge_fits, check_judge_spec
     from unicon.evaluation.ureason.plots import FIGURES
     from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows

@@ -30,7 +30,7 @@ Files (:func:`evaluate_ureason` with ``out_dir``): ``ureason.json`` (metrics and
 ``samples.jsonl`` (one :func:`sample_record` per instance: prompts, trace, refined prompt, image
 paths, judge replies, verdicts, truncation flags), ``table.md`` (the paper's Table 2 layout) and
 ``images/s{1,2,3}/<category>_<id>.png``. :func:`table_rows` gives the three settings' images side
-by side for :func:`unicon.evaluation.callbacks.log_table`.
+by side for :func:`unicon.evaluation.logs.log_table`.
 """
 
 from __future__ import annotations
