@@ -98,6 +98,7 @@ def test_no_package_import_cycles(graph):
 #: The layers, lowest first: a package may import packages of its own layer or below, never above.
 #: ``evaluation`` sits under ``training``: a training run calls the suites at epoch end (their
 #: callbacks), while a suite never needs the training code and runs on any checkpoint by itself.
+#: ``report`` sits over ``evaluation``: the page's suite sections come from the suite registry.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("unicon", "unicon.errors", "unicon.jsonsafe", "unicon.progress", "unicon.core", "unicon.config"),
     ("unicon.worlds",),
@@ -105,8 +106,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("unicon.embedders",),
     ("unicon.models",),
     ("unicon.losses",),
-    ("unicon.loggers", "unicon.lightning_loggers", "unicon.report"),
+    ("unicon.loggers", "unicon.lightning_loggers"),
     ("unicon.evaluation",),
+    ("unicon.report",),
     ("unicon.training",),
     ("unicon.experiments", "unicon.bench", "unicon.study", "data_builders"),
     ("unicon.cli",),

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 from test_wandb_logging import STEPS_PER_EPOCH, runs  # noqa: F401  (the session's run, built once)
 
-from unicon.report import SECTIONS, collect
+from unicon.report import collect
+from unicon.report import sections as report_sections
 
 EPOCHS = 3  # two epochs, then one more after the resume
 WINDOW = (1280, 4000)
@@ -119,8 +120,8 @@ def test_report_html_renders_every_section_in_chromium(report, chromium, tmp_pat
     sections = probe["sections"]
 
     # every section, in order, with its title; no broken image anywhere
-    assert list(sections) == [sid for sid, _ in SECTIONS]
-    assert {sid: s["title"] for sid, s in sections.items()} == dict(SECTIONS)
+    assert list(sections) == [sid for sid, _ in report_sections()]
+    assert {sid: s["title"] for sid, s in sections.items()} == dict(report_sections())
     assert probe["images"] == len(re.findall(r"<img\s", page.read_text(encoding="utf-8")))
     broken = {sid: s["broken"] for sid, s in sections.items() if s["broken"]}
     assert not broken, f"images that did not decode: {broken}"
@@ -214,7 +215,8 @@ def test_report_without_evaluations_thumbnails_and_bad_files(tmp_path):
 
     from unicon.config import compose, to_yaml
     from unicon.errors import UserError
-    from unicon.report import THUMB_SIDE, write_report
+    from unicon.evaluation.html import THUMB_SIDE
+    from unicon.report import write_report
 
     run = tmp_path / "run"
     run.mkdir()
@@ -223,7 +225,7 @@ def test_report_without_evaluations_thumbnails_and_bad_files(tmp_path):
                                                for s in range(5)))
     write_report(run)
     page = (run / "report.html").read_text(encoding="utf-8")
-    assert [m for m in re.findall(r'<section id="(\w+)">', page)] == [sid for sid, _ in SECTIONS]
+    assert [m for m in re.findall(r'<section id="(\w+)">', page)] == [sid for sid, _ in report_sections()]
     assert page.count('data-key="training/curves"') == 1 and 'data-key="evaluation/curves"' not in page
     for sid in ("cococon", "drift", "ureason"):
         assert f"No {sid} evaluation in this run" in _section(page, sid)

@@ -21,6 +21,11 @@ Every layer is validated against the schema: an unknown key or a wrong type rais
 a fixed set of values are declared with :func:`choice` and checked right after composition, so a
 bad value fails at compose time, before anything is built, naming the file or "command line".
 
+``eval`` holds one section per in-tree evaluation suite (:class:`EvalConfig`'s fields) and, through
+:func:`set_eval_sections`, one per out-of-tree suite: the suite registry
+(:mod:`unicon.evaluation.suites`) supplies each plugin's eval dataclass, and every composition adds
+it to the schema before merging, so ``eval.<plugin>.<key>=...`` is typed and validated alike.
+
 Why hand-written rather than Hydra's compose API: composition is a few functions on OmegaConf, which
 is already a dependency, while Hydra is not installed. The composer remembers which file (or
 "command line") set every key, so a bad value found by :func:`validate` (from the schema's
@@ -38,9 +43,9 @@ import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, get_type_hints
+from typing import Any, Callable, Mapping, Optional, Sequence, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 GROUPS = ("model", "data", "trainer", "loss", "eval", "logger")
@@ -377,6 +382,32 @@ class EvalConfig:
     editing: EditingEvalConfig = field(default_factory=EditingEvalConfig)
 
 
+#: ``() -> {section: dataclass}``: eval sections beyond :class:`EvalConfig`'s fields (a plugin suite's),
+#: set by the evaluation suite registry (:func:`set_eval_sections`); this module imports no suite
+_eval_sections: Callable[[], Mapping[str, type]] | None = None
+
+
+def set_eval_sections(provider: Callable[[], Mapping[str, type]] | None) -> None:
+    """Have every composed config carry, next to :class:`EvalConfig`'s fields, the sections that
+    ``provider()`` returns (``{name: dataclass}``, the eval dataclass of each out-of-tree suite): each
+    is ``eval.<name>``, typed and validated by its dataclass as an in-tree section is."""
+    global _eval_sections
+    _eval_sections = provider
+
+
+def eval_sections() -> dict[str, type]:
+    """The extra eval sections (:func:`set_eval_sections`), none of them a field of :class:`EvalConfig`."""
+    if _eval_sections is None:
+        return {}
+    known = {f.name for f in fields(EvalConfig)}
+    extra = dict(_eval_sections())
+    for name, cls in extra.items():
+        if name in known or not is_dataclass(cls):
+            raise ConfigError(f"eval section {name!r}: " + ("already a field of EvalConfig" if name in known
+                                                            else f"{cls!r} is not a dataclass"))
+    return extra
+
+
 @dataclass
 class LoggerConfig:
     type: str = choice("wandb", ("wandb", "csv", "none"))
@@ -476,6 +507,10 @@ class _Composer:
 
     def __init__(self):
         self.cfg = OmegaConf.structured(RunConfig)
+        self.extra = eval_sections()
+        with open_dict(self.cfg.eval):
+            for name, cls in self.extra.items():
+                self.cfg.eval[name] = OmegaConf.structured(cls)
         self.sources: dict[str, str] = {}
 
     def add(self, layer: DictConfig | dict, source: str) -> None:
@@ -489,7 +524,7 @@ class _Composer:
         except OmegaConfBaseException as e:
             raise ConfigError(f"cannot resolve interpolation: {str(e).splitlines()[0]}") from None
         resolve_auto(self.cfg)
-        validate(self.cfg, self.sources)
+        validate(self.cfg, self.sources, self.extra)
         return self.cfg
 
 
@@ -693,9 +728,11 @@ def field_problem(f, value: Any) -> tuple[Any, str] | None:
     return None
 
 
-def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
-    """Check every ``choice``/``bounded`` field of the schema; raise :class:`ConfigError` naming the
-    key, the value, what is allowed and the file (or "command line") that set it."""
+def validate(cfg: DictConfig, sources: dict[str, str] | None = None,
+             extra: Mapping[str, type] | None = None) -> None:
+    """Check every ``choice``/``bounded`` field of the schema and of the ``extra`` eval sections
+    (:func:`eval_sections`); raise :class:`ConfigError` naming the key, the value, what is allowed
+    and the file (or "command line") that set it."""
     sources = sources or {}
 
     def fail(key: str, value: Any, problem: str) -> None:
@@ -714,6 +751,8 @@ def validate(cfg: DictConfig, sources: dict[str, str] | None = None) -> None:
                 fail(key, *problem)
 
     walk(RunConfig, cfg, "")
+    for name, cls in (extra or {}).items():
+        walk(cls, cfg.eval[name], f"eval.{name}.")
     for key in ("data.tasks", "loss.tasks", "eval.cococon.tasks", "eval.drift.embedders",
                 "eval.shapes.tasks", "eval.realunify.settings", "eval.alignment.bagel_modes",
                 "eval.alignment.baselines"):

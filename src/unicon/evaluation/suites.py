@@ -1,17 +1,32 @@
-"""The suite registry: ``unicon evaluate <name>`` and ``unicon evaluate all`` route through it.
+"""The suite registry: ``unicon evaluate <name>``, ``unicon evaluate all``, the epoch-end callbacks
+of a training run and the sections of ``report.html`` route through it.
 
 A suite registers its command where it is defined, with the decorator::
 
-    @register_suite("cococon", "CocoCon cross-task consistency", section="cococon", argv=argv_from_config)
+    @register_suite("cococon", "CocoCon cross-task consistency", section="cococon", argv=argv_from_config,
+                    config=CocoConEvalConfig, callback="unicon.evaluation.cococon.callback:CocoConCallback",
+                    report="unicon.evaluation.cococon.report:section", title="CocoCon")
     def cli(argv=None) -> int: ...
 
 ``section`` names its part of the run config (``eval.<section>``, whose ``enabled`` the training
 run's eval group sets), ``argv`` turns a composed run config into the command's arguments (the
 eval section's fields are the command's generated flags, :func:`unicon.evaluation.cli_common.config_argv`),
 so ``unicon evaluate all --ckpt X eval=<group>`` runs what a training run with that group runs at
-epoch end, with the same settings and data defaults. In-tree suites are the modules of
-:data:`IN_TREE`; out-of-tree ones declare their module in the entry-point group
-:data:`SUITE_ENTRY_POINTS` (``[project.entry-points."unicon.suites"] mysuite = "pkg.cli"``).
+epoch end, with the same settings and data defaults. ``callback`` (``"module:Class"``) is that
+epoch-end callback; ``report`` (``"module:function"``, a function ``(run_dir) -> str`` built from
+:mod:`unicon.evaluation.html`) renders the suite's section of ``report.html`` under ``title``, and
+``headline`` lists the metrics the report's summary and curves show. Both strings are imported only
+when used, so listing the suites (``--help``) imports no torch.
+
+In-tree suites are the modules of :data:`IN_TREE`, their sections fields of
+:class:`unicon.config.EvalConfig`. Out-of-tree ones declare their module in the entry-point group
+:data:`SUITE_ENTRY_POINTS` (``[project.entry-points."unicon.suites"] mysuite = "pkg.cli"``) and
+pass ``config=`` (their eval dataclass, with at least ``enabled: bool``): the config module imports
+no suite (it sits below this one), so this module hands it a provider of those sections
+(:func:`unicon.config.set_eval_sections`) when it is imported; every config composed afterwards
+(``unicon train``, ``unicon evaluate all``: both import the registry first) carries
+``eval.<section>``, typed and validated by the plugin's dataclass, and a training run builds the
+plugin's callback when it is enabled.
 """
 
 from __future__ import annotations
@@ -19,11 +34,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
-from unicon.config import compose
+from unicon.config import EvalConfig, compose, set_eval_sections
 from unicon.errors import UserError
 
 SUITE_ENTRY_POINTS = "unicon.suites"
@@ -42,28 +57,47 @@ class Suite:
     argv: Callable | None = None  # (run config) -> the command's arguments for `evaluate all`
     callback: str | None = None  # "module:Class" of the epoch-end callback (EvalCallback) of eval.<section>
     shardable: bool = True  # its command takes --shard I/N and --merge
+    config: type | None = None  # the dataclass of eval.<section> (an in-tree suite's is a field of EvalConfig)
+    report: str | None = None  # "module:function" rendering its section of report.html: (run_dir) -> HTML
+    title: str | None = None  # the heading of that section (default: the name)
+    headline: tuple[str, ...] = ()  # metrics of the report's summary table and curves ("<suite>/<metric>")
 
     def callback_class(self):
         """The epoch-end callback class (imported now), None without one."""
-        if self.callback is None:
-            return None
-        module, name = self.callback.split(":")
-        return getattr(importlib.import_module(module), name)
+        return None if self.callback is None else _attribute(self.callback)
+
+    def report_section(self) -> Callable | None:
+        """The report section renderer (imported now), None without one."""
+        return None if self.report is None else _attribute(self.report)
+
+
+def _attribute(spec: str):
+    """``"module:name"`` -> the object (its module imported now)."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 _SUITES: dict[str, Suite] = {}
+_IN_TREE_SECTIONS = frozenset(f.name for f in fields(EvalConfig) if f.name != "fail_on_error")
 
 
 def register_suite(name: str, help: str, section: str | None = None, argv: Callable | None = None,
-                   callback: str | None = None, shardable: bool = True):
+                   callback: str | None = None, shardable: bool = True, config: type | None = None,
+                   report: str | None = None, title: str | None = None, headline: Sequence[str] = ()):
     """Function decorator: ``cli`` becomes ``unicon evaluate <name>``; ``callback``: ``"module:Class"``
-    of its epoch-end callback; ``shardable``: whether the command takes ``--shard``/``--merge``."""
+    of its epoch-end callback; ``shardable``: whether the command takes ``--shard``/``--merge``;
+    ``config``: the dataclass of ``eval.<section>`` (required when the section is not a field of
+    :class:`unicon.config.EvalConfig`); ``report``: ``"module:function"`` of its report.html section,
+    headed ``title``; ``headline``: its headline metrics."""
+    if section is not None and section not in _IN_TREE_SECTIONS and config is None:
+        raise ValueError(f"suite {name!r}: eval.{section} is no field of EvalConfig: pass config=<its dataclass>")
 
     def register(cli):
         known = _SUITES.get(name)
         if known is not None and known.cli is not cli:
             raise ValueError(f"suite {name!r} is already registered by {known.cli.__module__}")
-        _SUITES[name] = Suite(name, help, cli, section, argv, callback, shardable)
+        _SUITES[name] = Suite(name, help, cli, section, argv, callback, shardable, config, report, title,
+                              tuple(headline))
         return cli
 
     return register
@@ -85,6 +119,15 @@ def suites() -> dict[str, Suite]:
         return IN_TREE.index(s.cli.__module__) if s.cli.__module__ in IN_TREE else len(IN_TREE)
 
     return {s.name: s for s in sorted(_SUITES.values(), key=rank)}  # sorted() is stable: plugins keep their order
+
+
+def plugin_sections() -> dict[str, type]:
+    """``{section: dataclass}`` of the registered suites whose section is no field of ``EvalConfig``."""
+    return {s.section: s.config for s in suites().values()
+            if s.section is not None and s.section not in _IN_TREE_SECTIONS and s.config is not None}
+
+
+set_eval_sections(plugin_sections)
 
 
 def suite(name: str) -> Suite:

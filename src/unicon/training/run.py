@@ -459,10 +459,11 @@ def build_training_model(cfg: DictConfig):
 
 def make_eval_callbacks(cfg: DictConfig) -> list:
     """Epoch-end evaluation callbacks of the enabled suites. A suite that cannot be built fails the
-    run here, before training starts (never silently skipped)."""
+    run here, before training starts (never silently skipped). A plugin suite's section is in every
+    composed config (:func:`unicon.config.set_eval_sections`), so its callback is built like an in-tree one."""
     callbacks = []
     for s in suites().values():  # the suite registry names each suite's eval.<section> and callback
-        if s.section is None or s.callback is None or s.section not in cfg.eval or not cfg.eval[s.section].enabled:
+        if s.section is None or s.callback is None or not cfg.eval[s.section].enabled:
             continue
         callbacks.append(_make_callback(s.section, s.callback_class(), cfg))
     return callbacks

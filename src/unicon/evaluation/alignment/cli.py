@@ -100,7 +100,9 @@ def load_clip(source: str | None, device: str = "cpu"):
 
 
 @register_suite("alignment", "BagelScore vs CLIPScore & co. against human ratings (Kendall τ)", section="alignment",
-                argv=argv_from_config, callback="unicon.evaluation.alignment.callback:AlignmentCallback")
+                argv=argv_from_config, callback="unicon.evaluation.alignment.callback:AlignmentCallback",
+                config=AlignmentEvalConfig,
+                report="unicon.evaluation.alignment.report:section", title="Image-text alignment")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help

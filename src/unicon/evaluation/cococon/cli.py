@@ -101,7 +101,10 @@ def argv_from_config(cfg) -> list[str]:
 
 @register_suite("cococon", "CocoCon cross-task consistency C_k, rho_rank, accuracies", section="cococon",
                 argv=argv_from_config,
-                callback="unicon.evaluation.cococon.callback:CocoConCallback")
+                callback="unicon.evaluation.cococon.callback:CocoConCallback",
+                config=CocoConEvalConfig,
+                report="unicon.evaluation.cococon.report:section", title="CocoCon",
+                headline=("cococon/vqa/C_1", "cococon/localization/C_1", "cococon/t2i/C_1", "cococon/vqa/rho"))
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help

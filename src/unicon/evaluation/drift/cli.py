@@ -120,7 +120,10 @@ def argv_from_config(cfg) -> list[str]:
 
 
 @register_suite("drift", "semantic drift chains (MCD, MGG)", section="drift", argv=argv_from_config,
-                callback="unicon.evaluation.drift.callback:DriftCallback")
+                callback="unicon.evaluation.drift.callback:DriftCallback",
+                config=DriftEvalConfig,
+                report="unicon.evaluation.drift.report:section", title="Semantic drift",
+                headline=("drift/MCD_avg", "drift/MGG"))
 def cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate drift --ckpt ... --seeds ... --generations 20 --out DIR``."""
     args = build_parser().parse_args(argv)

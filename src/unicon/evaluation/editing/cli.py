@@ -107,7 +107,9 @@ def argv_from_config(cfg) -> list[str]:
 
 @register_suite("editing", "EditingScore vs edit-quality ratings (Kendall tau_b, Table 4 ablations)",
                 section="editing", argv=argv_from_config,
-                callback="unicon.evaluation.editing.callback:EditingCallback")
+                callback="unicon.evaluation.editing.callback:EditingCallback",
+                config=EditingEvalConfig,
+                report="unicon.evaluation.editing.report:section", title="EditingScore")
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help

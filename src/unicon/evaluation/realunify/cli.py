@@ -97,7 +97,10 @@ def argv_from_config(cfg) -> list[str]:
 
 
 @register_suite("realunify", "RealUnify UEG and GEU, direct and stepwise", section="realunify",
-                argv=argv_from_config, callback="unicon.evaluation.realunify.callback:RealUnifyCallback")
+                argv=argv_from_config, callback="unicon.evaluation.realunify.callback:RealUnifyCallback",
+                config=RealUnifyEvalConfig,
+                report="unicon.evaluation.realunify.report:section", title="RealUnify",
+                headline=("realunify/acc_direct", "realunify/acc_stepwise"))
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help

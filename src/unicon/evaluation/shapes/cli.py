@@ -72,7 +72,8 @@ def argv_from_config(cfg) -> list[str]:
 
 
 @register_suite("shapes", "ShapesWorld task accuracies (VQA, caption, loc, T2I)", section="shapes",
-                argv=argv_from_config, callback="unicon.evaluation.shapes.callback:ShapesCallback", shardable=False)
+                argv=argv_from_config, callback="unicon.evaluation.shapes.callback:ShapesCallback", shardable=False,
+                config=ShapesEvalConfig)
 def cli(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help

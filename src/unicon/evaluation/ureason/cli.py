@@ -76,7 +76,10 @@ def argv_from_config(cfg) -> list[str]:
 
 
 @register_suite("ureason", "UReason reasoning-to-image, three settings", section="ureason",
-                argv=argv_from_config, callback="unicon.evaluation.ureason.callback:UReasonCallback")
+                argv=argv_from_config, callback="unicon.evaluation.ureason.callback:UReasonCallback",
+                config=UReasonEvalConfig,
+                report="unicon.evaluation.ureason.report:section", title="UReason",
+                headline=("ureason/acc_s1", "ureason/acc_s2", "ureason/acc_s3"))
 def cli(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # heavy: imported once the arguments parse, not for --help
