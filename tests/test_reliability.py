@@ -183,7 +183,16 @@ def test_resuming_an_older_checkpoint_is_refused_unless_resume_older(world, tmp_
     line = one_line_error(capsys, unicon_main(["train", f"resume={older}", *more]))
     assert f"resume={older} is at step 1, but {run / 'last.ckpt'} in the same folder is at step 2" in line, line
     assert "resume_older=true" in line
+    assert "metrics.jsonl's last training row is step 1: resuming last.ckpt continues after step 1" in line, line
     assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 2  # nothing ran
+    # a kill between the step-2 save and its row: the refusal shows the file one row behind
+    metrics = run / "metrics.jsonl"
+    kept = metrics.read_text()
+    metrics.write_text("".join(ln + "\n" for ln in kept.splitlines()
+                               if not ('"train/loss"' in ln and json.loads(ln)["step"] == 1)) + '{"step": 1, "tra')
+    line = one_line_error(capsys, unicon_main(["train", f"resume={older}", *more]))
+    assert "metrics.jsonl's last training row is step 0: resuming last.ckpt continues after step 1" in line, line
+    metrics.write_text(kept)
     with pytest.raises(ConfigError, match="command line: resume_older=True applies only to a resume"):
         compose(["resume_older=true"])
     again = train(compose_run([f"resume={older}", "resume_older=true", *more], announce=False))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -233,8 +234,30 @@ def check_resume_is_newest(cfg: DictConfig, step: int) -> None:
         if other > newest_step:
             newest, newest_step = path, other
     if newest is not None:
+        last = last_training_row(resume.parent / "metrics.jsonl")
+        logged = "" if last is None else (
+            f" (metrics.jsonl's last training row is step {last}: resuming {newest.name} continues after step "
+            f"{newest_step - 1}, resume_older=true trains again from step {step} and rewrites the rows after it)")
         raise UserError(f"resume={resume} is at step {step}, but {newest} in the same folder is at step {newest_step}: "
-                        f"resume from {newest}, or pass resume_older=true to go back to step {step}")
+                        f"resume from {newest}, or pass resume_older=true to go back to step {step}{logged}")
+
+
+def last_training_row(metrics: Path) -> int | None:
+    """The step of the last ``train/loss`` row of a run's ``metrics.jsonl`` (None: no file or no such
+    row). A line cut short by a kill is passed over. A checkpoint saved at the end of step ``s`` comes
+    before the row of step ``s`` is written, so a kill between the two leaves the newest checkpoint
+    one row ahead of the file, which the refusal above shows."""
+    if not metrics.is_file():
+        return None
+    last = None
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "train/loss" in row and isinstance(row.get("step"), int):
+            last = row["step"]
+    return last
 
 
 def next_hpc_checkpoint(run_dir: Path) -> Path:
