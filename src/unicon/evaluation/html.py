@@ -17,7 +17,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from unicon.errors import UserError
 
@@ -153,6 +153,21 @@ def figures(out: Path, suite: str, label: str, names: Sequence[str]) -> str:
     return '<div class="figures">' + "".join(
         figure_file(out / f"{name}.png", f"{suite}/fig/{name}", f"{name} ({label or 'evaluation'})")
         for name in names if (out / f"{name}.png").is_file()) + "</div>"
+
+
+def trend(evals: list[tuple[str, Path]], summary: str, columns: Mapping[str, Callable[[dict], Any]], cls: str) -> str:
+    """One row per evaluation of :func:`suite_outputs`: its label, then each column's value, read by
+    ``columns[header]`` from the evaluation's summary file ``summary`` (``{}`` when unreadable)."""
+    rows = []
+    for label, out in evals:
+        results = read_json(out / summary) or {}
+        rows.append([f"<td>{esc(label or '-')}</td>", *(td(read(results)) for read in columns.values())])
+    return table(["evaluation", *columns], rows, cls)
+
+
+def metric(key: str) -> Callable[[dict], Any]:
+    """A :func:`trend` column: ``results["metrics"][key]`` (None where missing)."""
+    return lambda results: (results.get("metrics") or {}).get(key)
 
 
 def earlier(evals: list[tuple[str, Path]], render) -> str:

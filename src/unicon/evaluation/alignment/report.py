@@ -33,12 +33,10 @@ def section(run_dir: Path) -> str:
     evals = h.suite_outputs(run_dir, "alignment", FILE)
     if not evals:
         return h.not_evaluated("alignment", FILE)
-    trend = []
-    for label, out in evals:
-        m = (h.read_json(out / FILE) or {}).get("metrics") or {}
-        trend.append([f"<td>{h.esc(label or '-')}</td>", *(h.td((m.get(k) or {}).get("tau_b")) for k in
-                                                          ("bagelscore_expected", "bagelscore_decode", "clip_s"))])
-    html_ = h.table(["evaluation", "BagelScore expected τ_b", "BagelScore decode τ_b", "CLIP-S τ_b"], trend,
-                   "alignment-trend")
-    return html_ + h.earlier(evals, _evaluation)
+    def tau_b(key):
+        return lambda results: (h.metric(key)(results) or {}).get("tau_b")
+
+    columns = {"BagelScore expected τ_b": tau_b("bagelscore_expected"), "BagelScore decode τ_b": tau_b("bagelscore_decode"),
+               "CLIP-S τ_b": tau_b("clip_s")}
+    return h.trend(evals, FILE, columns, "alignment-trend") + h.earlier(evals, _evaluation)
 

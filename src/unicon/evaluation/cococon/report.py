@@ -55,14 +55,10 @@ def section(run_dir: Path) -> str:
     evals = h.suite_outputs(run_dir, "cococon", FILE)
     if not evals:
         return h.not_evaluated("cococon", FILE)
-    trend = []
-    for label, out in evals:
-        res = h.read_json(out / FILE) or {}
-        trend.append([f"<td>{h.esc(label or '-')}</td>",
-                      *(h.td((res.get(t) or {}).get("C_k", {}).get("1")) for t in ("vqa", "localization", "t2i")),
-                      *(h.td((res.get(t) or {}).get("rho")) for t in ("vqa", "localization", "t2i"))])
-    html_ = h.table(["evaluation", "vqa C_1", "localization C_1", "t2i C_1", "vqa rho", "localization rho", "t2i rho"],
-                   trend, "cococon-trend")
+    tasks = ("vqa", "localization", "t2i")
+    columns = {**{f"{t} C_1": (lambda res, t=t: (res.get(t) or {}).get("C_k", {}).get("1")) for t in tasks},
+               **{f"{t} rho": (lambda res, t=t: (res.get(t) or {}).get("rho")) for t in tasks}}
+    html_ = h.trend(evals, FILE, columns, "cococon-trend")
     html_ += h.earlier(evals, lambda label, out: _evaluation(label, out, run_dir / "tables", None))
     return html_ + _samples(run_dir / "tables")
 

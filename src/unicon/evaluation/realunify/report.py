@@ -59,13 +59,8 @@ def section(run_dir: Path) -> str:
     evals = h.suite_outputs(run_dir, "realunify", FILE)
     if not evals:
         return h.not_evaluated("realunify", FILE)
-    trend = []
-    for label, out in evals:
-        m = (h.read_json(out / FILE) or {}).get("metrics") or {}
-        trend.append([f"<td>{h.esc(label or '-')}</td>", *(h.td(m.get(k)) for k in
-                                                          ("acc_direct", "acc_stepwise", "delta", "acc_direct/ueg",
-                                                           "acc_stepwise/ueg", "acc_direct/geu", "acc_stepwise/geu"))])
-    html_ = h.table(["evaluation", "acc direct", "acc stepwise", "Δ", "UEG direct", "UEG stepwise", "GEU direct",
-                    "GEU stepwise"], trend, "realunify-trend")
+    columns = {"acc direct": "acc_direct", "acc stepwise": "acc_stepwise", "Δ": "delta", "UEG direct": "acc_direct/ueg",
+               "UEG stepwise": "acc_stepwise/ueg", "GEU direct": "acc_direct/geu", "GEU stepwise": "acc_stepwise/geu"}
+    html_ = h.trend(evals, FILE, {header: h.metric(key) for header, key in columns.items()}, "realunify-trend")
     return html_ + h.earlier(evals, _evaluation)
 

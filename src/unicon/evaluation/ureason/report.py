@@ -54,11 +54,8 @@ def section(run_dir: Path) -> str:
     evals = h.suite_outputs(run_dir, "ureason", FILE)
     if not evals:
         return h.not_evaluated("ureason", FILE)
-    trend = []
-    for label, out in evals:
-        m = (h.read_json(out / FILE) or {}).get("metrics") or {}
-        trend.append([f"<td>{h.esc(label or '-')}</td>", *(h.td(m.get(k)) for k in
-                                                          ("acc_s1", "acc_s2", "acc_s3", "delta_12", "delta_23", "chain_acc"))])
-    html_ = h.table(["evaluation", "acc s1", "acc s2", "acc s3", "Δ12", "Δ23", "chain acc"], trend, "ureason-trend")
+    columns = {"acc s1": "acc_s1", "acc s2": "acc_s2", "acc s3": "acc_s3", "Δ12": "delta_12", "Δ23": "delta_23",
+               "chain acc": "chain_acc"}
+    html_ = h.trend(evals, FILE, {header: h.metric(key) for header, key in columns.items()}, "ureason-trend")
     return html_ + h.earlier(evals, _evaluation)
 
