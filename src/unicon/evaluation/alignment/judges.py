@@ -14,20 +14,33 @@ from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.alignment.bagelscore import BagelResult
 from unicon.evaluation.alignment.prompts import bagelscore_prompt, parse_rating
-from unicon.evaluation.ureason.judges import VLMJudge, _generate_replies
+from unicon.evaluation.ureason.judges import VLMJudge, _generate_replies, check_vlm_spec
 
 
 def check_judge(spec: str | None) -> None:
     """None (no judge) or ``vlm:<existing local directory>``; anything else is a :class:`UserError`."""
-    from pathlib import Path
-
     if spec is None or spec == "":
         return
     if not spec.startswith("vlm:"):
         raise UserError(f"--judge {spec!r}: use 'vlm:<local model directory>' (or leave it out)")
-    path = Path(spec[len("vlm:"):]).expanduser()
-    if not path.is_dir():
-        raise UserError(f"--judge {spec}: {path} is not a local model directory (judges load from disk only)")
+    check_vlm_spec(spec, "no judge")
+
+
+def rate_with_vlm(judge: VLMJudge, texts: Sequence[str], images: Sequence[Sequence[Image.Image]],
+                  scale: str) -> list[BagelResult]:
+    """A :class:`VLMJudge`'s greedy reply to each ``texts[i]`` (its chat text) shown ``images[i]``
+    (one or more images, in order), in batches of ``judge.batch_size``, cut to ``max_reply_chars``
+    and read by :func:`parse_rating` on ``scale`` (unparseable: a rating of None)."""
+    out: list[BagelResult] = []
+    for start in range(0, len(texts), judge.batch_size):
+        preemption.check()
+        stop = start + judge.batch_size
+        batch_images = [im.convert("RGB") for row in images[start:stop] for im in row]
+        inputs = judge.processor(text=list(texts[start:stop]), images=batch_images, return_tensors="pt", padding=True)
+        for reply, _ in _generate_replies(judge.model, judge.tokenizer, inputs, judge.max_new_tokens):
+            reply = reply[: judge.max_reply_chars]
+            out.append(BagelResult(parse_rating(reply, scale), reply=reply))
+    return out
 
 
 class AlignmentVLMJudge(VLMJudge):
@@ -41,16 +54,7 @@ class AlignmentVLMJudge(VLMJudge):
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def rate(self, images: Sequence[Image.Image], captions: Sequence[str], scale: str = "cf") -> list[BagelResult]:
-        out: list[BagelResult] = []
-        for start in range(0, len(captions), self.batch_size):
-            preemption.check()
-            texts = [self.build_text(c, scale) for c in captions[start:start + self.batch_size]]
-            ims = [im.convert("RGB") for im in images[start:start + self.batch_size]]
-            inputs = self.processor(text=texts, images=ims, return_tensors="pt", padding=True)
-            for reply, _ in _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens):
-                reply = reply[: self.max_reply_chars]
-                out.append(BagelResult(parse_rating(reply, scale), reply=reply))
-        return out
+        return rate_with_vlm(self, [self.build_text(c, scale) for c in captions], [[im] for im in images], scale)
 
 
 def build_judge(spec: str | None, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,

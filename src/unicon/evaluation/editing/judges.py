@@ -23,16 +23,14 @@ counted and left out of τ and Pearson's r, never guessed.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 from PIL import Image
 
-from unicon.errors import UserError
-from unicon.evaluation import preemption
 from unicon.evaluation.alignment.bagelscore import BagelResult
+from unicon.evaluation.alignment.judges import rate_with_vlm
 from unicon.evaluation.alignment.prompts import parse_rating
-from unicon.evaluation.ureason.judges import VLMJudge, _generate_replies
+from unicon.evaluation.ureason.judges import VLMJudge, check_vlm_spec
 
 #: the judge's rating scale: BagelScore's Flickr8K-CF values, read by :func:`parse_rating`
 SCALE = "cf"
@@ -72,11 +70,7 @@ def check_judge(spec: str | None) -> None:
     :class:`UserError`."""
     if not spec or spec == "model":
         return
-    if not spec.startswith("vlm:"):
-        raise UserError(f"--judge {spec!r}: use 'model' (the evaluated model) or 'vlm:<local model directory>'")
-    path = Path(spec[len("vlm:"):]).expanduser()
-    if not path.is_dir():
-        raise UserError(f"--judge {spec}: {path} is not a local model directory (judges load from disk only)")
+    check_vlm_spec(spec, "'model' (the evaluated model)")
 
 
 class ModelEditJudge:
@@ -116,17 +110,8 @@ class EditVLMJudge(VLMJudge):
              instructions: Sequence[str]) -> list[BagelResult]:
         if not len(sources) == len(edited) == len(instructions):
             raise ValueError(f"{len(sources)} sources, {len(edited)} edited images, {len(instructions)} instructions")
-        out: list[BagelResult] = []
-        for start in range(0, len(instructions), self.batch_size):
-            preemption.check()
-            stop = start + self.batch_size
-            texts = [self.build_text(i) for i in instructions[start:stop]]
-            images = [im.convert("RGB") for pair in zip(sources[start:stop], edited[start:stop]) for im in pair]
-            inputs = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
-            for reply, _ in _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens):
-                reply = reply[: self.max_reply_chars]
-                out.append(BagelResult(parse_rating(reply, SCALE), reply=reply))
-        return out
+        return rate_with_vlm(self, [self.build_text(i) for i in instructions],
+                             [[s, e] for s, e in zip(sources, edited)], SCALE)
 
 
 def describe(spec: str) -> dict[str, str]:

@@ -451,14 +451,20 @@ class ShapesJudge(Judge):
         return out
 
 
+def check_vlm_spec(spec: str, other: str) -> None:
+    """Refuse a ``--judge`` that is not ``vlm:<existing local directory>`` (judges load from disk only,
+    never the network); ``other`` names the suite's other choices in the message."""
+    if not spec.startswith("vlm:"):
+        raise UserError(f"--judge {spec!r}: use {other} or 'vlm:<local model directory>'")
+    path = Path(spec[len("vlm:"):]).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--judge {spec}: {path} is not a local model directory (judges load from disk only)")
+
+
 def check_judge_spec(spec: str, chain: str | None = None) -> None:
     """Refuse a judge spec that names no local model, before anything loads (never the network)."""
     if spec != "exact":
-        if not spec.startswith("vlm:"):
-            raise UserError(f"--judge {spec!r}: use 'exact' (the ShapesWorld verifier) or 'vlm:<local model directory>'")
-        path = Path(spec[len("vlm:"):]).expanduser()
-        if not path.is_dir():
-            raise UserError(f"--judge {spec}: {path} is not a local model directory (judges load from disk only)")
+        check_vlm_spec(spec, "'exact' (the ShapesWorld verifier)")
     if chain is not None and not Path(chain).expanduser().is_dir():
         raise UserError(f"--chain-judge {chain}: not a local model directory (judges load from disk only)")
 
