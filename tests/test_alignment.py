@@ -20,7 +20,8 @@ from unicon.errors import UserError
 from unicon.evaluation.alignment import prompts
 from unicon.evaluation.alignment.bagelscore import decode_scores, expected_scores
 from unicon.evaluation.alignment.data import load_pairs, read_image
-from unicon.evaluation.alignment.metrics import clip_scores, kendall, summarize
+from unicon.evaluation.alignment.metrics import clip_scores, summarize
+from unicon.evaluation.correlation import kendall
 
 REPO = Path(__file__).resolve().parents[1]
 EPS64 = torch.finfo(torch.float64).eps

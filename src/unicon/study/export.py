@@ -16,7 +16,8 @@ Every annotation is an independent data point (the paper does not average annota
 * **Agreement**: Krippendorff's alpha (the ``krippendorff`` package, ordinal; poor=0 < medium=1 <
   good=2) over units (sample, model) with one value per annotator, per section and over both;
   on rankings, Kendall's W per (sample, section) averaged over the units, and the mean pairwise
-  Kendall tau (scipy) over every pair of annotators of a unit. A value is ``null`` with a
+  Kendall tau_b (:func:`unicon.evaluation.correlation.kendall`; ranks have no ties, so tau_b = tau_a)
+  over every pair of annotators of a unit. A value is ``null`` with a
   ``<key>_reason`` when it is undefined (one distinct value, fewer than two annotators per unit).
 * **Correlations with the drift metrics**, per section and metric, in two forms (directions: a
   *lower* human rank is better; a *higher* ``MCD_avg`` (more similarity to the input, less drift),
@@ -105,7 +106,7 @@ def kendalls_w(ranks: np.ndarray) -> float:
 
 
 def ranking_agreement(rows: list[dict], section: str, models: list[str]) -> dict[str, Any]:
-    from scipy.stats import kendalltau
+    from unicon.evaluation.correlation import kendall
 
     by_unit: dict[int, dict[str, dict[str, int]]] = {}
     for r in rows:
@@ -118,10 +119,12 @@ def ranking_agreement(rows: list[dict], section: str, models: list[str]) -> dict
         mat = np.array([[per[a][m] for m in models] for a in sorted(per)], dtype=float)
         ws.append(kendalls_w(mat))
         for x, y in itertools.combinations(range(len(mat)), 2):
-            taus.append(float(kendalltau(mat[x], mat[y]).statistic))
+            tau = kendall(mat[x], mat[y])["tau_b"]  # None with fewer than two models
+            if tau is not None:
+                taus.append(tau)
     out: dict[str, Any] = {"units": len(ws)}
     out["kendall_w"] = float(np.mean(ws)) if ws else None
-    out["kendall_tau_pairwise"] = float(np.nanmean(taus)) if taus else None
+    out["kendall_tau_pairwise"] = float(np.mean(taus)) if taus else None
     if not ws:
         out["kendall_w_reason"] = out["kendall_tau_pairwise_reason"] = "no sample was ranked by two annotators"
     return out

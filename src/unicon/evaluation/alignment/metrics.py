@@ -1,9 +1,10 @@
 """Correlations with human ratings, and the reference-based caption metrics (no unified model; BERTScore
 loads its text encoder through :mod:`.bertscore`).
 
-* :func:`kendall`: Kendall's τ_b and τ_c (``scipy.stats.kendalltau(variant=...)``) of a metric's scores
-  against the ratings, over the pairs where the metric has a score (a ``decode`` failure, a pair
-  without references for a reference metric: left out and counted in ``missing``);
+* :func:`summarize`: the summary of ``alignment.json``: per metric, Kendall's τ_b and τ_c
+  (:func:`unicon.evaluation.correlation.kendall`) of its scores against the ratings, over the pairs
+  where the metric has a score (a ``decode`` failure, a pair without references for a reference
+  metric: left out and counted in ``missing``);
 * :func:`reference_metrics`: per-pair BLEU-1, BLEU-4, ROUGE-L, METEOR, CIDEr-D, SPICE (pycocoevalcap)
   and BERTScore (:mod:`.bertscore`) of each caption against its references (the baselines of the
   BagelScore paper's Table 1). They are computed over the **whole** set at once (CIDEr's document
@@ -32,8 +33,7 @@ loads its text encoder through :mod:`.bertscore`).
   CLIP-S and max(max_r cos(caption, reference r), 0), w = 2.5 (Hessel et al., 2021, eqs. 1-2). Hessel
   et al. embed every caption and reference with the prefix "A photo depicts " (:data:`HESSEL_PREFIX`;
   their section 3 and their released ``clipscore.py``); the runner prefixes the texts as its
-  ``clip_prefix`` setting says (:func:`unicon.evaluation.alignment.runner.resolve_clip_prefix`);
-* :func:`summarize`: the summary of ``alignment.json``.
+  ``clip_prefix`` setting says (:func:`unicon.evaluation.alignment.runner.resolve_clip_prefix`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from unicon.evaluation.correlation import kendall
+
 #: CLIPScore's rescaling weight w (Hessel et al., 2021)
 CLIP_W = 2.5
 #: the text Hessel et al. put before every caption and reference they embed with CLIP
@@ -57,24 +59,6 @@ HESSEL_PREFIX = "A photo depicts "
 REFERENCE_METRICS = ("bleu1", "bleu4", "rouge_l", "meteor", "cider", "spice", "bertscore")
 #: what SPICE needs beside its own jar: Stanford CoreNLP 3.6.0, in pycocoevalcap's ``spice/lib``
 SPICE_CORENLP_JARS = ("stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar")
-
-
-def kendall(scores: Sequence[float | None], ratings: Sequence[float]) -> dict[str, Any]:
-    """τ_b, τ_c and their p-values over the pairs with a score; ``n`` used, ``missing`` left out.
-    Fewer than two pairs, or a constant side: the τ values are None (scipy returns NaN)."""
-    from scipy.stats import kendalltau
-
-    keep = [(float(s), float(r)) for s, r in zip(scores, ratings) if s is not None and math.isfinite(float(s))]
-    out: dict[str, Any] = {"n": len(keep), "missing": len(scores) - len(keep)}
-    for variant in ("b", "c"):
-        tau = p = None
-        if len(keep) >= 2:
-            x, y = zip(*keep)
-            res = kendalltau(x, y, variant=variant)
-            if math.isfinite(res.statistic):
-                tau, p = float(res.statistic), float(res.pvalue)
-        out[f"tau_{variant}"], out[f"p_{variant}"] = tau, p
-    return out
 
 
 def _simple_tokenize(text: str) -> str:
@@ -242,8 +226,9 @@ def clip_scores(image_emb: torch.Tensor, caption_emb: torch.Tensor,
 
 
 def summarize(records: Sequence[Mapping[str, Any]], metric_names: Sequence[str]) -> dict[str, Any]:
-    """Per metric: Kendall τ_b/τ_c against ``rating`` (:func:`kendall`), plus for ``bagelscore_decode``
-    its ``failures`` and ``failure_rate`` (unparseable replies among the pairs it scored)."""
+    """Per metric: Kendall τ_b/τ_c against ``rating`` (:func:`~unicon.evaluation.correlation.kendall`),
+    plus for ``bagelscore_decode`` its ``failures`` and ``failure_rate`` (unparseable replies among the
+    pairs it scored)."""
     ratings = [r["rating"] for r in records]
     out: dict[str, Any] = {}
     for name in metric_names:

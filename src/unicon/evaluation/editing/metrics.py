@@ -54,6 +54,10 @@ Human Score itself (tau_b = 1; tau_c, computed, is below 1 when ratings tie, whe
 1.000), of EditingScore and of the judge's score
 (:mod:`~unicon.evaluation.editing.judges`, the stand-in for the paper's GPT-based scoring; its
 failures, unparseable replies, are left out and counted), beside the paper's values.
+
+Every Kendall row (:func:`kendall_row`: ``tau_b``, ``tau_c``, ``p_value`` of tau_b, ``n``) comes from
+:func:`unicon.evaluation.correlation.kendall`, which states the equations: with fewer than two pairs or a
+constant side the row's tau and p are None (``null`` in ``editing.json``, "n/a" in ``table.md``).
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from scipy.stats import kendalltau
 
 from unicon.config import EDITING_EPS
+from unicon.evaluation.correlation import kendall
 from unicon.evaluation.editing.data import CRITERIA
 
 EPS = EDITING_EPS
@@ -113,14 +117,11 @@ def rating_pairs(records: Sequence[Mapping[str, Any]], key: str, criterion: str)
     return xs, ys
 
 
-def kendall(xs: Sequence[float], ys: Sequence[float]) -> dict[str, Any]:
-    """``tau_b``, ``tau_c`` (scipy), the tau_b p-value and ``n``; NaN when fewer than 2 pairs or a constant side."""
-    n = len(xs)
-    if n < 2 or len(set(xs)) < 2 or len(set(ys)) < 2:
-        return {"tau_b": float("nan"), "tau_c": float("nan"), "p_value": float("nan"), "n": n}
-    b = kendalltau(xs, ys, variant="b")
-    c = kendalltau(xs, ys, variant="c")
-    return {"tau_b": float(b.statistic), "tau_c": float(c.statistic), "p_value": float(b.pvalue), "n": n}
+def kendall_row(xs: Sequence[float], ys: Sequence[float]) -> dict[str, Any]:
+    """``tau_b``, ``tau_c``, the tau_b p-value and ``n`` of :func:`unicon.evaluation.correlation.kendall`
+    (None when fewer than 2 pairs or a constant side)."""
+    k = kendall(xs, ys)
+    return {"tau_b": k["tau_b"], "tau_c": k["tau_c"], "p_value": k["p_b"], "n": k["n"]}
 
 
 #: Table 2's Human Score: Edit-1K's holistic criterion
@@ -206,29 +207,30 @@ def summarize(records: Sequence[Mapping[str, Any]], skipped: Mapping[str, Mappin
     judged = judge is not None
     keys = (*CORRELATED, "judge") if judged else CORRELATED
     scored = [{**r, "judge": r.get("judge_score")} for r in records] if judged else records
-    table = {key: {c: kendall(*rating_pairs(scored, key, c)) for c in present} for key in keys}
+    table = {key: {c: kendall_row(*rating_pairs(scored, key, c)) for c in present} for key in keys}
     nonfinite = sum(1 for r in records if r.get("score") is None or not math.isfinite(r["score"]))
     direction, agrees = {}, {}
     for c in present:
         t = table["score"][c]["tau_b"]
         direction[c] = ("higher score = better rating" if t > 0 else "lower score = better rating" if t < 0
-                        else "none") if not math.isnan(t) else "undefined"
-        agrees[c] = bool(t > 0) if not math.isnan(t) and t != 0 else None
+                        else "none") if t is not None else "undefined"
+        agrees[c] = bool(t > 0) if t is not None and t != 0 else None
     pearson = pearson_matrix(records, HUMAN, (*PEARSON_VARIABLES, "judge") if judged else PEARSON_VARIABLES)
     if judged:
         pearson["labels"]["judge"] = f"Judge score ({judge.get('spec')})"
     flat = {"n": len(records)}
-    for key in keys:
+    for key in keys:  # the loggers take floats: an undefined tau is logged as NaN, as an undefined r is
         for c in present:
-            flat[f"tau_b/{key}/{c}"] = table[key][c]["tau_b"]
+            tau = table[key][c]["tau_b"]
+            flat[f"tau_b/{key}/{c}"] = float("nan") if tau is None else tau
     h = pearson["variables"].index("human")
     for i, v in enumerate(pearson["variables"]):
         if v != "human":
             flat[f"pearson/{v}/human"] = pearson["r"][i][h]
-    undefined = {"tau_b": float("nan"), "tau_c": float("nan"), "p_value": float("nan"), "n": 0}
+    undefined = kendall_row([], [])
     table3 = {"human": HUMAN, "rows": {
-        "human": kendall(*rating_pairs([{**r, "human": (r.get("ratings") or {}).get(HUMAN)} for r in records],
-                                       "human", HUMAN)),
+        "human": kendall_row(*rating_pairs(
+            [{**r, "human": (r.get("ratings") or {}).get(HUMAN)} for r in records], "human", HUMAN)),
         "score": table["score"].get(HUMAN, undefined),
         "judge": table["judge"].get(HUMAN, undefined) if judged else None},
         "judge": ({**judge, **judge_failures(records)} if judged else {"spec": None, "not_run": NO_JUDGE}),

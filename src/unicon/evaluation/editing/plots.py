@@ -23,7 +23,7 @@ def tau_figure(results: dict) -> Figure:
     width = 0.8 / max(len(crit), 1)
     for j, c in enumerate(crit):
         vals = [results["kendall"][k][c]["tau_b"] for k in CORRELATED]
-        vals = [0.0 if v is None or math.isnan(v) else v for v in vals]
+        vals = [0.0 if v is None else v for v in vals]  # an undefined tau (None) is drawn at 0
         ax.bar([i + (j - (len(crit) - 1) / 2) * width for i in range(len(CORRELATED))], vals, width, label=c)
     ax.axhline(0, color="black", lw=0.5)
     ax.set_xticks(range(len(CORRELATED)), [k.replace("_", "\n") for k in CORRELATED], fontsize=7)

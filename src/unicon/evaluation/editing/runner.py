@@ -39,7 +39,8 @@ from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
 from unicon.evaluation.editing.data import CRITERIA, EditSample, rating_or_none
-from unicon.evaluation.editing.metrics import COMPONENTS, CORRELATED, EPS, VARIANTS, editing_components, kendall, summarize
+from unicon.evaluation.editing.metrics import (COMPONENTS, CORRELATED, EPS, VARIANTS, editing_components, kendall_row,
+                                               summarize)
 from unicon.evaluation.editing.plots import plot_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
@@ -193,8 +194,8 @@ def own_edit_summary(records: Sequence[dict]) -> dict[str, Any]:
     kinds = sorted({r["kind"] for r in records})
     summary = {"by_kind": {k: block([r for r in records if r["kind"] == k]) for k in kinds}, "all": block(list(records))}
     summary["kendall_vs_exact_match"] = {
-        key: kendall([r[key] for r in records if math.isfinite(r[key])],
-                     [float(r["exact_match"]) for r in records if math.isfinite(r[key])]) for key in CORRELATED}
+        key: kendall_row([r[key] for r in records if math.isfinite(r[key])],
+                         [float(r["exact_match"]) for r in records if math.isfinite(r[key])]) for key in CORRELATED}
     return summary
 
 
@@ -206,10 +207,7 @@ def markdown_table(results: dict[str, Any]) -> str:
              "no_rls": "without rls", "cos_image": "cos_image alone", "sim_text": "sim_text alone", "rls": "rls alone",
              "judge": "judge score"}
     for key in results["kendall"]:
-        cells = []
-        for c in crit:
-            t = results["kendall"][key][c]
-            cells.append("n/a" if t["tau_b"] is None or math.isnan(t["tau_b"]) else f"{t['tau_b']:+.3f}")
+        cells = [_cell(results["kendall"][key][c]["tau_b"]) for c in crit]
         lines.append(f"| {names[key]} (tau_b) | " + " | ".join(cells) + " |")
     lines.append("")
     agrees = results.get("agrees_with_paper") or {}
