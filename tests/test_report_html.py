@@ -254,21 +254,32 @@ def test_report_without_evaluations_thumbnails_and_bad_files(tmp_path):
         write_report(run)
 
 
+def _figure_series(page: str, key: str) -> dict:
+    """The plotted points of the figure ``key`` (its ``data-series`` attribute)."""
+    found = re.findall(rf'<figure data-key="{re.escape(key)}" data-series="([^"]*)">', page)
+    assert len(found) == 1, f"{len(found)} figures {key}"
+    return json.loads(html.unescape(found[0]))
+
+
 def test_report_against_a_baseline_run(tmp_path, capsys):
     """``unicon report RUN --baseline RUN_K``: per task, C_1 and rho at each run's last epoch end and
-    their difference, printed and at the top of report.md and report.html; a baseline without
-    CocoCon is an error naming it."""
+    their difference, printed and at the top of report.md and report.html, with both runs' curves
+    there (C_1 per evaluation, the training-batch ρ where logged); a baseline without CocoCon is an
+    error naming it."""
     from unicon import cli
+    from unicon.report import render_html
 
-    def run(name, values):
+    def run(name, values, train=()):
         folder = tmp_path / name
         folder.mkdir()
         rows = [{"step": 10 * (e + 1), **{f"cococon/{t}/{m}": v[e] for (t, m), v in values.items()}} for e in range(2)]
-        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*train, *rows]))
         return folder
 
+    # the training-batch rho: M's consistency steps log it, K (cross-entropy only) none
+    rho = [{"step": 5, "train/loss": 1.0, "train/rho/vqa/ema": 0.25}, {"step": 15, "train/rho/vqa/ema": 0.5}]
     m = run("M", {("vqa", "C_1"): [80.0, 90.0], ("vqa", "rho"): [0.5, 0.75], ("t2i", "C_1"): [70.0, 60.0],
-                  ("t2i", "rho"): [0.25, 0.25]})
+                  ("t2i", "rho"): [0.25, 0.25]}, rho)
     k = run("K", {("vqa", "C_1"): [80.0, 85.0], ("vqa", "rho"): [0.5, 0.5], ("t2i", "C_1"): [70.0, 62.5],
                   ("t2i", "rho"): [0.25, 0.5]})
     assert cli.main(["report", str(m), "--baseline", str(k), "--brief"]) == 0
@@ -280,7 +291,32 @@ def test_report_against_a_baseline_run(tmp_path, capsys):
     assert "## Against the baseline run" in (m / "report.md").read_text()
     summary = _section((m / "report.html").read_text(encoding="utf-8"), "summary")
     assert '<td class="num ok">5</td>' in summary and '<td class="num bad">-2.5</td>' in summary
+    assert summary.index('class="comparison"') < summary.index('data-key="comparison/C_1"')
+    assert _figure_series(summary, "comparison/C_1") == {
+        "vqa": {"this run": [[10, 80.0], [20, 90.0]], "baseline": [[10, 80.0], [20, 85.0]]},
+        "t2i": {"this run": [[10, 70.0], [20, 60.0]], "baseline": [[10, 70.0], [20, 62.5]]}}
+    assert _figure_series(summary, "comparison/rho") == {"vqa": {"this run": [[5, 0.25], [15, 0.5]]}}
+    assert "The baseline logged no training-batch ρ" in summary and "only this run's is plotted" in summary
+    # a baseline that logs it too: both runs' rho on one plot, no note
+    with (k / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 15, "train/rho/vqa/ema": 0.125, "train/rho/t2i/ema": float("nan")}) + "\n")
+    summary = _section(render_html(m, baseline=k), "summary")
+    assert _figure_series(summary, "comparison/rho") == {
+        "vqa": {"this run": [[5, 0.25], [15, 0.5]], "baseline": [[15, 0.125]]}, "t2i": {"baseline": [[15, None]]}}
+    assert "no training-batch ρ" not in summary
     plain = run("plain", {})
     (plain / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
     assert cli.main(["report", str(m), "--baseline", str(plain)]) != 0
     assert f"baseline {plain}: no CocoCon" in capsys.readouterr().err
+
+
+def test_report_py_names_no_suite():
+    """report.py reaches every suite through the registry: its sections, headline, end-of-training
+    table and baseline comparison are the suites' own (e.g. CocoCon's, in its report module)."""
+    from unicon import report
+    from unicon.evaluation.suites import suites
+
+    source = Path(report.__file__).read_text(encoding="utf-8")
+    assert "cococon" not in source.lower()
+    named = [name for name in suites() if f'"{name}"' in source or f"{name}/" in source]
+    assert not named, f"report.py names {named}"

@@ -176,3 +176,22 @@ def test_report_html_renders_the_plugin_section(plugin, tmp_path):
     body = page.split('<section id="toy"><h2>Toy suite</h2>', 1)[1].split("</section>", 1)[0]
     assert 'class="toy-trend"' in body and '<td class="num">5</td>' in body and '<td class="num">7</td>' in body
     assert "<td>toy/score</td>" in page.split('<section id="summary">', 1)[1].split("</section>", 1)[0]
+
+
+def test_a_baseline_comparison_leaves_out_a_suite_without_compare(plugin, tmp_path):
+    """The toy suite's report module defines no ``compare``: ``unicon report --baseline`` compares the
+    runs through the suites that do (CocoCon) and leaves it out, also from a baseline's error."""
+    from unicon.errors import UserError
+    from unicon.report import render_html
+
+    assert not hasattr(suites.suite("toy").report_module(), "compare")
+    for name, row in (("M", {"cococon/vqa/C_1": 90.0, "cococon/vqa/rho": 0.5}),
+                      ("K", {"cococon/vqa/C_1": 85.0, "cococon/vqa/rho": 0.5}), ("T", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 10, "toy/score": 0.5, **row}) + "\n")
+    summary = render_html(tmp_path / "M", baseline=tmp_path / "K").split('<section id="summary">', 1)[1]
+    summary = summary.split("</section>", 1)[0]
+    assert summary.count("<table") == 2 and '<table class="comparison">' in summary  # and the headline table
+    assert '<td class="num ok">5</td>' in summary
+    with pytest.raises(UserError, match=r"^baseline \S+T: no CocoCon C_1 and rho logged for a task[^;]*$"):
+        render_html(tmp_path / "M", baseline=tmp_path / "T")

@@ -3,7 +3,8 @@
 Reads ``<run_dir>/metrics.jsonl`` (every scalar logged during training and evaluation) and
 writes ``<run_dir>/report.md`` with
 
-* the final value of each metric, grouped by suite (``train/``, ``cococon/``, ``drift/``, ...),
+* the final value of each metric, grouped by the prefix before its first ``/`` (``train/``, then
+  one per suite),
 * each metric's value at every logged step of its suite's epoch-end evaluations (a trend table),
 * ``report_curves.png``: the training loss and each suite's headline metrics against the step.
 
@@ -25,7 +26,13 @@ output folder of a standalone ``unicon evaluate``, the suite's files in the fold
 (``Suite.headline``) come from the suite registry, imported when a report is written, so
 ``unicon report --help`` does not load the suites. The
 same summary is printed as rich tables. ``write_report`` (both files) is called at the end of
-``unicon train``.
+``unicon train``, which then prints :func:`headline_table`.
+
+With ``--baseline RUN_K`` (another run, e.g. the control run K of a consistency run M), both files
+start with the run against the baseline: the suites whose report module defines ``compare``
+(:meth:`unicon.evaluation.suites.Suite.report_module`, see :mod:`unicon.evaluation.suites`) each
+give their rows, as text (``comparison_text``) and HTML (``comparison_html``); a baseline that no
+suite can compare with the run is an error naming it.
 """
 
 from __future__ import annotations
@@ -87,57 +94,24 @@ def collect(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return dict(series)
 
 
-#: the tasks of the headline table, compared with captioning by CocoCon
-HEADLINE_TASKS = ("vqa", "localization", "t2i")
+def _report_modules(hook: str) -> list:
+    """The report modules of the registered suites that define ``hook`` (e.g. ``compare``), in the
+    registry's order."""
+    from unicon.evaluation.suites import suites  # lazy: the registry imports every suite's command
+
+    return [m for s in suites().values() if (m := s.report_module()) is not None and hasattr(m, hook)]
 
 
 def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
-    """The run's CocoCon headline as plain text: per task, ``C_1`` and ``rho`` at the first and the
-    last epoch-end evaluation, and their change; None when the run logged no CocoCon evaluation."""
-    rows = []
-    for task in HEADLINE_TASKS:
-        c1, rho = series.get(f"cococon/{task}/C_1"), series.get(f"cococon/{task}/rho")
-        if not c1:
-            continue
-        nan = (0, float("nan"))
-        r0, r1 = (rho[0], rho[-1]) if rho else (nan, nan)
-        rows.append((task, c1[0][1], c1[-1][1], r0[1], r1[1]))
-    if not rows:
-        return None
-    n = len(series[f"cococon/{rows[0][0]}/C_1"])
-    head = f"{'task':<14}{'C_1 first':>10}{'C_1 last':>10}{'change':>8}{'rho first':>11}{'rho last':>10}{'change':>8}"
-    lines = [f"CocoCon at the first and last of {n} epoch-end evaluations:", head]
-    for task, a, b, ra, rb in rows:  # as comparison_table: C_1 in percent to 0.1, rho to 0.001
-        lines.append(f"{task:<14}{a:>10.1f}{b:>10.1f}{b - a:>+8.1f}{ra:>11.3f}{rb:>10.3f}{rb - ra:>+8.3f}")
-    return "\n".join(lines)
+    """The run's headline as plain text (printed at the end of ``unicon train``): each suite's
+    ``headline_table``, in the registry's order; None when no suite has one for the run."""
+    tables = [t for m in _report_modules("headline_table") if (t := m.headline_table(series))]
+    return "\n\n".join(tables) if tables else None
 
 
-def comparison(series: dict, baseline: dict) -> list[dict[str, Any]]:
-    """Per CocoCon task, ``C_1`` and ``rho`` at the last epoch-end evaluation of a run (e.g. the
-    consistency-trained row M) and of a baseline run (e.g. its control K, the same data, seed and
-    steps), with their difference ``run - baseline``. Tasks logged by both runs only."""
-    rows = []
-    for task in HEADLINE_TASKS:
-        row: dict[str, Any] = {"task": task}
-        for metric in ("C_1", "rho"):
-            mine, base = series.get(f"cococon/{task}/{metric}"), baseline.get(f"cococon/{task}/{metric}")
-            if not mine or not base:
-                break
-            row[metric] = {"run": mine[-1][1], "baseline": base[-1][1], "difference": mine[-1][1] - base[-1][1]}
-        else:
-            rows.append(row)
-    return rows
-
-
-def comparison_table(rows: list[dict[str, Any]], run: str, baseline: str) -> str:
-    """:func:`comparison` as plain text, one line per task."""
-    head = f"{'task':<14}{'C_1 run':>9}{'C_1 base':>10}{'change':>8}{'rho run':>9}{'rho base':>10}{'change':>8}"
-    lines = [f"CocoCon at the last epoch end: {run} (run) against {baseline} (base)", head]
-    for r in rows:
-        c, p = r["C_1"], r["rho"]
-        lines.append(f"{r['task']:<14}{c['run']:>9.1f}{c['baseline']:>10.1f}{c['difference']:>+8.1f}"
-                     f"{p['run']:>9.3f}{p['baseline']:>10.3f}{p['difference']:>+8.3f}")
-    return "\n".join(lines)
+def comparison_text(compared: list[tuple[Any, list]], run: str, baseline: str) -> str:
+    """:func:`_compared` as plain text: each suite's ``comparison_text``."""
+    return "\n\n".join(m.comparison_text(rows, run, baseline) for m, rows in compared)
 
 
 def _fmt(v: float) -> str:
@@ -147,7 +121,8 @@ def _fmt(v: float) -> str:
 def write_report(run_dir: str | Path, baseline: str | Path | None = None) -> Path:
     """Write ``report.md`` (+ ``report_curves.png``) and ``report.html`` (:func:`write_html`) into
     ``run_dir`` and return the path of ``report.md``. With ``baseline`` (another run folder, e.g.
-    the control run K of a consistency run M), both files start with :func:`comparison`."""
+    the control run K of a consistency run M), both files start with the run against it
+    (:func:`_compared`)."""
     run_dir = Path(run_dir)
     series = collect(run_dir)
     compared = _compared(series, baseline)
@@ -158,8 +133,8 @@ def write_report(run_dir: str | Path, baseline: str | Path | None = None) -> Pat
     lines = [f"# unicon report: {run_dir.name}", "", f"Run directory: `{run_dir}`", "",
              "The same run as one page with every figure: [report.html](report.html)", ""]
     if compared:
-        lines += [f"## Against the baseline run `{baseline}`", "", "```", comparison_table(compared, run_dir.name, Path(baseline).name),
-                  "```", ""]
+        lines += [f"## Against the baseline run `{baseline}`", "", "```",
+                  comparison_text(compared[1], run_dir.name, Path(baseline).name), "```", ""]
     for group, keys in groups.items():
         lines += [f"## {group}", "", "| metric | final | first | n |", "| --- | ---: | ---: | ---: |"]
         for k in keys:
@@ -175,16 +150,19 @@ def write_report(run_dir: str | Path, baseline: str | Path | None = None) -> Pat
     return out
 
 
-def _compared(series: dict, baseline: str | Path | None) -> list[dict[str, Any]] | None:
-    """:func:`comparison` of a run's series with the baseline run folder's (None without one); a
-    baseline that logged no CocoCon task of the run is an error naming it."""
+def _compared(series: dict, baseline: str | Path | None) -> tuple[dict, list[tuple[Any, list]]] | None:
+    """A run's series against the baseline run folder's (None without one): ``(baseline series,
+    [(suite report module, its compare rows), ...])``, the suites with rows only; a baseline that
+    no suite can compare is an error naming it, with each comparing suite's ``NOT_COMPARED``."""
     if baseline is None:
         return None
-    rows = comparison(series, collect(Path(baseline)))
-    if not rows:
-        raise UserError(f"baseline {baseline}: no CocoCon C_1 and rho logged for a task that this run logged too "
-                        "(the baseline must be a run with eval.cococon enabled)")
-    return rows
+    base = collect(Path(baseline))
+    modules = _report_modules("compare")
+    compared = [(m, rows) for m in modules if (rows := m.compare(series, base))]
+    if not compared:
+        why = "; ".join(m.NOT_COMPARED for m in modules) or "no registered suite compares two runs"
+        raise UserError(f"baseline {baseline}: {why}")
+    return base, compared
 
 
 def _curves_figure(series: dict, keys: Sequence[str], max_cols: int = 5, cell: tuple[float, float] = (3.2, 2.6)):
@@ -250,21 +228,14 @@ pre { background: #f3f5f8; padding: 8px; font-size: 12px; overflow-x: auto; }
 """
 
 
-def _section_comparison(baseline: str | Path | None, rows: list[dict[str, Any]] | None) -> str:
-    """The run against its baseline run (:func:`comparison`), differences coloured by sign."""
-    if not rows:
+def _section_comparison(baseline: str | Path | None, series: dict,
+                        compared: tuple[dict, list[tuple[Any, list]]] | None) -> str:
+    """The run against its baseline run (:func:`_compared`): each suite's ``comparison_html``."""
+    if not compared:
         return ""
-
-    def diff(v: float) -> str:
-        cls = "ok" if v > 0 else "bad" if v < 0 else ""
-        return f'<td class="num {cls}">{h.num(v)}</td>'
-
-    body = [[f"<td>{h.esc(r['task'])}</td>", h.td(r["C_1"]["run"]), h.td(r["C_1"]["baseline"]), diff(r["C_1"]["difference"]),
-             h.td(r["rho"]["run"]), h.td(r["rho"]["baseline"]), diff(r["rho"]["difference"])] for r in rows]
+    base, found = compared
     return (f"<h3>Against the baseline run {h.esc(baseline)}</h3>"
-            + h.table(["task", "C_1 this run", "C_1 baseline", "change", "rho this run", "rho baseline", "change"],
-                     body, "comparison")
-            + '<p class="note">CocoCon at the last epoch-end evaluation of each run.</p>')
+            + "".join(m.comparison_html(rows, baseline, series, base) for m, rows in found))
 
 
 def _section_summary(run_dir: Path, series: dict) -> str:
@@ -355,7 +326,8 @@ def render_html(run_dir: Path, series: dict | None = None, baseline: str | Path 
     from unicon.evaluation.suites import suites  # lazy: the registry imports every suite's command
 
     bodies = {
-        "summary": _section_comparison(baseline, _compared(series, baseline)) + _section_summary(run_dir, series),
+        "summary": (_section_comparison(baseline, series, _compared(series, baseline))
+                    + _section_summary(run_dir, series)),
         "training": _section_training(series),
         **{s.name: s.report_section()(run_dir) for s in suites().values() if s.report},
         "config": _section_config(run_dir),
@@ -409,7 +381,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory, e.g. checkpoints/shapes_demo")
     parser.add_argument("--baseline", type=Path, default=None, metavar="RUN_DIR",
                         help="another run to compare with (e.g. the control run K of a consistency run M): "
-                             "CocoCon C_1 and rho per task at each run's last epoch end, and the change")
+                             "the metrics each evaluation suite compares (at each run's last epoch end), "
+                             "and the change")
     parser.add_argument("--brief", action="store_true",
                         help="print only the comparison (with --baseline), not every metric")
     args = parser.parse_args(argv)
@@ -420,7 +393,8 @@ def cli(argv: list[str]) -> int:
         print_summary(args.run_dir)
     report = write_report(args.run_dir, args.baseline)
     if args.baseline is not None:
-        print(comparison_table(_compared(collect(args.run_dir), args.baseline), args.run_dir.name, args.baseline.name))
+        _, compared = _compared(collect(args.run_dir), args.baseline)
+        print(comparison_text(compared, args.run_dir.name, args.baseline.name))
     print(f"report: {report}")
     print(f"html:   {args.run_dir / 'report.html'}")
     return 0

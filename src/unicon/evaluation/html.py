@@ -88,10 +88,13 @@ def img(path: Path, alt: str, cls: str = "", key: str | None = None, max_side: i
     return f'<img src="{data_uri(data, mime)}" alt="{esc(alt)}"{attrs}>'
 
 
-def figure_png(fig, key: str, caption: str) -> str:
+def figure_png(fig, key: str, caption: str, data: Any = None) -> str:
+    """A matplotlib figure inlined as PNG; ``data`` (JSON-able, e.g. the plotted points) goes into
+    the figure's ``data-series`` attribute as JSON, for a reader or a test of what was drawn."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    return (f'<figure data-key="{esc(key)}"><img src="{data_uri(buf.getvalue())}" alt="{esc(caption)}">'
+    attrs = "" if data is None else f' data-series="{esc(json.dumps(data, allow_nan=False))}"'
+    return (f'<figure data-key="{esc(key)}"{attrs}><img src="{data_uri(buf.getvalue())}" alt="{esc(caption)}">'
             f"<figcaption>{esc(caption)}</figcaption></figure>")
 
 

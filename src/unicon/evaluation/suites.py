@@ -16,7 +16,14 @@ epoch end, with the same settings and data defaults. ``callback`` (``"module:Cla
 epoch-end callback; ``report`` (``"module:function"``, a function ``(run_dir) -> str`` built from
 :mod:`unicon.evaluation.html`) renders the suite's section of ``report.html`` under ``title``, and
 ``headline`` lists the metrics the report's summary and curves show. Both strings are imported only
-when used, so listing the suites (``--help``) imports no torch.
+when used, so listing the suites (``--help``) imports no torch. The module of ``report``
+(:meth:`Suite.report_module`) may also define, each optional, from a run's series of
+``metrics.jsonl`` (metric name -> ``[(step, value), ...]``): ``headline_table(series) -> str | None``
+(printed at the end of ``unicon train``) and, for ``unicon report RUN --baseline RUN_K``,
+``compare(series, baseline_series) -> rows`` (empty: nothing to compare) with its renderers
+``comparison_text(rows, run_name, baseline_name) -> str`` and
+``comparison_html(rows, baseline, series, baseline_series) -> str`` and ``NOT_COMPARED`` (why a
+baseline gave no row); a suite without them is left out of those parts.
 
 In-tree suites are the modules of :data:`IN_TREE`, their sections fields of
 :class:`unicon.config.EvalConfig`. Out-of-tree ones declare their module in the entry-point group
@@ -69,6 +76,11 @@ class Suite:
     def report_section(self) -> Callable | None:
         """The report section renderer (imported now), None without one."""
         return None if self.report is None else _attribute(self.report)
+
+    def report_module(self):
+        """The module of the report section renderer (imported now), None without one: its optional
+        ``headline_table``, ``compare``, ... (see the module docstring)."""
+        return None if self.report is None else importlib.import_module(self.report.split(":")[0])
 
 
 def _attribute(spec: str):

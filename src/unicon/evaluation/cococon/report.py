@@ -1,18 +1,31 @@
 """CocoCon's section of ``report.html``: ``C_k`` / ``acc@k`` / ``rho`` per task at each evaluation, ``C_1``
 and ``rho`` per evaluation, Fig. 5a/5b (``consistency_by_k.png``, ``consistency_vs_accuracy.png``)
 and the sample rows of the run's ``tables/cococon_samples.jsonl``.
+
+Also the suite's optional parts of the report (:mod:`unicon.report` calls them through the suite
+registry, :meth:`unicon.evaluation.suites.Suite.report_module`), all from the series of
+``metrics.jsonl`` (metric name -> ``[(step, value), ...]``):
+
+* :func:`headline_table`: the table ``unicon train`` prints at the end of a run;
+* :func:`compare` (rows), :func:`comparison_text` and :func:`comparison_html`: the run against a
+  baseline run (``unicon report RUN --baseline RUN_K``, e.g. the demo's row M against its control
+  row K); :data:`NOT_COMPARED` says why a baseline gave no row.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from unicon.evaluation import html as h
+from unicon.jsonsafe import finite
 
 #: the summary file that marks an output folder of the suite
 FILE = "results.json"
 #: the figures the suite writes into its output folder (``<name>.png``), as logged to W&B
 FIGURES = ("consistency_by_k", "consistency_vs_accuracy")
+#: the tasks of the headline and comparison tables, compared with captioning
+HEADLINE_TASKS = ("vqa", "localization", "t2i")
 
 
 def _evaluation(label: str, out: Path, tables_dir: Path, step: int | None) -> str:
@@ -62,3 +75,120 @@ def section(run_dir: Path) -> str:
     html_ += h.earlier(evals, lambda label, out: _evaluation(label, out, run_dir / "tables", None))
     return html_ + _samples(run_dir / "tables")
 
+
+
+def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
+    """The run's CocoCon headline as plain text: per task, ``C_1`` and ``rho`` at the first and the
+    last epoch-end evaluation, and their change; None when the run logged no CocoCon evaluation."""
+    rows = []
+    for task in HEADLINE_TASKS:
+        c1, rho = series.get(f"cococon/{task}/C_1"), series.get(f"cococon/{task}/rho")
+        if not c1:
+            continue
+        nan = (0, float("nan"))
+        r0, r1 = (rho[0], rho[-1]) if rho else (nan, nan)
+        rows.append((task, c1[0][1], c1[-1][1], r0[1], r1[1]))
+    if not rows:
+        return None
+    n = len(series[f"cococon/{rows[0][0]}/C_1"])
+    head = f"{'task':<14}{'C_1 first':>10}{'C_1 last':>10}{'change':>8}{'rho first':>11}{'rho last':>10}{'change':>8}"
+    lines = [f"CocoCon at the first and last of {n} epoch-end evaluations:", head]
+    for task, a, b, ra, rb in rows:  # as comparison_text: C_1 in percent to 0.1, rho to 0.001
+        lines.append(f"{task:<14}{a:>10.1f}{b:>10.1f}{b - a:>+8.1f}{ra:>11.3f}{rb:>10.3f}{rb - ra:>+8.3f}")
+    return "\n".join(lines)
+
+
+#: why :func:`compare` gave no row: the end of ``unicon report --baseline``'s error, after the baseline folder
+NOT_COMPARED = ("no CocoCon C_1 and rho logged for a task that this run logged too "
+                "(the baseline must be a run with eval.cococon enabled)")
+
+
+def compare(series: dict, baseline: dict) -> list[dict[str, Any]]:
+    """Per CocoCon task, ``C_1`` and ``rho`` at the last epoch-end evaluation of a run (e.g. the
+    consistency-trained row M) and of a baseline run (e.g. its control K, the same data, seed and
+    steps), with their difference ``run - baseline``. Tasks logged by both runs only."""
+    rows = []
+    for task in HEADLINE_TASKS:
+        row: dict[str, Any] = {"task": task}
+        for metric in ("C_1", "rho"):
+            mine, base = series.get(f"cococon/{task}/{metric}"), baseline.get(f"cococon/{task}/{metric}")
+            if not mine or not base:
+                break
+            row[metric] = {"run": mine[-1][1], "baseline": base[-1][1], "difference": mine[-1][1] - base[-1][1]}
+        else:
+            rows.append(row)
+    return rows
+
+
+def comparison_text(rows: list[dict[str, Any]], run: str, baseline: str) -> str:
+    """:func:`compare` as plain text, one line per task."""
+    head = f"{'task':<14}{'C_1 run':>9}{'C_1 base':>10}{'change':>8}{'rho run':>9}{'rho base':>10}{'change':>8}"
+    lines = [f"CocoCon at the last epoch end: {run} (run) against {baseline} (base)", head]
+    for r in rows:
+        c, p = r["C_1"], r["rho"]
+        lines.append(f"{r['task']:<14}{c['run']:>9.1f}{c['baseline']:>10.1f}{c['difference']:>+8.1f}"
+                     f"{p['run']:>9.3f}{p['baseline']:>10.3f}{p['difference']:>+8.3f}")
+    return "\n".join(lines)
+
+
+#: the two runs of a comparison figure: (label, matplotlib format, colour)
+RUNS = (("this run", "o-", "C0"), ("baseline", "s--", "C1"))
+
+
+def _pair_figure(panels: dict[str, dict[str, list[tuple[int, float]]]], ylabel: str, key: str,
+                 caption: str) -> str:
+    """One small plot per panel (a task) of each run's points (value against step), as
+    :func:`unicon.evaluation.html.figure_png` with the plotted points in its ``data-series``:
+    ``{panel: {"this run": [[step, value], ...], "baseline": [...]}}`` (a run without the panel's
+    metric is left out of it)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2.8 * len(panels), 2.3))
+    for ax, (panel, lines) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels.items()):
+        for label, fmt, color in RUNS:
+            if label in lines:
+                steps, values = zip(*lines[label])
+                ax.plot(steps, values, fmt, color=color, ms=4 if len(values) < 30 else 0, label=label)
+        ax.set_title(panel, fontsize=8)
+        ax.set_xlabel("step", fontsize=7)
+        ax.set_ylabel(ylabel, fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return h.figure_png(fig, key, caption, data=finite(panels))
+
+
+def comparison_html(rows: list[dict[str, Any]], baseline: str | Path, series: dict,
+                    baseline_series: dict) -> str:
+    """:func:`compare` as a table with the differences coloured by sign, then both runs' curves: per
+    compared task, ``C_1`` at each epoch-end evaluation, and each task's training-batch ρ
+    (``train/rho/<task>/ema``, logged on consistency steps) where either run logged it."""
+
+    def diff(v: float) -> str:
+        cls = "ok" if v > 0 else "bad" if v < 0 else ""
+        return f'<td class="num {cls}">{h.num(v)}</td>'
+
+    body = [[f"<td>{h.esc(r['task'])}</td>", h.td(r["C_1"]["run"]), h.td(r["C_1"]["baseline"]), diff(r["C_1"]["difference"]),
+             h.td(r["rho"]["run"]), h.td(r["rho"]["baseline"]), diff(r["rho"]["difference"])] for r in rows]
+    out = (h.table(["task", "C_1 this run", "C_1 baseline", "change", "rho this run", "rho baseline", "change"],
+                   body, "comparison")
+           + '<p class="note">CocoCon at the last epoch-end evaluation of each run.</p>')
+    runs = {"this run": series, "baseline": baseline_series}
+    c1 = {r["task"]: {label: list(s[f"cococon/{r['task']}/C_1"]) for label, s in runs.items()} for r in rows}
+    figures = [_pair_figure(c1, "C_1 (%)", "comparison/C_1", "C_1 at each epoch-end evaluation, both runs")]
+    tasks = [t for t in HEADLINE_TASKS if any(f"train/rho/{t}/ema" in s for s in runs.values())]
+    rho = {t: {label: list(s[f"train/rho/{t}/ema"]) for label, s in runs.items() if f"train/rho/{t}/ema" in s}
+           for t in tasks}
+    if rho:
+        figures.append(_pair_figure(rho, "training-batch ρ", "comparison/rho",
+                                    "training-batch ρ per task (moving average)"))
+    out += '<div class="figures">' + "".join(figures) + "</div>"
+    logged = tuple(label for label, s in runs.items() if any(f"train/rho/{t}/ema" in s for t in HEADLINE_TASKS))
+    said = {(): "Neither run logged a training-batch ρ",
+            ("this run",): "The baseline logged no training-batch ρ",
+            ("baseline",): "This run logged no training-batch ρ"}
+    plotted = {("this run",): ": only this run's is plotted", ("baseline",): ": only the baseline's is plotted"}
+    if logged in said:
+        out += (f'<p class="note">{said[logged]} (train/rho/&lt;task&gt;/ema, logged on consistency steps only)'
+                f"{plotted.get(logged, '')}.</p>")
+    return out
