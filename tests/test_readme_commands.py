@@ -39,7 +39,9 @@ SHARED = Path(os.environ.get("UNICON_SHARED_DIR", REPO.parent / "shared"))
 #: The recipe's own layout runs through the CLI in test_competence.
 ONE_PROCESS = ("trainer.devices=1", "trainer.strategy=auto")
 
-# documented command -> (extra arguments that only shrink it, expected exit code)
+# documented command -> (extra arguments that only shrink it, expected exit code); where the command has
+# a `--` (options, then config overrides), the extra arguments before their own `--` go before the
+# command's, and the rest after it
 RUNS: dict[str, tuple[list[str], int]] = {
     "unicon build-data shapes --out data/shapes": (
         ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
@@ -61,7 +63,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon train experiment=shapes_pretrain name=shapes_gap_pretrain data.root=data/shapes_gap": (
         ["trainer.max_steps=2", *ONE_PROCESS], 0),
     "unicon experiment table2 --seeds 0 1 2 3 4 --methods K M --out results/table2_gap -- data.root=data/shapes_gap init_from=checkpoints/shapes_gap_pretrain/export eval.cococon.probe_words=[purple]": (
-        ["trainer.max_epochs=1", "trainer.limit_train_batches=1", "eval.cococon.max_samples=4",
+        ["--seeds", "0", "--", "trainer.max_epochs=1", "trainer.limit_train_batches=1", "eval.cococon.max_samples=4",
          "eval.cococon.generative=false"], 0),
     "unicon evaluate cococon --ckpt checkpoints/shapes_demo/export --data data/shapes/cococon_test.json --out outputs/cococon": (
         ["--logger", "none"], 0),
@@ -104,7 +106,8 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
     "unicon bench train": (["trainer.max_steps=2"], 0),
     "unicon bench chains": (["--repeats", "1", "--t2i-base-codes", "2"], 0),
-    "unicon bench pretrain": (["--steps", "1", "--warmup", "0", "data.batch_size=4"], 0),
+    # one process: the recipe's two-rank measurement has its own test (test_training.py)
+    "unicon bench pretrain": (["--steps", "1", "--warmup", "0", "data.batch_size=4", "trainer.devices=1"], 0),
     "unicon bench help": (["--repeats", "1", "--commands", "evaluate cococon", "report"], 0),
     "unicon bench first-batch": (["--repeats", "1", "--warmup", "0", "--max-samples", "2"], 0),
     "python -m unicon.data.shapes_coco export --world data/shapes --splits test": ([], 0),
@@ -185,16 +188,25 @@ def coco_images(proj: Path, n: int) -> None:
         Image.new("RGB", (64, 48), (120, 80, 40)).save(root / image["file_name"])
 
 
+def with_extra(argv: list[str], extra: list[str]) -> list[str]:
+    """``argv`` with the extra arguments of :data:`RUNS`: appended, except that on a command with a ``--``
+    the extra arguments before their own ``--`` go before the command's (options, not overrides)."""
+    if "--" in argv and "--" in extra:
+        cut, own = argv.index("--"), extra.index("--")
+        return [*argv[:cut], *extra[:own], *argv[cut:], *extra[own + 1:]]
+    return [*argv, *extra]
+
+
 def run(command: str, proj: Path, monkeypatch, capsys) -> str:
     extra, expected = RUNS[command]
-    argv = absolute(command, proj).split()
+    argv = with_extra(absolute(command, proj).split(), extra)
     monkeypatch.chdir(proj)
     if argv[0] == "python":
-        proc = subprocess.run([sys.executable, *argv[1:], *extra], cwd=proj, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, *argv[1:]], cwd=proj, capture_output=True, text=True,
                               timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == expected, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc.stdout
-    code = unicon_main([*argv[1:], *extra])
+    code = unicon_main(argv[1:])
     out = capsys.readouterr()
     assert code == expected, f"{command}: exit {code}\n{out.out[-2000:]}\n{out.err[-2000:]}"
     if expected == 2:
