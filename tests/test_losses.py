@@ -1,12 +1,14 @@
 """Rank-consistency losses (unicon.losses.consistency), checked against hand computations."""
 
 import itertools
+import math
 
 import pytest
 import torch
 from scipy.stats import spearmanr
 
 from unicon.losses.consistency import (
+    batch_scales,
     consistency_loss,
     hinge_rank_loss,
     hard_ranks,
@@ -312,3 +314,88 @@ def test_gold_rank_terms_are_the_gold_candidates_term_of_eq3():
         raise AssertionError(f"20 SGD steps did not bring the gold first: {si.detach().tolist()}")
     with pytest.raises(ValueError, match="loss.rank_terms must be one of all, gold"):
         spearman_rank_loss(anchor, gold_last, rank_terms="pairs")
+
+
+# ---- loss.rank_scale: one detached scale per task and call instead of each row's own std ---------
+def _row_scaled_reference(s0, si, soft_rank):
+    """Eq. 3 on per-row standardised scores, written out: z = (s − mean s)/std(s) · σ(K) per row."""
+    def z(s):
+        k = s.shape[1]
+        c = s - s.mean(1, keepdim=True)
+        return c / c.detach().pow(2).mean(1, keepdim=True).sqrt() * ((k * k - 1) / 12) ** 0.5
+    diff = soft_ranks(z(s0), soft_rank=soft_rank) - soft_ranks(z(si), soft_rank=soft_rank)
+    return (0.5 * diff.pow(2).sum(1)).mean()
+
+
+@pytest.mark.parametrize("soft_rank", ["torchsort", "sigmoid"])
+def test_row_rank_scale_is_the_per_row_standardisation(soft_rank):
+    """loss.rank_scale=row (the default) is the per-row std of the module docstring: the same value
+    and gradient as the default call (bit for bit) and as the formula written out (float64 sums)."""
+    g = torch.Generator().manual_seed(7)
+    s0 = torch.rand(12, 5, generator=g, dtype=torch.float64) * 0.3
+    si = (torch.rand(12, 5, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    default = spearman_rank_loss(s0, si, soft_rank=soft_rank)
+    (g_default,) = torch.autograd.grad(default, si)
+    row = consistency_loss("spearman", s0, si, soft_rank=soft_rank, rank_scale="row", tasks=["vqa", "t2i"] * 6)
+    (g_row,) = torch.autograd.grad(row, si)
+    assert torch.equal(default, row) and torch.equal(g_default, g_row)
+    reference = _row_scaled_reference(s0, si, soft_rank)
+    (g_ref,) = torch.autograd.grad(reference, si)
+    assert default.item() == pytest.approx(reference.item(), rel=1e-12)
+    assert torch.allclose(g_default, g_ref, rtol=1e-9, atol=1e-12)
+    assert torch.equal(hinge_rank_loss(s0.float(), si.float()), hinge_rank_loss(s0.float(), si.float(), scale="row"))
+
+
+def test_batch_rank_scale_by_hand():
+    """Two K = 3 rows, [0, 1, 2] (std √(2/3)) and [0, 2, 4] (std √(8/3)), reversed in the task: one
+    scale S = √((2/3 + 8/3)/2) = √(5/3), so z = a·[−1, 0, 1] and 2a·[−1, 0, 1] with a = σ(3)/S = √(2/5).
+    Sigmoid ranks at ε = 1, R_j = ½ + Σ_k σ(z_j − z_k), give for z = c·[−1, 0, 1] against its reverse
+    the differences ∓(tanh(c/2) + tanh(c)) at the ends and 0 in the middle (σ(x) − σ(−x) = tanh(x/2)),
+    so L_b = (tanh(c/2) + tanh(c))². A constant row has no order: skipped, and not in S."""
+    s0 = torch.tensor([[0.0, 1.0, 2.0], [0.0, 2.0, 4.0]], dtype=torch.float64)
+    si = s0.flip(1)
+    assert torch.allclose(batch_scales(s0, torch.ones_like(s0, dtype=torch.bool)),
+                          torch.full((2,), (5 / 3) ** 0.5, dtype=torch.float64), rtol=1e-15, atol=0)
+    a = (2 / 5) ** 0.5
+    term = lambda c: (math.tanh(c / 2) + math.tanh(c)) ** 2  # noqa: E731
+    batch = spearman_rank_loss(s0, si, soft_rank="sigmoid", scale="batch")
+    assert batch.item() == pytest.approx((term(a) + term(2 * a)) / 2, rel=1e-12)
+    # row: both rows are z = [−1, 0, 1]
+    assert spearman_rank_loss(s0, si, soft_rank="sigmoid").item() == pytest.approx(term(1.0), rel=1e-12)
+    flat = torch.cat([s0, torch.ones(1, 3, dtype=torch.float64)])
+    assert spearman_rank_loss(flat, flat.flip(1), soft_rank="sigmoid", scale="batch").item() == pytest.approx(
+        batch.item(), rel=1e-12)
+    # one scale per task label: each row alone is its own group, i.e. its own std
+    mask = torch.ones_like(s0, dtype=torch.bool)
+    assert torch.allclose(batch_scales(si, mask, ["vqa", "t2i"]),
+                          torch.tensor([(2 / 3) ** 0.5, (8 / 3) ** 0.5], dtype=torch.float64), rtol=1e-15, atol=0)
+    assert consistency_loss("spearman", s0, si, soft_rank="sigmoid", rank_scale="batch").item() == pytest.approx(
+        batch.item(), rel=1e-12)
+    with pytest.raises(ValueError, match="loss.rank_scale must be one of row, batch"):
+        consistency_loss("spearman", s0, si, rank_scale="column")
+
+
+@pytest.mark.parametrize("soft_rank", ["torchsort", "sigmoid"])
+def test_batch_rank_scale_gradient_does_not_grow_as_one_over_a_rows_spread(soft_rank):
+    """Shrinking one task row by 10x and 100x (the others unchanged): with row scaling its z is the
+    same, so ∂L/∂s of that row grows exactly 10x and 100x; with batch scaling ∂z/∂s = σ(K)/S barely
+    changes (S is the RMS over 8 rows) and ∂L/∂z is bounded, so the gradient stays within 2x of the
+    unshrunk one and the 100x shrink is within 25% of the 10x one (it tends to a limit)."""
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        s0 = torch.rand(8, 5, generator=g, dtype=torch.float64)
+        si = torch.rand(8, 5, generator=g, dtype=torch.float64)
+        norms = {}
+        for scale in ("row", "batch"):
+            norms[scale] = []
+            for factor in (1.0, 0.1, 0.01):
+                x = si.clone()
+                x[0] *= factor
+                x.requires_grad_()
+                (grad,) = torch.autograd.grad(spearman_rank_loss(s0, x, soft_rank=soft_rank, scale=scale), x)
+                norms[scale].append(float(grad[0].norm()))
+        row, batch = norms["row"], norms["batch"]
+        assert row[0] > 0 and batch[0] > 0
+        assert row[1] / row[0] == pytest.approx(10.0, rel=1e-9) and row[2] / row[0] == pytest.approx(100.0, rel=1e-9)
+        assert batch[1] / batch[0] < 2.0 and batch[2] / batch[0] < 2.0, (seed, batch)
+        assert 0.8 < batch[2] / batch[1] < 1.25, (seed, batch)

@@ -216,6 +216,9 @@ class LossConfig:
     # the Spearman loss's terms: "all" (Eq. 3: every candidate's soft rank) or "gold" (ours: only the
     # gold candidate's soft rank, the order that C_1 measures; losses/consistency.py)
     rank_terms: str = choice("all", ("all", "gold"))
+    # the rank scale: "row" (each row divided by its own std) or "batch" (ours: every row of a task in
+    # a loss call divided by the RMS of those rows' stds, no 1/std-growing gradient; losses/consistency.py)
+    rank_scale: str = choice("row", ("row", "batch"))
     hinge_margin: float = bounded(0.1, 0.0)
     # "mutual" (Eq. 3: both tasks move) or "toward_gold" (ours: where only one task ranks the gold
     # first, only the other one moves; losses/consistency.py)

@@ -28,6 +28,22 @@ Rank scale (our choice; the paper does not state the scale of the scores)
     carries no order and is skipped, like a row with one candidate; a row with a NaN/inf score makes
     the loss NaN instead (so the training step's non-finite guard sees it).
 
+Batch rank scale (``loss.rank_scale=batch``; ours, a deviation from the paper, which states no
+    scale). With the per-row std above (``row``, the default), ``∂z/∂s`` grows as ``1/std(s_b)``: a
+    row whose candidates are scored almost alike gets as large a rank difference, and a gradient on
+    its scores as many times larger, as its spread is smaller (T2I's rows spread ~8x less than
+    VQA's). ``batch`` divides every row of one task in one loss call by one detached scale, the
+    root-mean-square of the stds of that task's ordered rows::
+
+        z_b = (s_b − mean(s_b)) / S · σ(K_b),      S = sqrt(mean_{b' ordered} std(s_b')²)
+
+    (one ``S`` for the anchor's rows, one per evaluation task for ``s_i``'s rows, each over that
+    device's batch). A row with a small spread then keeps small rank differences (soft ranks merge
+    toward its mean) and ``∂z/∂s = σ(K)/S · (I − 11ᵀ/K)`` does not grow as its spread shrinks. The
+    loss is invariant to positive affine changes of a task's whole batch, no longer of one row; which
+    rows are skipped (no order, one candidate) is the same as with ``row``. :func:`rank_diagnostics`
+    stays on per-row scaled scores.
+
 Soft ranks (``loss.soft_rank``, softness ε = ``loss.regularization_strength``, in rank steps)
     ``torchsort`` (the paper's): the projection above. It equals the hard ranks wherever sorted
     neighbours are ≥ ε apart, and there its gradient is exactly zero: a misordered pair that is
@@ -106,6 +122,7 @@ import torch
 LOSS_TYPES = ("spearman", "hinge", "none")
 SOFT_RANKS = ("torchsort", "sigmoid")
 RANK_TERMS = ("all", "gold")
+RANK_SCALES = ("row", "batch")
 
 
 def _check(s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -143,16 +160,19 @@ def soft_ranks(values: torch.Tensor, regularization: str = "l2", regularization_
     return out.to(values.dtype)
 
 
-def rank_scale(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_scale(values: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, ordered)`` for ``[n, K]`` rows of real candidates: each row standardised and rescaled
     to the spread of the ranks 1..K (module docstring), and whether the row has an order at all
-    (its spread exceeds the rounding of its values)."""
+    (its spread exceeds the rounding of its values). ``scale``: ``[n]`` detached divisors used
+    instead of each row's own std (``loss.rank_scale=batch``, see :func:`batch_scales`)."""
     k = values.shape[1]
     x = values if values.dtype in (torch.float32, torch.float64) else values.float()
     centred = x - x.mean(1, keepdim=True)
     std = centred.detach().pow(2).mean(1, keepdim=True).sqrt()
     floor = torch.finfo(x.dtype).eps * x.detach().abs().amax(1, keepdim=True) * k
     ordered = (std.detach() > floor).squeeze(1)
+    if scale is not None:
+        std = scale.detach().to(x.dtype).reshape(-1, 1)
     safe = torch.where(ordered[:, None], std, torch.ones_like(std))
     z = centred / safe * math.sqrt((k * k - 1) / 12.0)
     return torch.where(ordered[:, None], z, torch.zeros_like(z)), ordered
@@ -163,6 +183,44 @@ def _groups(mask: torch.Tensor):
     counts = mask.sum(1)
     for k in sorted({int(c) for c in counts.tolist() if c >= 2}):
         yield k, (counts == k).nonzero(as_tuple=True)[0]
+
+
+@torch.no_grad()
+def batch_scales(values: torch.Tensor, mask: torch.Tensor, labels=None) -> torch.Tensor:
+    """``[B]`` detached divisors for ``loss.rank_scale=batch``: per label (``labels``, one per row,
+    e.g. the evaluation task; all rows share one when None), the root-mean-square of the stds of
+    that label's ordered rows (each over its ``K_b`` real candidates); 1 for a label without one."""
+    B = values.shape[0]
+    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    var = torch.zeros(B, dtype=dtype, device=values.device)
+    ordered = torch.zeros(B, dtype=torch.bool, device=values.device)
+    for k, rows in _groups(mask):
+        x = values[rows, :k].to(dtype)
+        centred = x - x.mean(1, keepdim=True)
+        std = centred.pow(2).mean(1).sqrt()
+        floor = torch.finfo(dtype).eps * x.abs().amax(1) * k
+        var = var.index_put((rows,), std.pow(2))
+        ordered = ordered.index_put((rows,), std > floor)  # the rows rank_scale calls ordered
+    labels = [0] * B if labels is None else list(labels)
+    if len(labels) != B:
+        raise ValueError(f"expected one label per row ({B}), got {len(labels)}")
+    scale = torch.ones(B, dtype=dtype, device=values.device)
+    for label in set(labels):
+        rows = torch.tensor([i for i, x in enumerate(labels) if x == label], device=values.device)
+        ok = rows[ordered[rows]]
+        if len(ok):
+            scale = scale.index_put((rows,), var[ok].mean().sqrt())
+    return scale
+
+
+def _scales(s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor, scale: str, tasks=None):
+    """``(scale0, scalei)`` for :func:`rank_scale`: ``(None, None)`` for ``row``; for ``batch`` one
+    scale over the call for the anchor ``s0`` (one task) and one per label of ``tasks`` for ``si``."""
+    if scale not in RANK_SCALES:
+        raise ValueError(f"loss.rank_scale must be one of {', '.join(RANK_SCALES)}, got {scale!r}")
+    if scale == "row":
+        return None, None
+    return batch_scales(s0, mask), batch_scales(si, mask, tasks)
 
 
 def spearman_rank_loss(
@@ -176,19 +234,23 @@ def spearman_rank_loss(
     soft_rank: str = "torchsort",
     weight: torch.Tensor | None = None,
     rank_terms: str = "all",
+    scale: str = "row",
+    tasks=None,
 ) -> torch.Tensor:
     """Eq. 3, ``½‖R(z0) − R(zi)‖²`` per example on rank-scaled scores, mean over examples (module
     docstring); ``rank_terms="gold"``: the gold candidate's term only; ``weight``: ``[B]`` factors
-    of the examples' terms (see :func:`_reduce`)."""
+    of the examples' terms (see :func:`_reduce`); ``scale``: ``loss.rank_scale`` (``row`` | ``batch``;
+    with ``batch``, ``tasks`` labels each row's evaluation task: one scale per task for ``si``)."""
     if rank_terms not in RANK_TERMS:
         raise ValueError(f"loss.rank_terms must be one of {', '.join(RANK_TERMS)}, got {rank_terms!r}")
     mask = _check(s0, si, mask)
+    scale0, scalei = _scales(s0, si, mask, scale, tasks)
     dtype = torch.float64 if s0.dtype == torch.float64 else torch.float32
     per_example = s0.new_zeros(s0.shape[0], dtype=dtype)
     valid = torch.zeros(s0.shape[0], dtype=torch.bool, device=s0.device)
     for k, rows in _groups(mask):
-        z0, ok0 = rank_scale(s0[rows, :k])
-        zi, oki = rank_scale(si[rows, :k])
+        z0, ok0 = rank_scale(s0[rows, :k], None if scale0 is None else scale0[rows])
+        zi, oki = rank_scale(si[rows, :k], None if scalei is None else scalei[rows])
         r0 = soft_ranks(z0, regularization, regularization_strength, soft_rank).to(dtype)
         ri = soft_ranks(zi, regularization, regularization_strength, soft_rank).to(dtype)
         # a non-finite score is never hidden as "no order": it makes the loss NaN (the training guard)
@@ -209,15 +271,21 @@ def hinge_rank_loss(
     reduction: str = "mean",
     all_reduce=None,
     weight: torch.Tensor | None = None,
+    scale: str = "row",
+    tasks=None,
 ) -> torch.Tensor:
-    """Symmetric pairwise margin-ranking loss between the two tasks' orderings of rank-scaled scores."""
+    """Symmetric pairwise margin-ranking loss between the two tasks' orderings of rank-scaled scores
+    (``scale``, ``tasks``: as for :func:`spearman_rank_loss`)."""
     mask = _check(s0, si, mask)
+    scale0, scalei = _scales(s0, si, mask, scale, tasks)
     B, K = s0.shape
     z0 = s0.new_zeros(B, K, dtype=torch.float32)
     zi = s0.new_zeros(B, K, dtype=torch.float32)
     for k, rows in _groups(mask):  # padded entries stay 0 (never NaN/inf from the padding)
-        z0 = z0.index_put((rows,), torch.nn.functional.pad(rank_scale(s0[rows, :k])[0].float(), (0, K - k)))
-        zi = zi.index_put((rows,), torch.nn.functional.pad(rank_scale(si[rows, :k])[0].float(), (0, K - k)))
+        z0k = rank_scale(s0[rows, :k], None if scale0 is None else scale0[rows])[0]
+        zik = rank_scale(si[rows, :k], None if scalei is None else scalei[rows])[0]
+        z0 = z0.index_put((rows,), torch.nn.functional.pad(z0k.float(), (0, K - k)))
+        zi = zi.index_put((rows,), torch.nn.functional.pad(zik.float(), (0, K - k)))
     d0 = z0[:, None, :] - z0[:, :, None]  # [B, j, k] = z0_k - z0_j
     di = zi[:, None, :] - zi[:, :, None]
     pair = mask[:, :, None] & mask[:, None, :]
@@ -281,21 +349,29 @@ def consistency_loss(
     direction: str = "mutual",
     soft_rank: str = "torchsort",
     rank_terms: str = "all",
+    rank_scale: str = "row",
+    tasks=None,
     all_reduce=None,
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``) after ``loss.direction``
     (``mutual`` | ``toward_gold``); ``soft_rank`` and ``rank_terms``: the Spearman loss's ranks and
-    terms; ``all_reduce`` and ``weight`` (``[B]``, e.g. each example's task λ factor): see :func:`_reduce`."""
+    terms; ``rank_scale`` (``row`` | ``batch``) and ``tasks`` (each row's evaluation task): the
+    rank scale of both rank losses; ``all_reduce`` and ``weight`` (``[B]``, e.g. each example's
+    task λ factor): see :func:`_reduce`."""
     if direction not in DIRECTIONS:
         raise ValueError(f"loss.direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    if rank_scale not in RANK_SCALES:
+        raise ValueError(f"loss.rank_scale must be one of {', '.join(RANK_SCALES)}, got {rank_scale!r}")
     if direction == "toward_gold" and loss_type != "none":
         s0, si = toward_gold(s0, si, _check(s0, si, mask))
     if loss_type == "spearman":
         return spearman_rank_loss(s0, si, mask, regularization, regularization_strength,
-                                  all_reduce=all_reduce, soft_rank=soft_rank, weight=weight, rank_terms=rank_terms)
+                                  all_reduce=all_reduce, soft_rank=soft_rank, weight=weight, rank_terms=rank_terms,
+                                  scale=rank_scale, tasks=tasks)
     if loss_type == "hinge":
-        return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce, weight=weight)
+        return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce, weight=weight,
+                               scale=rank_scale, tasks=tasks)
     if loss_type == "none":
         _check(s0, si, mask)
         return s0.new_zeros((), dtype=torch.float32)

@@ -253,6 +253,7 @@ class ConsistencyModule(L.LightningModule):
                   if task_lambda else None)
         loss_const = consistency_loss(loss_cfg.type, s0.nll, si, s0.mask, margin=loss_cfg.hinge_margin,
                                       direction=loss_cfg.direction, rank_terms=loss_cfg.rank_terms,
+                                      rank_scale=loss_cfg.rank_scale, tasks=scored["tasks"],
                                       all_reduce=self._token_all_reduce(), weight=weight, **reg)
         lam = 0.0 if only_gold else loss_cfg.lambda_
         out = {"loss": lam * loss_const + loss_ce, "loss_ce": loss_ce.detach(), "loss_const": loss_const.detach(),
