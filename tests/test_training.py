@@ -961,3 +961,18 @@ def test_bench_rank_regime_reports_each_tasks_scores_and_gradients(world, tmp_pa
             name = f"{soft_rank}@{eps:g}"
             assert 0 <= stats[f"{name}/merged_rows"] <= 1 and stats[f"{name}/soft_hard_gap"] >= 0
             assert stats[f"{name}/grad_task_side"] > 0 and stats[f"{name}/grad_anchor_side"] > 0
+        # the run's own consistency step under its clipping (trainer=cpu clips at 1.0)
+        assert stats["clipping/grad_rank"] > 0 and -1 <= stats["clipping/cos_ce_rank"] <= 1
+        assert 0 < stats["clipping/clip_factor"] <= 1 and 0 < stats["clipping/ce_kept"]
+
+
+def test_clipping_shares_by_hand():
+    """g_ce = (3, 0), g_rank = (0, 4): g = (3, 4), ‖g‖ = 5; clipped to 1 the step keeps a fifth of it,
+    its CE part 3/5 where a CE-only step (‖g_ce‖ = 3) would apply 1; ⟨g_ce, g⟩/‖g‖² = 9/25."""
+    from unicon.bench.training import clipping_shares
+
+    out = clipping_shares(torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 4.0], dtype=torch.float64), 1.0)
+    assert out == pytest.approx({"grad_rank": 4.0, "cos_ce_rank": 0.0, "clip_factor": 0.2, "ce_share": 0.36,
+                                 "ce_kept": 0.6}, abs=1e-12)
+    unclipped = clipping_shares(torch.tensor([3.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 4.0], dtype=torch.float64), 0.0)
+    assert unclipped["clip_factor"] == 1.0 and unclipped["ce_kept"] == 1.0

@@ -188,6 +188,30 @@ def _grad_norm(loss: torch.Tensor, params: list) -> float:
     return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
 
 
+def _grads(loss: torch.Tensor, params: list) -> torch.Tensor:
+    """The gradient of ``loss`` over ``params`` as one flat float64 vector (zeros where unused)."""
+    import torch
+
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).double().flatten() for g, p in zip(grads, params)])
+
+
+def clipping_shares(g_ce: torch.Tensor, g_rank: torch.Tensor, clip: float) -> dict[str, float]:
+    """How clipping the summed gradient ``g = g_ce + g_rank`` to norm ``clip`` (0: no clipping) treats
+    its CE part (:func:`run_rank_regime`'s ``clipping/*``)::
+
+        clip_factor = min(1, clip/‖g‖)        ce_share = ⟨g_ce, g⟩ / ‖g‖²
+        ce_kept = clip_factor·‖g_ce‖ / (min(1, clip/‖g_ce‖)·‖g_ce‖)
+    """
+    g = g_ce + g_rank
+    n_ce, n_rank, n = (float(v.norm()) for v in (g_ce, g_rank, g))
+    factor = lambda norm: min(1.0, clip / norm) if clip and norm > 0 else 1.0  # noqa: E731
+    return {"grad_rank": n_rank,
+            "cos_ce_rank": float(g_ce @ g_rank) / (n_ce * n_rank) if n_ce and n_rank else float("nan"),
+            "clip_factor": factor(n), "ce_share": float(g_ce @ g) / n**2 if n else float("nan"),
+            "ce_kept": factor(n) / factor(n_ce) if n_ce else float("nan")}
+
+
 def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
     """Per evaluation task, on ``batches`` contrast batches of the training split (``data.contrast_batch_size``
     samples, every one scored on that task, the model in training mode as the loss sees it):
@@ -201,7 +225,15 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
       and the gradient norm that ``λ_t·L_const`` (``lambda``: λ times the task's ``loss.task_lambda``)
       sends to the model's parameters through the task's scores alone (``grad_task_side``, the
       anchor's scores detached) and through the anchor's alone (``grad_anchor_side``);
-    * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale."""
+    * ``grad_ce``: the norm of the same batches' ``L_ce`` gradient, for scale;
+    * ``clipping/*``: the consistency step as the run takes it (its own ``loss.*`` settings, λ_t), with
+      ``g_ce = ∇L_ce`` and ``g_rank = λ_t ∇L_const`` over the parameters and ``g = g_ce + g_rank``
+      clipped to ``c = trainer.gradient_clip_val`` (:func:`clipping_shares`): ``grad_rank`` (‖g_rank‖),
+      ``cos_ce_rank`` (their cosine), ``clip_factor`` (``min(1, c/‖g‖)``, 1 without clipping),
+      ``ce_share`` (``⟨g_ce, g⟩/‖g‖²``, the part of the update along the CE gradient) and
+      ``ce_kept`` (the CE gradient's norm in the clipped step, ``min(1, c/‖g‖)·‖g_ce‖``, over what a
+      step on ``L_ce`` alone would apply, ``min(1, c/‖g_ce‖)·‖g_ce‖``: below 1 when the rank term
+      makes clipping shrink the CE part)."""
     import torch
 
     from unicon.losses.consistency import consistency_loss, hard_ranks, rank_scale, soft_ranks
@@ -210,6 +242,10 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
 
     _, _, module, dm, params = _training_setup(cfg, device)
     size, task_lambda = int(cfg.data.contrast_batch_size), dict(cfg.loss.task_lambda)
+    clip = float(cfg.trainer.gradient_clip_val or 0)
+    run_loss = dict(regularization=cfg.loss.regularization, regularization_strength=cfg.loss.regularization_strength,
+                    soft_rank=cfg.loss.soft_rank, direction=cfg.loss.direction, rank_terms=cfg.loss.rank_terms,
+                    rank_scale=cfg.loss.rank_scale)
     report: dict[str, Any] = {"batches": batches, "contrast_batch_size": size, "init_from": cfg.init_from, "tasks": {}}
     for task in cfg.loss.tasks:
         lam = float(cfg.loss.lambda_) * float(task_lambda.get(task, 1.0))  # the task's λ_t
@@ -223,7 +259,11 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
             picked = [usable[(b * size + j) % len(usable)] for j in range(size)]
             scored = module.score_contrast(collate_contrast([dm.contrast[i] for i in picked]), task)
             s0, si, mask = scored["s0"].nll, scored["si"], scored["s0"].mask
-            add("grad_ce", _grad_norm(token_weighted_ce(scored["gold_sum"], scored["gold_tokens"]), params))
+            loss_ce = token_weighted_ce(scored["gold_sum"], scored["gold_tokens"])
+            add("grad_ce", _grad_norm(loss_ce, params))
+            rank = consistency_loss("spearman", s0, si, mask, tasks=scored["tasks"], **run_loss)
+            for key, value in clipping_shares(_grads(loss_ce, params), _grads(lam * rank, params), clip).items():
+                add(f"clipping/{key}", value)
             for row in range(si.shape[0]):
                 k = int(mask[row].sum())
                 a, t = s0[row, :k].detach().double()[None], si[row, :k].detach().double()[None]
