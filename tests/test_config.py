@@ -294,3 +294,11 @@ def test_learning_rate_is_logged_per_param_group_and_an_old_checkpoint_resumes(t
         for group in ("decay", "no_decay"):
             expected = 1e-3 * (4 - row["step"]) / 4
             assert row[f"train/lr/{group}"] == pytest.approx(expected, rel=4 * eps, abs=0), row
+
+
+def test_make_demos_two_rows_share_one_wandb_group():
+    """Row K (``shapes_demo_control``) extends row M's file, so W&B shows the demo's two runs as one group,
+    whichever logger the command line picks."""
+    assert compose(["experiment=shapes_demo"]).logger.group == "shapes_demo"
+    assert compose(["experiment=shapes_demo_control", "logger=csv"]).logger.group == "shapes_demo"
+    assert compose(["experiment=shapes_demo", "logger.group=mine"]).logger.group == "mine"

@@ -95,6 +95,8 @@ def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_s
     records = {(r["method"], r["seed"]): r for r in json.loads((out / "table2.json").read_text())["runs"]}
     assert set(records) == {("K", 0), ("M", 0), ("K", 1), ("M", 1)}
     assert all(r["global_step"] == 2 for r in records.values())
+    # one W&B group for the experiment's runs (a group in the overrides would be kept instead)
+    assert all(f"logger.group={table2.run_prefix(out)}" in r["args"] for r in records.values())
 
     def mean_c1(method, seed):
         flat = records[(method, seed)]["cococon"]
@@ -126,6 +128,10 @@ def test_table2_trains_each_method_and_seed_then_resumes_from_its_records(tiny_s
     def must_not_train(args):
         raise AssertionError(f"a recorded run was trained again: {args}")
 
+    # a record whose args name no group (or another one) is the same training: reused
+    record = out / "runs" / "K-seed1.json"
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "args": [a for a in kept["args"] if not a.startswith("logger.group=")]}))
     again = table2.run_experiment(out, [0, 1], ["K", "M"], overrides, train_fn=must_not_train)
     assert again["paired_vs_K"]["M"]["mean/C_1"]["mean"] == pytest.approx(diff["mean"])
     from unicon.errors import UserError

@@ -323,6 +323,8 @@ def test_resume_continues_the_same_wandb_run(runs):
     assert first.folder.name.endswith(stored) and resumed.folder.name.endswith(stored)
     for run in (first, resumed):  # resume="allow" is recorded: `wandb sync` appends the second part to the first
         assert [r.run.resume for r in run.records if r.WhichOneof("record_type") == "run"][0]
+        # make demo's runs (experiment=shapes_demo, and row K extending it) share one W&B group
+        assert [r.run.run_group for r in run.records if r.WhichOneof("record_type") == "run"][0] == "shapes_demo"
 
 
 def test_standalone_evaluations_log_tables_and_figures(runs):

@@ -419,6 +419,8 @@ class LoggerConfig:
     # default $WANDB_MODE, else online with an API key, offline without
     mode: Optional[str] = choice(None, ("online", "offline", "disabled"), optional=True)
     tags: list[str] = field(default_factory=list)
+    # W&B's run group: runs that belong together (make demo's K and M, a Table 2's runs) in one group
+    group: Optional[str] = None
     # W&B artifacts at the end of training: the export (type model) and the evaluation outputs
     log_model: bool = False
 

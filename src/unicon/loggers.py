@@ -292,6 +292,7 @@ def make_loggers(cfg: Any, run_dir: str | Path, name: str | None = None, persist
                     save_dir=str(run_dir),
                     id=persistent_run_id(run_dir) if persist_run_id else None,  # WandbLogger: resume="allow"
                     tags=list(lcfg.tags or []),
+                    group=lcfg.group,
                     mode=mode,
                     artifacts=bool(getattr(lcfg, "log_model", False)),
                     settings={"silent": True} if mode == "offline" else None,

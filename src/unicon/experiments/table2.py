@@ -279,8 +279,8 @@ def run_prefix(out: Path) -> str:
 
 
 def _training_args(args: Sequence[str]) -> list[str]:
-    """A run's arguments without its ``name=``, which does not change what it trains."""
-    return [a for a in args if not a.startswith("name=")]
+    """A run's arguments without its ``name=`` and W&B group, which do not change what it trains."""
+    return [a for a in args if not a.startswith(("name=", "logger.group="))]
 
 
 def claim_run_folder(run_dir: Path, claim: Path) -> None:
@@ -321,7 +321,9 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
         for method in methods:
             record_file = out / "runs" / f"{method}-seed{seed}.json"
             name = f"{prefix}_{method}_seed{seed}"
-            args = [*METHODS[method], f"seed={seed}", f"name={name}", "overwrite=true", *overrides]
+            # W&B groups the experiment's runs, unless the overrides name a group
+            group = [] if any(o.startswith("logger.group=") for o in overrides) else [f"logger.group={prefix}"]
+            args = [*METHODS[method], f"seed={seed}", f"name={name}", *group, "overwrite=true", *overrides]
             if record_file.is_file():
                 record = read_json(record_file, what="table2 run record")
                 if _training_args(record.get("args", [])) != _training_args(args):
