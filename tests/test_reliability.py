@@ -639,7 +639,7 @@ def test_sigterm_during_epoch_end_evaluation_saves_and_ends_the_run(world, tmp_p
 @pytest.mark.slow
 def test_sigterm_stops_a_standalone_evaluation_which_then_resumes(world, trained, tmp_path):
     args = [sys.executable, "-m", "unicon.cli", "evaluate", "drift", "--ckpt", str(trained / "export"),
-            "--world", str(world), "--generations", "30", "--embedders", "scene", "--geneval", "none",
+            "--world", str(world), "--generations", "12", "--embedders", "scene", "--geneval", "none",
             "--batch-size", "1"]
     unicon(*args[3:], "--out", str(tmp_path / "clean"))
     out = tmp_path / "killed"
