@@ -217,6 +217,7 @@ def test_only_complete_deepspeed_folders_are_resumed(deepspeed_runs, tmp_path):
     import unicon.training.run as run
     from unicon.errors import UserError
     from unicon.models import DEEPSPEED_COMPLETE_FILE, read_training_checkpoint
+    from unicon.training.resume import requeue_checkpoint
 
     source = Path(deepspeed_runs["zero2"]["ckpt_path"])
     run_dir = tmp_path / "ds"
@@ -226,9 +227,9 @@ def test_only_complete_deepspeed_folders_are_resumed(deepspeed_runs, tmp_path):
     with pytest.raises(UserError, match=r"last\.ckpt: an incomplete DeepSpeed checkpoint"):
         read_training_checkpoint(run_dir / "last.ckpt")
     overrides = [f"output_dir={tmp_path}", "name=ds"]
-    assert run.requeue_checkpoint(overrides) == run_dir / "epoch=0-step=2.ckpt"
+    assert requeue_checkpoint(overrides) == run_dir / "epoch=0-step=2.ckpt"
     shutil.rmtree(run_dir / "epoch=0-step=2.ckpt")
-    assert run.requeue_checkpoint(overrides) is None  # nothing complete: the job starts over
+    assert requeue_checkpoint(overrides) is None  # nothing complete: the job starts over
     with pytest.raises(UserError, match="an incomplete DeepSpeed checkpoint"):
         run.compose_run([f"resume={run_dir / 'last.ckpt'}"])
 
@@ -309,7 +310,7 @@ def test_deepspeed_folder_with_foreign_objects_needs_consent(deepspeed_runs, tmp
 def test_deepspeed_configs_take_the_micro_batch_from_data_and_offload_uses_cpu_adam(tmp_path, monkeypatch):
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    import unicon.training.run as run
+    import unicon.training.strategy as strategy
     from unicon.config import STRATEGIES, config_dir
     from unicon.errors import UserError
     from unicon.training.module import offloads_optimizer
@@ -317,42 +318,42 @@ def test_deepspeed_configs_take_the_micro_batch_from_data_and_offload_uses_cpu_a
     names = [s for s in STRATEGIES if s.startswith("deepspeed")]
     assert sorted(names) == sorted(p.stem for p in (config_dir() / "strategy").glob("*.json"))
     for name in names:
-        config = run.deepspeed_config(name, 6)
+        config = strategy.deepspeed_config(name, 6)
         assert config["train_micro_batch_size_per_gpu"] == 6
         offload = "offload" in name
         # DeepSpeed's default zero_force_ds_cpu_optimizer=true then insists on its CPU Adam
         assert "zero_force_ds_cpu_optimizer" not in config
         assert offloads_optimizer(DeepSpeedStrategy(config=config)) == offload, name
-    assert not offloads_optimizer(run.make_strategy("ddp"))
+    assert not offloads_optimizer(strategy.make_strategy("ddp"))
 
     (tmp_path / "strategy").mkdir()
     (tmp_path / "strategy" / "deepspeed_zero2.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
-    monkeypatch.setattr(run, "config_dir", lambda: tmp_path)
+    monkeypatch.setattr(strategy, "config_dir", lambda: tmp_path)
     with pytest.raises(UserError, match=r"deepspeed_zero2\.json: train_micro_batch_size_per_gpu comes from "
                                         r"data\.batch_size"):
-        run.deepspeed_config("deepspeed_zero2", 2)
+        strategy.deepspeed_config("deepspeed_zero2", 2)
 
 
 def test_offload_optimizer_is_deepspeed_cpu_adam_with_adamw_groups(tiny_shapes_world):
     """configure_optimizers under an offload config: DeepSpeedCPUAdam with the two AdamW groups,
     decoupled weight decay."""
     _deepspeed_or_skip()
-    from unicon.training.run import cpu_adam_unavailable
+    from unicon.training.strategy import cpu_adam_unavailable
 
     if (why := cpu_adam_unavailable()) is not None:
         pytest.skip(f"DeepSpeed's CPU Adam: {why}")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    import unicon.training.run as run
     from unicon.config import compose
     from unicon.models import build_model
     from unicon.training.module import ConsistencyModule
+    from unicon.training.strategy import deepspeed_config
 
     cfg = compose(["model=ofa_shapes_tiny", f"data.root={tiny_shapes_world}", "optim.weight_decay=0.05", *TINY])
     module = ConsistencyModule(build_model(cfg.model, tiny_shapes_world), cfg)
 
     class FakeTrainer:  # what configure_optimizers reads of the trainer
-        strategy = DeepSpeedStrategy(config=run.deepspeed_config("deepspeed_zero3_offload", 2))
+        strategy = DeepSpeedStrategy(config=deepspeed_config("deepspeed_zero3_offload", 2))
         estimated_stepping_batches = 10
 
     module._trainer = FakeTrainer()

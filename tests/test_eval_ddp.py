@@ -1,4 +1,4 @@
-"""Every suite's epoch-end evaluation, as a training run builds it (``training.run.make_eval_callbacks``
+"""Every suite's epoch-end evaluation, as a training run builds it (``training.trainer.make_eval_callbacks``
 on a composed ``eval=shapes`` config with every other suite enabled: :data:`OVERRIDES`), run through the
 callback's Lightning hook: on 2 gloo ranks == 1 process (the same metrics on both ranks and the same
 files, byte for byte). And each suite's standalone command, given the arguments ``unicon evaluate all``
@@ -83,7 +83,7 @@ def _evaluate(world: Path, ckpt: Path, run_dir: Path, rank: int = 0, logged: dic
     """Every enabled suite's epoch end (``on_train_epoch_end``): ``{suite: its metrics but the timing}``;
     ``logged`` gets ``{suite: {key: kind}}`` of what each logged to W&B."""
     from unicon.models import load_model
-    from unicon.training.run import make_eval_callbacks
+    from unicon.training.trainer import make_eval_callbacks
 
     recorder = WandbKeys()
     trainer = SimpleNamespace(default_root_dir=str(run_dir), current_epoch=0, global_step=3, loggers=[recorder],

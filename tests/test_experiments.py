@@ -152,7 +152,8 @@ def test_table2_cli_refuses_unknown_methods_and_bad_overrides(tmp_path):
 def _claiming_train(args):
     """``unicon train`` without the training: claims its run folder as a run does (``overwrite=true``
     deletes the folder's files) and logs one CocoCon row."""
-    from unicon.training.run import claim_run_dir, compose_run, release_run_dir
+    from unicon.training.run import compose_run
+    from unicon.training.run_folder import claim_run_dir, release_run_dir
 
     cfg = compose_run(args, announce=False)
     release_run_dir(claim_run_dir(cfg))

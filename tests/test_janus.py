@@ -582,7 +582,7 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
     assert trainable and all("lora_" in n for n in trainable)
     assert any(".language_model." in n for n in trainable)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    monkeypatch.setattr(run, "build_training_model", lambda c: model)
+    monkeypatch.setattr(run, "build_training_model", lambda c, reads=None: model)
     out = run.train(cfg)
     assert out["global_step"] == 2
     state = torch.load(out["ckpt_path"], weights_only=False)["state_dict"]

@@ -33,7 +33,8 @@ import torch
 from unicon.cli import main as unicon_main
 from unicon.config import compose
 from unicon.errors import UserError
-from unicon.training.run import claim_run_dir, compose_run, release_run_dir, train
+from unicon.training.run import compose_run, train
+from unicon.training.run_folder import claim_run_dir, release_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_OFA = [
@@ -249,7 +250,7 @@ def test_only_rank_zero_touches_the_run_folder(world, tmp_path, monkeypatch):
     write into it (a 2-rank SLURM job once failed with 'no such file: .../config.yaml' on rank 1)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-    from unicon.training.run import write_run_config
+    from unicon.training.run_folder import write_run_config
 
     cfg = compose(run_args(world, tmp_path, "name=ranked"))
     run_dir = tmp_path / "ranked"

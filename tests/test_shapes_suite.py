@@ -318,7 +318,7 @@ def test_callback_logs_shapes_scalars_at_epoch_end(tiny_shapes_world, tmp_path):
     from unicon.evaluation.shapes.callback import ShapesCallback
     from unicon.evaluation.shapes.runner import shapes_task_accuracies
     from unicon.loggers import JsonlLogger, read_metrics
-    from unicon.training.run import make_eval_callbacks
+    from unicon.training.trainer import make_eval_callbacks
 
     class Module(pl.LightningModule):
         def __init__(self):

@@ -147,7 +147,7 @@ def test_compose_types_and_validates_the_plugin_section(plugin):
 
 
 def test_a_training_run_builds_the_plugin_callback(plugin):
-    from unicon.training.run import make_eval_callbacks
+    from unicon.training.trainer import make_eval_callbacks
 
     (callback,) = make_eval_callbacks(compose(["eval=none", "eval.toy.enabled=true", "eval.toy.n=4"]))
     assert type(callback).__name__ == "ToyCallback" and callback.n == 4

@@ -167,23 +167,23 @@ def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkey
     """make_eval_callbacks reads the suite registry: one callback per enabled eval.<section>, in
     registry order, of the class the suite registered; a disabled section builds none."""
     from unicon.config import compose
-    from unicon.training import run
+    from unicon.training import trainer
 
-    monkeypatch.setattr(run, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
+    monkeypatch.setattr(trainer, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
     registered = [(s.section, s.callback_class().__name__) for s in suites.suites().values() if s.callback]
     assert [section for section, _ in registered] == ["cococon", "drift", "ureason", "shapes", "realunify",
                                                       "alignment", "editing"]
     off = ("realunify", "alignment", "editing")  # off unless their own group (or enabled=true) turns them on
-    assert run.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == \
+    assert trainer.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == \
         [r for r in registered if r[0] not in off]
-    assert run.make_eval_callbacks(compose(["eval=realunify"])) == [r for r in registered if r[0] == "realunify"]
-    assert run.make_eval_callbacks(compose(["eval=alignment"])) == [r for r in registered if r[0] == "alignment"]
-    assert run.make_eval_callbacks(compose(["eval=editing"])) == [r for r in registered if r[0] == "editing"]
-    assert run.make_eval_callbacks(compose(["eval=shapes"])) == \
+    assert trainer.make_eval_callbacks(compose(["eval=realunify"])) == [r for r in registered if r[0] == "realunify"]
+    assert trainer.make_eval_callbacks(compose(["eval=alignment"])) == [r for r in registered if r[0] == "alignment"]
+    assert trainer.make_eval_callbacks(compose(["eval=editing"])) == [r for r in registered if r[0] == "editing"]
+    assert trainer.make_eval_callbacks(compose(["eval=shapes"])) == \
         [r for r in registered if r[0] not in ("shapes", *off)]
-    assert run.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
+    assert trainer.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
         [r for r in registered if r[0] not in ("drift", "shapes", *off)]
-    assert run.make_eval_callbacks(compose(["eval=shapes_tasks"])) == [r for r in registered if r[0] == "shapes"]
+    assert trainer.make_eval_callbacks(compose(["eval=shapes_tasks"])) == [r for r in registered if r[0] == "shapes"]
 
 
 def test_evaluate_all_shards_what_can_be_sharded_and_runs_the_rest_whole_in_shard_0(monkeypatch, tmp_path):
@@ -219,13 +219,14 @@ def test_every_epoch_end_callback_honours_eval_fail_on_error(shipped_world):
     """``eval.fail_on_error`` reaches every suite's callback through its ``from_config`` (no suite is
     special-cased by name in the training run)."""
     from unicon.config import compose
-    from unicon.training import run
+    from unicon.training import run, trainer
 
     on = [f"eval.{s.section}.enabled=true" for s in suites.suites().values() if s.callback]
     for flag in (True, False):
-        built = run.make_eval_callbacks(compose(["eval=shapes", f"data.root={shipped_world}", *on,
+        built = trainer.make_eval_callbacks(compose(["eval=shapes", f"data.root={shipped_world}", *on,
                                                  f"eval.fail_on_error={str(flag).lower()}"]))
         assert len(built) == len(on) and all(cb.fail_on_error is flag for cb in built), \
             [(type(cb).__name__, cb.fail_on_error) for cb in built]
-    source = Path(run.__file__).read_text()
-    assert not [name for name in suites.suites() if f'"{name}"' in source], "training/run.py names a suite"
+    for module in (run, trainer):
+        source = Path(module.__file__).read_text()
+        assert not [name for name in suites.suites() if f'"{name}"' in source], f"{module.__name__} names a suite"

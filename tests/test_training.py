@@ -593,7 +593,7 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    monkeypatch.setattr("unicon.training.run.build_training_model", lambda c: model)
+    monkeypatch.setattr("unicon.training.run.build_training_model", lambda c, reads=None: model)
     out = train(cfg)
     state = torch.load(out["ckpt_path"], weights_only=False)["state_dict"]
     for name, value in before.items():  # frozen base weights are unchanged in the checkpoint
@@ -908,7 +908,7 @@ def test_ddp_broadcasts_buffers_only_for_models_with_running_statistics():
 
     from unicon.models.ofa.configuration_ofa import preset_config
     from unicon.models.ofa.modeling_ofa import OFAForConditionalGeneration
-    from unicon.training.run import keeps_running_statistics, make_strategy
+    from unicon.training.strategy import keeps_running_statistics, make_strategy
 
     patch = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300, d_model=32))
     resnet = OFAForConditionalGeneration(preset_config("shapes-tiny", vocab_size=300, d_model=32, image_stem="resnet"))

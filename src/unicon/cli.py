@@ -83,7 +83,7 @@ LIBRARY_NOISE = (
     ("warning", r"The `srun` command is available on your system but is not used"),
     # Lightning's ModelCheckpoint: a run writes its config.yaml and lock into its folder before the
     # callback looks at it, and earlier checkpoints there are resumed on purpose or, with
-    # overwrite=true, deleted first (unicon.training.run.claim_run_dir refuses any other case)
+    # overwrite=true, deleted first (unicon.training.run_folder.claim_run_dir refuses any other case)
     ("warning", r"Checkpoint directory .* exists and is not empty"),
     # Lightning 2.6's own call of a torch API deprecated in torch 2.14 (lightning/pytorch/utilities/_pytree.py)
     ("warning", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),

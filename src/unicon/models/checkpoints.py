@@ -95,10 +95,12 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
     return model.eval()
 
 
-def load_for_training(cfg: Any) -> UnifiedModel:
+def load_for_training(cfg: Any, resumed: dict | None = None) -> UnifiedModel:
     """The UnifiedModel a run of ``cfg`` (a RunConfig: its ``model``, ``data.root``, ``resume`` and
     ``init_from``) starts from, with the config's model options (dtype, freezing), gradient
-    checkpointing and LoRA applied.
+    checkpointing and LoRA applied. ``resumed``: the dict of ``cfg.resume`` when the caller has read
+    it already (:func:`read_training_checkpoint`, memory-mapped): the network and its weights come
+    from it, with the archive checked (:func:`check_archive`), instead of from a second read.
 
     * ``resume``: the network the checkpoint holds (a ``.ckpt``'s weights are loaded, and restored
       by Lightning afterwards; a DeepSpeed folder's are not gathered: DeepSpeed's engine loads
@@ -114,7 +116,7 @@ def load_for_training(cfg: Any) -> UnifiedModel:
     model_cfg, allow_pickle = cfg.model, bool(cfg.model.allow_pickle)
     if cfg.resume or cfg.init_from:
         if cfg.resume:
-            model = _resumed_network(cfg.resume, model_cfg, allow_pickle)
+            model = _resumed_network(cfg.resume, model_cfg, allow_pickle, resumed)
         else:
             model = _initial_model(cfg.init_from, model_cfg, cfg.data.root, allow_pickle)
         model = factory.apply_model_options(model, model_cfg).train()
@@ -130,17 +132,21 @@ def load_for_training(cfg: Any) -> UnifiedModel:
     return model
 
 
-def _resumed_network(path: str | Path, model_cfg: Any, allow_pickle: bool) -> UnifiedModel:
-    """The network a checkpoint to resume from holds, its stored model section checked against ``model_cfg``."""
+def _resumed_network(path: str | Path, model_cfg: Any, allow_pickle: bool, ckpt: dict | None = None) -> UnifiedModel:
+    """The network a checkpoint to resume from holds, its stored model section checked against
+    ``model_cfg``; ``ckpt``: its dict, already read (:func:`load_for_training`)."""
     if is_deepspeed_checkpoint(path):
         # the network the folder's stored config and vocabulary describe; DeepSpeed's engine loads
         # every rank's partition of the weights itself, so none is gathered here
-        state = resumable_deepspeed_state(path, allow_pickle)
+        state = ckpt if ckpt is not None else resumable_deepspeed_state(path, allow_pickle)
         for f in sorted(_deepspeed_tag_dir(Path(path)).glob("*.pt")):
             check_archive(f)
         return checkpoint_network(state, path, expected_model=model_cfg)[0]
     # the network the checkpoint holds (its weights are restored by Lightning afterwards)
-    return load_lightning_checkpoint(path, allow_pickle=allow_pickle, expected_model=model_cfg)[0]
+    if ckpt is None:
+        return load_lightning_checkpoint(path, allow_pickle=allow_pickle, expected_model=model_cfg)[0]
+    check_archive(path)  # a memory-mapped read checks no CRC
+    return _checkpoint_model(ckpt, Path(path), expected_model=model_cfg)[0]
 
 
 def _initial_model(init_from: str | Path, model_cfg: Any, world_root: str | Path | None,
@@ -364,6 +370,12 @@ def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = Non
         ckpt = read_deepspeed_checkpoint(p, allow_pickle)
     else:
         ckpt = read_training_checkpoint(p, map_location, allow_pickle)
+    return _checkpoint_model(ckpt, p, world_root, expected_model=expected_model)
+
+
+def _checkpoint_model(ckpt: dict, p: Path, world_root: str | Path | None = None, expected_model: Any = None):
+    """``(model, run config)`` of a training checkpoint's dict: :func:`checkpoint_network` with the
+    ``model.``-prefixed weights of its ``state_dict`` loaded."""
     model, cfg = checkpoint_network(ckpt, p, world_root, expected_model=expected_model)
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     try:

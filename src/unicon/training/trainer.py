@@ -1,0 +1,103 @@
+"""The Lightning ``Trainer`` of a run (:func:`make_trainer`): its callbacks (``ModelCheckpoint`` in the
+run folder, the log files, the SLURM requeue hooks, Lightning's ``LearningRateMonitor``
+(``train/lr/decay``, ``train/lr/no_decay``), the epoch-end evaluations of the enabled suites
+(:func:`make_eval_callbacks`), a rich progress bar) and plugins; :func:`end_launched_ranks` when
+``fit`` fails."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from unicon.evaluation.suites import suites
+from unicon.training.requeue import SlurmRequeue
+
+
+def make_eval_callbacks(cfg: DictConfig) -> list:
+    """Epoch-end evaluation callbacks of the enabled suites. A suite that cannot be built fails the
+    run here, before training starts (never silently skipped). A plugin suite's section is in every
+    composed config (:func:`unicon.config.set_eval_sections`), so its callback is built like an in-tree one."""
+    callbacks = []
+    for s in suites().values():  # the suite registry names each suite's eval.<section> and callback
+        if s.section is None or s.callback is None or not cfg.eval[s.section].enabled:
+            continue
+        callbacks.append(_make_callback(s.section, s.callback_class(), cfg))
+    return callbacks
+
+
+def _make_callback(suite: str, cls, cfg: DictConfig):
+    """Each suite's constructor: ``from_config(RunConfig)`` where it has one, else ``(section, world_root)``."""
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cfg)
+    return cls(cfg.eval[suite], world_root=cfg.data.root, fail_on_error=cfg.eval.fail_on_error)
+
+
+def make_trainer(cfg: DictConfig, run_dir: Path, strategy, loggers: list, requeue: SlurmRequeue | None,
+                 more_callbacks: list):
+    """``(trainer, checkpoint)``: the ``Trainer`` of ``cfg.trainer`` and its ``ModelCheckpoint``.
+    ``more_callbacks`` (the epoch-end evaluations, then the caller's) come after the built-in ones."""
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+
+    from unicon.training.log_files import LogFilesCallback  # lazy: pulls in Lightning
+
+    tcfg = cfg.trainer
+    # no version counter: last.ckpt is always the newest checkpoint. With one, a resume whose checkpoint
+    # names another folder (the run folder moved, output_dir= changed) does not own the last.ckpt it
+    # finds, so it writes last-v1.ckpt and leaves last.ckpt at the old step (resume=<run>/last.ckpt
+    # would then go back); "{epoch}-{step}" names never collide between steps
+    checkpoint = ModelCheckpoint(dirpath=str(run_dir), filename="{epoch}-{step}", save_last=True, save_top_k=1,
+                                 every_n_train_steps=tcfg.checkpoint_every_n_steps, enable_version_counter=False)
+    # SlurmRequeue's hooks before the LR monitor's and the evaluations': a stop requested at a batch
+    # start or an epoch end comes before anything logs a row for a step the checkpoint does not hold
+    callbacks = [checkpoint, LogFilesCallback(loggers), *([requeue.callback] if requeue else []),
+                 LearningRateMonitor(logging_interval="step"), *more_callbacks]
+    plugins = []
+    if requeue is not None:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        # Lightning would pick SLURMEnvironment by itself, with auto_requeue=True: its SIGUSR1
+        # handler checkpoints mid-step (see SlurmRequeue); SlurmRequeue owns the signal instead.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    if tcfg.enable_progress_bar:
+        callbacks.append(RichProgressBar())
+    trainer = L.Trainer(
+        default_root_dir=str(run_dir),
+        max_epochs=tcfg.max_epochs,
+        max_steps=tcfg.max_steps,
+        accelerator=tcfg.accelerator,
+        devices=tcfg.devices,
+        num_nodes=tcfg.num_nodes,
+        strategy=strategy,
+        precision=tcfg.precision,
+        accumulate_grad_batches=tcfg.accumulate_grad_batches,
+        gradient_clip_val=tcfg.gradient_clip_val,
+        log_every_n_steps=tcfg.log_every_n_steps,
+        limit_train_batches=tcfg.limit_train_batches,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        deterministic=tcfg.deterministic,
+        enable_progress_bar=tcfg.enable_progress_bar,
+        logger=loggers,
+        callbacks=callbacks,
+        plugins=plugins or None,
+    )
+    return trainer, checkpoint
+
+
+def end_launched_ranks(trainer) -> None:
+    """Kill the ranks this process launched, when it fails. With ``trainer.devices`` > 1 outside
+    SLURM (or torchrun), Lightning's subprocess launcher starts ranks 1.. as children of rank 0 at
+    the start of ``fit``. A failing child ends them all (Lightning's observer kills every process);
+    a failing rank 0 left the children waiting for it: in the process group's rendezvous (rank 0
+    hosts its store) for the 30-minute timeout, or in a collective forever. Under SLURM each rank
+    is a task of its own, which ``srun --kill-on-bad-exit=1`` (slurm/train.sbatch) ends when another
+    one fails. A no-op in the launched ranks and with one process."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if isinstance(launcher, _SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
+

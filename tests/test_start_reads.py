@@ -1,0 +1,77 @@
+"""A run's start reads each checkpoint once: ``unicon train resume=CKPT`` and a SLURM restart read
+the resume checkpoint one time of their own (its stored config, its step for the newest-checkpoint
+check and its weights all come from that read), plus Lightning's load for ``ckpt_path``; the other
+checkpoints of the run folder, which the restart chooses among and the newest check compares, once
+each (:class:`unicon.training.resume.CheckpointReads`).
+
+The runs are tests/test_training.py's: its test double on its synthetic world, two steps, then one
+more from a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_training import make_world
+
+from unicon.config import compose
+from unicon.training.run import cli, train
+
+
+@pytest.fixture()
+def double(monkeypatch):
+    """build_model routed to tests/test_training.py's test double."""
+    import unicon.models.factory
+    from test_training import TinyUnified
+
+    monkeypatch.setattr(unicon.models.factory, "build_model", lambda model_cfg, world_root=None: TinyUnified())
+
+
+@pytest.fixture()
+def first_run(tmp_path, double) -> tuple[list[str], Path]:
+    """A two-step run's command line and folder: ``last.ckpt`` and ``epoch=0-step=2.ckpt``, both at step 2."""
+    world = make_world(tmp_path / "world")
+    args = ["trainer=cpu", "logger=csv", "eval=none", f"data.root={world}", f"output_dir={tmp_path / 'out'}",
+            "data.batch_size=4", "data.contrast_batch_size=4", "trainer.enable_progress_bar=false",
+            "trainer.log_every_n_steps=1", "optim.lr=1e-2", "optim.warmup_ratio=0.0", "loss.gamma=0.5",
+            "name=r", "trainer.max_steps=2"]
+    result = train(compose(args))
+    run_dir = Path(result["run_dir"])
+    assert sorted(p.name for p in run_dir.glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    return args, run_dir
+
+
+@pytest.fixture()
+def loads(monkeypatch) -> list[tuple[str, bool]]:
+    """Every ``torch.load`` from now on: ``(file name, mmap)``; a file object is named by its path."""
+    calls, real = [], torch.load
+
+    def counting(f, *args, **kwargs):
+        name = f if isinstance(f, (str, Path)) else getattr(f, "name", None) or getattr(f, "path", repr(f))
+        calls.append((Path(str(name)).name, bool(kwargs.get("mmap"))))
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting)
+    return calls
+
+
+def test_a_resume_start_reads_its_checkpoint_once(first_run, loads, capsys):
+    args, run_dir = first_run
+    assert cli([f"resume={run_dir / 'last.ckpt'}", "trainer.max_steps=3"]) == 0
+    assert "resume:" in capsys.readouterr().out
+    # last.ckpt: ours (memory-mapped: config, step, weights) and Lightning's (ckpt_path); the folder's other
+    # checkpoint once, for the newest-checkpoint check
+    assert sorted(loads) == [("epoch=0-step=2.ckpt", True), ("last.ckpt", False), ("last.ckpt", True)], loads
+
+
+def test_a_slurm_restart_reads_each_checkpoint_once(first_run, loads, monkeypatch, capsys):
+    args, run_dir = first_run
+    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME"):  # no SLURM job around the test: no SlurmRequeue
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert cli([*args[:-1], "trainer.max_steps=3"]) == 0
+    assert f"SLURM job 7 restarted (1x): resuming from {run_dir / 'last.ckpt'}" in capsys.readouterr().out
+    # each candidate once, ours; the chosen one (last.ckpt: the first of equal steps) also Lightning's
+    assert sorted(loads) == [("epoch=0-step=2.ckpt", True), ("last.ckpt", False), ("last.ckpt", True)], loads
