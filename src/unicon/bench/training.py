@@ -181,19 +181,16 @@ def cli(argv: list[str] | None = None) -> int:
 RANK_VARIANTS = (("torchsort", 1.0), ("sigmoid", 1.0), ("sigmoid", 0.5))
 
 
-def _grad_norm(loss: torch.Tensor, params: list) -> float:
-    import torch
-
-    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None)))
-
-
 def _grads(loss: torch.Tensor, params: list) -> torch.Tensor:
     """The gradient of ``loss`` over ``params`` as one flat float64 vector (zeros where unused)."""
     import torch
 
     grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     return torch.cat([(g if g is not None else torch.zeros_like(p)).double().flatten() for g, p in zip(grads, params)])
+
+
+def _grad_norm(loss: torch.Tensor, params: list) -> float:
+    return float(_grads(loss, params).norm())
 
 
 def clipping_shares(g_ce: torch.Tensor, g_rank: torch.Tensor, clip: float) -> dict[str, float]:
@@ -259,10 +256,10 @@ def run_rank_regime(cfg, batches: int = 8, device: str | None = None) -> dict:
             picked = [usable[(b * size + j) % len(usable)] for j in range(size)]
             scored = module.score_contrast(collate_contrast([dm.contrast[i] for i in picked]), task)
             s0, si, mask = scored["s0"].nll, scored["si"], scored["s0"].mask
-            loss_ce = token_weighted_ce(scored["gold_sum"], scored["gold_tokens"])
-            add("grad_ce", _grad_norm(loss_ce, params))
+            g_ce = _grads(token_weighted_ce(scored["gold_sum"], scored["gold_tokens"]), params)
+            add("grad_ce", g_ce.norm())
             rank = consistency_loss("spearman", s0, si, mask, tasks=scored["tasks"], **run_loss)
-            for key, value in clipping_shares(_grads(loss_ce, params), _grads(lam * rank, params), clip).items():
+            for key, value in clipping_shares(g_ce, _grads(lam * rank, params), clip).items():
                 add(f"clipping/{key}", value)
             for row in range(si.shape[0]):
                 k = int(mask[row].sum())

@@ -315,14 +315,14 @@ def run_experiment(out: Path, seeds: Sequence[int], methods: Sequence[str], over
     except OSError as e:
         raise UserError(f"--out {out}: cannot create the folder ({e.strerror})") from None
     prefix = run_prefix(out)
+    # W&B groups the experiment's runs, unless the overrides name a group
+    group = [] if any(o.startswith("logger.group=") for o in overrides) else [f"logger.group={prefix}"]
     runs: dict[str, dict[int, dict[str, float]]] = {m: {} for m in methods}
     records = []
     for seed in seeds:
         for method in methods:
             record_file = out / "runs" / f"{method}-seed{seed}.json"
             name = f"{prefix}_{method}_seed{seed}"
-            # W&B groups the experiment's runs, unless the overrides name a group
-            group = [] if any(o.startswith("logger.group=") for o in overrides) else [f"logger.group={prefix}"]
             args = [*METHODS[method], f"seed={seed}", f"name={name}", *group, "overwrite=true", *overrides]
             if record_file.is_file():
                 record = read_json(record_file, what="table2 run record")

@@ -99,7 +99,6 @@ def _available() -> str:
     return "\n".join(lines)
 
 
-
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="unicon train",

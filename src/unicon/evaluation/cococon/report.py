@@ -76,7 +76,6 @@ def section(run_dir: Path) -> str:
     return html_ + _samples(run_dir / "tables")
 
 
-
 def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
     """The run's CocoCon headline as plain text: per task, ``C_1`` and ``rho`` at the first and the
     last epoch-end evaluation, and their change; None when the run logged no CocoCon evaluation."""
@@ -176,14 +175,13 @@ def comparison_html(rows: list[dict[str, Any]], baseline: str | Path, series: di
     runs = {"this run": series, "baseline": baseline_series}
     c1 = {r["task"]: {label: list(s[f"cococon/{r['task']}/C_1"]) for label, s in runs.items()} for r in rows}
     figures = [_pair_figure(c1, "C_1 (%)", "comparison/C_1", "C_1 at each epoch-end evaluation, both runs")]
-    tasks = [t for t in HEADLINE_TASKS if any(f"train/rho/{t}/ema" in s for s in runs.values())]
-    rho = {t: {label: list(s[f"train/rho/{t}/ema"]) for label, s in runs.items() if f"train/rho/{t}/ema" in s}
-           for t in tasks}
+    rho = {t: lines for t in HEADLINE_TASKS
+           if (lines := {label: list(s[f"train/rho/{t}/ema"]) for label, s in runs.items() if f"train/rho/{t}/ema" in s})}
     if rho:
         figures.append(_pair_figure(rho, "training-batch ρ", "comparison/rho",
                                     "training-batch ρ per task (moving average)"))
     out += '<div class="figures">' + "".join(figures) + "</div>"
-    logged = tuple(label for label, s in runs.items() if any(f"train/rho/{t}/ema" in s for t in HEADLINE_TASKS))
+    logged = tuple(label for label in runs if any(label in lines for lines in rho.values()))
     said = {(): "Neither run logged a training-batch ρ",
             ("this run",): "The baseline logged no training-batch ρ",
             ("baseline",): "This run logged no training-batch ρ"}
