@@ -17,6 +17,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: the instruct sets of a test world: a few rows of each kind. The builder's defaults (and its 6,000
+#: think-then-draw rows) are sized for the shipped model's world; in a world of a dozen scenes they
+#: would take most of its build time and most of its training mixture.
+SMALL_INSTRUCT = ("--instruct-mc", "24", "--instruct-geu-per-category", "4", "--instruct-ratings", "24")
+
 
 def build_world(root: Path, *extra: str, train: int = 12) -> Path:
     """A small ShapesWorld written by the real builder."""
@@ -24,7 +29,8 @@ def build_world(root: Path, *extra: str, train: int = 12) -> Path:
     from data_builders.shapes import main as build_shapes
 
     build_shapes(["--out", str(root), "--num-train", str(train), "--num-val", "4", "--num-test", "4", "--quiet",
-                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2", *extra])
+                  "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
+                  "--num-reason-train", "8", *SMALL_INSTRUCT, *extra])
     return root
 
 

@@ -42,10 +42,11 @@ def slurm_env(bin_dir: Path, job_id: str) -> dict:
 def test_train_sbatch_body_runs(srun_shim, tmp_path):
     sys.path.insert(0, str(REPO))
     from data_builders.shapes import main as build_shapes
+    from standins import SMALL_INSTRUCT
 
     world = tmp_path / "world"
     build_shapes(["--out", str(world), "--num-train", "8", "--num-val", "2", "--num-test", "2", "--quiet",
-                  "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1", "--num-reason-train", "0"])
+                  "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1", "--num-reason-train", "0", *SMALL_INSTRUCT])
     venv_python = REPO / ".venv" / "bin" / "python"
     if not venv_python.is_file():
         pytest.skip(f"needs the project's virtual environment {venv_python} (make setup), which the script activates")
@@ -123,6 +124,12 @@ def _sbatch_shim(bin_dir: Path, log: Path) -> None:
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
 
 
+def _submit_path(bin_dir: Path) -> str:
+    """``PATH`` for submitting: the shims, then this interpreter's ``unicon`` (the submit directory's
+    ``.venv/bin/activate`` is empty)."""
+    return f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
 def _submit_dir(root: Path, *ckpts: str) -> Path:
     """A folder to submit from: the checkpoints and the ``.venv/bin/activate`` the jobs source."""
     (root / ".venv" / "bin").mkdir(parents=True)
@@ -136,7 +143,7 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
     log = tmp_path / "sbatch.log"
     _sbatch_shim(srun_shim, log)
     submit_dir = _submit_dir(tmp_path / "submit", "a/export", "b/export")
-    env = dict(os.environ, PATH=f"{srun_shim}:{os.environ['PATH']}", CKPTS="a/export b/export", SUITES="drift cococon",
+    env = dict(os.environ, PATH=_submit_path(srun_shim), CKPTS="a/export b/export", SUITES="drift cococon",
                SHARDS="3", OUT=str(tmp_path / "out"), SBATCH_ARGS="--partition=p")
     proc = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env=env, capture_output=True, text=True,
                           cwd=submit_dir)
@@ -145,23 +152,61 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
     assert shards.split() == ["--parsable", "--partition=p", "--array=0-11", str(ARRAY_SCRIPT), "task"]
     assert "--dependency=afterok:100" in merge.split() and "--array=0-3" in merge.split()
     assert merge.split()[-2:] == [str(ARRAY_SCRIPT), "merge"] and "shards job 100" in proc.stdout
-    bad = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": "shapes"}, capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and "suite 'shapes' cannot be sharded" in bad.stderr
+    bad = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": "drift shapes"},
+                         capture_output=True, text=True, cwd=submit_dir)
+    assert bad.returncode == 2 and "suite 'shapes' cannot be sharded (SUITES: any of cococon, drift," in bad.stderr
+    assert len(log.read_text().splitlines()) == 2  # nothing more was submitted
 
 
 def test_evaluate_array_shards_every_suite_that_takes_shard():
-    """The suites the array script accepts are exactly the registered suites whose CLI has --shard
-    (and the registry's ``shardable`` says which those are)."""
-    import re
-
+    """``unicon evaluate --list-shardable`` prints exactly the registered suites whose CLI has --shard
+    (the registry's ``shardable``)."""
     from unicon.evaluation.suites import suites
 
     helps = {name: subprocess.run([sys.executable, "-m", "unicon.cli", "evaluate", name, "--help"],
                                   capture_output=True, text=True).stdout for name in suites()}
     assert {name: "--shard" in text for name, text in helps.items()} == {n: s.shardable for n, s in suites().items()}
-    (accepted,) = re.findall(r'case "\$s" in ([a-z|]+)\)', ARRAY_SCRIPT.read_text())
-    assert sorted(accepted.split("|")) == sorted(n for n, s in suites().items() if s.shardable)
+    listed = subprocess.run([sys.executable, "-m", "unicon.cli", "evaluate", "--list-shardable"], capture_output=True,
+                            text=True, check=True).stdout
+    assert listed.splitlines() == [n for n, s in suites().items() if s.shardable]
+
+
+PLUGIN_SUITES = '''
+from unicon.evaluation.suites import register_suite
+
+register_suite("toysplit", "a plugin suite that takes --shard")(lambda argv=None: 0)
+register_suite("toywhole", "a plugin suite that does not", shardable=False)(lambda argv=None: 0)
+'''
+
+
+def test_evaluate_array_asks_the_suite_registry_which_suites_shard(srun_shim, tmp_path):
+    """The script accepts the suites the registry declares shardable, plugins included, and refuses
+    the others before submitting anything: a plugin package (entry point ``unicon.suites``) on the
+    jobs' ``PYTHONPATH`` registers ``toysplit`` (shardable) and ``toywhole`` (not)."""
+    site = tmp_path / "site"
+    (site / "toy_suites").mkdir(parents=True)
+    (site / "toy_suites" / "__init__.py").write_text(PLUGIN_SUITES)
+    dist = site / "toy_suites-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy_suites\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text("[unicon.suites]\ntoy_suites = toy_suites\n")
+    log = tmp_path / "sbatch.log"
+    _sbatch_shim(srun_shim, log)
+    submit_dir = _submit_dir(tmp_path / "submit", "a/export")
+    env = dict(os.environ, PATH=_submit_path(srun_shim), PYTHONPATH=str(site), CKPTS="a/export", SHARDS="2",
+               OUT=str(tmp_path / "out"))
+
+    def submit(suites: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": suites},
+                              capture_output=True, text=True, cwd=submit_dir)
+
+    refused = submit("drift toywhole")
+    assert refused.returncode == 2, refused.stderr
+    assert "suite 'toywhole' cannot be sharded" in refused.stderr and "toysplit" in refused.stderr
+    assert not log.exists()
+    accepted = submit("drift toysplit")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "--array=0-3" in log.read_text().splitlines()[0].split()
 
 
 def test_evaluate_array_submit_checks_its_inputs_before_sbatch(srun_shim, tmp_path):
@@ -169,7 +214,7 @@ def test_evaluate_array_submit_checks_its_inputs_before_sbatch(srun_shim, tmp_pa
     _sbatch_shim(srun_shim, log)
     submit_dir = _submit_dir(tmp_path / "submit", "a/export")
     (tmp_path / "out_file").write_text("x")
-    env = dict(os.environ, PATH=f"{srun_shim}:{os.environ['PATH']}", CKPTS="a/export b/export", SUITES="cococon",
+    env = dict(os.environ, PATH=_submit_path(srun_shim), CKPTS="a/export b/export", SUITES="cococon",
                SHARDS="2", OUT=str(tmp_path / "out"))
 
     def submit(cwd: Path = submit_dir, **extra: str) -> subprocess.CompletedProcess:

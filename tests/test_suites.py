@@ -45,7 +45,9 @@ def test_in_tree_suites_are_registered_in_order():
         suites.evaluate_cli(["nope"])
 
 
-def test_a_suite_registered_from_a_test_module_runs_through_unicon_evaluate(capsys):
+def test_a_suite_registered_from_a_test_module_runs_through_unicon_evaluate(capsys, monkeypatch):
+    suites.suites()  # every suite registered first: the test's suite is gone after the test
+    monkeypatch.setattr(suites, "_SUITES", dict(suites._SUITES))
     seen = []
 
     @suites.register_suite("registry-test-suite", "a suite defined in a test")

@@ -363,6 +363,20 @@ def test_three_settings_with_a_test_double_and_outputs(tmp_path):
     assert "| 2 Reasoning-Guided |" in (tmp_path / "table.md").read_text()
 
 
+def test_a_preemption_while_drawing_stops_generation_instead_of_failing_the_images(monkeypatch):
+    """A failed image is a scored failure, a preemption signal is not: it leaves generate_samples."""
+    from unicon.evaluation import preemption
+
+    model = ColorDouble()
+
+    def preempted(prompts, context=None, config=None):
+        raise preemption.Preempted(15)
+
+    monkeypatch.setattr(model, "generate_image", preempted)
+    with pytest.raises(preemption.Preempted):
+        ur.generate_samples(model, _color_instances(), batch_size=2)
+
+
 def test_truncated_trace_is_flagged(tmp_path):
     metrics, samples = ur.evaluate_ureason(ColorDouble(), _color_instances()[:2], ColorJudge(), max_new_tokens=3)
     assert all(s.trace_truncated for s in samples) and metrics["trace_truncated"] == 2.0
@@ -664,7 +678,7 @@ def shapes_world(tmp_path_factory):
     out = tmp_path_factory.mktemp("ureason_world") / "world"
     assert builder.main(["--out", str(out), "--seed", "5", "--num-train", "60", "--num-val", "10", "--num-test", "10",
                          "--num-reason-train", "10", "--num-ureason", "3", "--geneval-per-tag", "2",
-                         "--num-drift-seeds", "4", "--quiet"]) == 0
+                         "--num-drift-seeds", "4", "--quiet", *standins.SMALL_INSTRUCT]) == 0
     return out
 
 

@@ -153,16 +153,24 @@ def usage() -> str:
     lines = ["usage: unicon evaluate <suite> [options]", "", "suites:"]
     lines += [f"  {s.name:<12} {s.help}" for s in suites().values()]
     lines.append(f"  {'all':<12} the suites a training run's eval group enables (eval=<group>)")
-    lines += ["", "Run 'unicon evaluate <suite> --help' for the options of a suite."]
+    lines += ["", "Run 'unicon evaluate <suite> --help' for the options of a suite;",
+              "'unicon evaluate --list-shardable' prints the suites that take --shard/--merge, one a line."]
     return "\n".join(lines)
 
 
 def evaluate_cli(argv: Sequence[str] | None = None) -> int:
-    """``unicon evaluate <suite> ...``: the registered suite's command."""
+    """``unicon evaluate <suite> ...``: the registered suite's command. ``--list-shardable`` prints
+    the names of the suites whose command takes ``--shard``/``--merge`` (:attr:`Suite.shardable`),
+    one a line, for scripts (``slurm/evaluate_array.sbatch``) that shard suites."""
     argv = list(argv or [])
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] == "--list-shardable":
+        if argv[1:]:
+            raise UserError(f"unicon evaluate --list-shardable takes no arguments, got {' '.join(argv[1:])}")
+        print("\n".join(s.name for s in suites().values() if s.shardable))
+        return 0
     if argv[0] == "all":
         return all_cli(argv[1:])
     return int(suite(argv[0]).cli(argv[1:]) or 0)

@@ -62,10 +62,9 @@ instance), ``realunify.json`` (``{"metrics", "judge", **info}``, strict JSON: :m
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from PIL import Image
@@ -86,11 +85,10 @@ from unicon.evaluation.realunify.prompts import (
     refine_prompt,
     two_image_prompt,
 )
+from unicon.evaluation.retry import images_by_row
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 from unicon.worlds.shapes import WorldConfig
-
-log = logging.getLogger(__name__)
 
 
 def check_settings(settings: Sequence[str]) -> list[str]:
@@ -174,30 +172,6 @@ class Sample:
     edit_match: bool | None = None
 
 
-def _per_row(call: Callable[[list[int]], list], rows: list[int], what: str) -> tuple[list, list[str | None]]:
-    """``call(rows)`` (a batch of images), then one row at a time if the batch fails; a row that still
-    fails gives ``None`` and its error text. Preemption and a missing method are never swallowed."""
-    try:
-        out = list(call(rows))
-        if len(out) != len(rows):
-            raise RuntimeError(f"{what} returned {len(out)} images for {len(rows)} rows")
-        errors: list[str | None] = [None if isinstance(im, Image.Image) else
-                                    f"{what} returned {type(im).__name__}, not a PIL image" for im in out]
-        return [im if e is None else None for im, e in zip(out, errors)], errors
-    except (preemption.Preempted, NotImplementedError):
-        raise
-    except Exception as e:  # noqa: BLE001 -- a failed image is a scored failure, never a crash
-        if len(rows) == 1:
-            log.warning("%s failed: %s", what, e)
-            return [None], [f"{type(e).__name__}: {e}"]
-    images, errors = [], []
-    for r in rows:
-        im, err = _per_row(call, [r], what)
-        images += im
-        errors += err
-    return images, errors
-
-
 def _clean_refined(text: str) -> str:
     text = (text or "").strip()
     for q in ('"', "'", "\u201c\u201d", "`"):
@@ -210,7 +184,7 @@ def _clean_refined(text: str) -> str:
 def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_config) -> None:
     insts = [s.instance for s in batch]
     if "direct" in settings:
-        ims, errs = _per_row(lambda rows: model.generate_image([insts[r].prompt for r in rows], config=image_config),
+        ims, errs = images_by_row(lambda rows: model.generate_image([insts[r].prompt for r in rows], config=image_config),
                              list(range(len(batch))), "generate_image")
         for s, im, err in zip(batch, ims, errs):
             s.images["direct"], s.errors["direct"] = im, err
@@ -225,7 +199,7 @@ def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_co
             if not s.refined:
                 s.images["stepwise"], s.errors["stepwise"] = None, "empty refined prompt"
         if todo:
-            ims, errs = _per_row(lambda rows: model.generate_image([batch[r].refined for r in rows], config=image_config),
+            ims, errs = images_by_row(lambda rows: model.generate_image([batch[r].refined for r in rows], config=image_config),
                                  todo, "generate_image")
             for k, im, err in zip(todo, ims, errs):
                 batch[k].images["stepwise"], batch[k].errors["stepwise"] = im, err
@@ -269,7 +243,7 @@ def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_sou
         for s in batch:
             i = s.instance
             s.edit_instruction = i.edit_instruction if edit_prompt_source == "row" else edit_prompt(i.category, i.question)
-        edited, errs = _per_row(lambda rows: model.edit_image([images[r] for r in rows],
+        edited, errs = images_by_row(lambda rows: model.edit_image([images[r] for r in rows],
                                                               [batch[r].edit_instruction for r in rows],
                                                               config=image_config),
                                 list(range(len(batch))), "edit_image")

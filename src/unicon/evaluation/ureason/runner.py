@@ -35,7 +35,6 @@ by side for :func:`unicon.evaluation.logs.log_table`.
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.retry import images_by_row
 from unicon.evaluation.ureason.judges import Judge, Verdict
 from unicon.evaluation.ureason.metrics import (
     EMPTY_RULE,
@@ -63,8 +63,6 @@ from unicon.evaluation.ureason.metrics import (
 from unicon.evaluation.ureason.plots import plot_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
-
-log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Refined-prompt extraction
@@ -150,36 +148,6 @@ class Sample:
         return setting in self.verdicts and self.verdicts[setting].passed
 
 
-def _generate_safely(
-    model: UnifiedModel,
-    prompts: Sequence[str],
-    context: Sequence[str] | None,
-    config: ImageGenerationConfig | None,
-) -> tuple[list[Image.Image | None], list[str | None]]:
-    """``generate_image`` on a batch; a failing batch is retried one prompt at a time so that one
-    bad sample costs only itself. Failures come back as ``None`` with the error text."""
-    try:
-        images = model.generate_image(list(prompts), context=list(context) if context is not None else None,
-                                      config=config)
-        if len(images) != len(prompts):
-            raise RuntimeError(f"generate_image returned {len(images)} images for {len(prompts)} prompts")
-        bad = [i for i, im in enumerate(images) if not isinstance(im, Image.Image)]
-        errors: list[str | None] = [None] * len(prompts)
-        for i in bad:
-            errors[i] = f"generate_image returned {type(images[i]).__name__}, not a PIL image"
-        return [None if i in bad else im for i, im in enumerate(images)], errors
-    except Exception as e:  # noqa: BLE001 -- a failed image is a scored failure, never a crash
-        if len(prompts) == 1:
-            log.warning("generate_image failed: %s", e)
-            return [None], [f"{type(e).__name__}: {e}"]
-    images, errors = [], []
-    for i in range(len(prompts)):
-        im, err = _generate_safely(model, prompts[i : i + 1], None if context is None else context[i : i + 1], config)
-        images += im
-        errors += err
-    return images, errors
-
-
 def generate_samples(
     model: UnifiedModel,
     instances: Sequence[UReasonInstance],
@@ -193,7 +161,9 @@ def generate_samples(
         preemption.check()
         batch = samples[start : start + batch_size]
         # setting 1
-        ims, errs = _generate_safely(model, [s.instance.direct_prompt for s in batch], None, image_config)
+        direct = [s.instance.direct_prompt for s in batch]
+        ims, errs = images_by_row(lambda rows: model.generate_image([direct[r] for r in rows], config=image_config),
+                                  range(len(batch)), "generate_image")
         for s, im, err in zip(batch, ims, errs):
             s.images[1], s.errors[1] = im, err
         # reasoning trace R (shared by settings 2 and 3)
@@ -208,7 +178,10 @@ def generate_samples(
         contexts, cut = model.fit_context(prompts2, [s.trace for s in batch])
         for s, n in zip(batch, cut):
             s.context_words_cut = int(n)
-        ims, errs = _generate_safely(model, prompts2, contexts, image_config)
+        ims, errs = images_by_row(lambda rows: model.generate_image([prompts2[r] for r in rows],
+                                                                    context=[contexts[r] for r in rows],
+                                                                    config=image_config),
+                                  range(len(batch)), "generate_image")
         for s, im, err in zip(batch, ims, errs):
             s.images[2], s.errors[2] = im, err
         # setting 3: R_p alone (no image for an empty R_p)
@@ -217,7 +190,9 @@ def generate_samples(
             if not s.refined.text:
                 s.images[3], s.errors[3] = None, "empty refined prompt"
         if todo:
-            ims, errs = _generate_safely(model, [s.refined.text for s in todo], None, image_config)
+            refined = [s.refined.text for s in todo]
+            ims, errs = images_by_row(lambda rows: model.generate_image([refined[r] for r in rows], config=image_config),
+                                      range(len(todo)), "generate_image")
             for s, im, err in zip(todo, ims, errs):
                 s.images[3], s.errors[3] = im, err
     return samples
