@@ -75,3 +75,22 @@ def test_a_slurm_restart_reads_each_checkpoint_once(first_run, loads, monkeypatc
     assert f"SLURM job 7 restarted (1x): resuming from {run_dir / 'last.ckpt'}" in capsys.readouterr().out
     # each candidate once, ours; the chosen one (last.ckpt: the first of equal steps) also Lightning's
     assert sorted(loads) == [("epoch=0-step=2.ckpt", True), ("last.ckpt", False), ("last.ckpt", True)], loads
+
+
+def test_resuming_a_deepspeed_folder_loads_each_of_its_files_once(tmp_path, loads):
+    """``read_training_checkpoint`` of a DeepSpeed checkpoint folder (a ZeRO-2 layout of two ranks,
+    written here with ``torch.save``) checks every file by loading it, memory-mapped, and takes the
+    client state from that load of rank 0's model states instead of loading the file again."""
+    from unicon.models import DEEPSPEED_COMPLETE_FILE, read_training_checkpoint
+
+    folder = tmp_path / "last.ckpt"
+    tag = folder / "checkpoint"
+    tag.mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint")
+    torch.save({"unicon_config": {"model": {}}, "global_step": 2}, tag / "mp_rank_00_model_states.pt")
+    for rank in (0, 1):
+        torch.save({"optimizer_state_dict": {"m": torch.zeros(2)}}, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (folder / DEEPSPEED_COMPLETE_FILE).write_text('{"global_step": 2}')
+    assert read_training_checkpoint(folder)["global_step"] == 2
+    assert sorted(loads) == [("mp_rank_00_model_states.pt", True), ("zero_pp_rank_0_mp_rank_00_optim_states.pt", True),
+                             ("zero_pp_rank_1_mp_rank_00_optim_states.pt", True)], loads

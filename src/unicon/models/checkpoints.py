@@ -489,19 +489,29 @@ def _load_deepspeed_file(f: Path, allow_pickle: bool):
         raise _unreadable(f, e) from None
 
 
-def deepspeed_client_state(path: str | Path, allow_pickle: bool = False) -> dict:
-    """Rank 0's model-states file of a DeepSpeed checkpoint folder: Lightning's checkpoint dict
-    without the weights (``unicon_config``, ``global_step``, loops, ...). Cheap (memory-mapped)."""
-    p = Path(path)
-    tag_dir = _deepspeed_tag_dir(p)
-    first = next(f for f in (tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                             *sorted(tag_dir.glob("*model_states.pt"))) if f.is_file())
-    state = _load_deepspeed_file(first, allow_pickle)
-    if state is None:  # allowed to unpickle
+def _client_state_file(tag_dir: Path) -> Path:
+    """Rank 0's model-states file of a tag folder (ZeRO-2: ``mp_rank_00_...``, ZeRO-3: ``zero_pp_rank_0_...``)."""
+    return next(f for f in (tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                            *sorted(tag_dir.glob("*model_states.pt"))) if f.is_file())
+
+
+def _client_state(p: Path, first: Path, loaded, allow_pickle: bool) -> dict:
+    """The client state from ``loaded``, :func:`_load_deepspeed_file`'s result for ``first`` (rank 0's
+    model-states file of folder ``p``); None (let through by ``allow_pickle``) unpickles it now."""
+    state = loaded
+    if state is None and allow_pickle:
         state = torch.load(first, map_location="cpu", weights_only=False)
     if not isinstance(state, dict) or "unicon_config" not in state:
         raise UserError(f"{p}: not a unicon training checkpoint ({first.name} has no 'unicon_config')")
     return state
+
+
+def deepspeed_client_state(path: str | Path, allow_pickle: bool = False) -> dict:
+    """Rank 0's model-states file of a DeepSpeed checkpoint folder: Lightning's checkpoint dict
+    without the weights (``unicon_config``, ``global_step``, loops, ...). Cheap (memory-mapped)."""
+    p = Path(path)
+    first = _client_state_file(_deepspeed_tag_dir(p))
+    return _client_state(p, first, _load_deepspeed_file(first, allow_pickle), allow_pickle)
 
 
 def deepspeed_checkpoint_step(path: str | Path) -> int | None:
@@ -518,15 +528,20 @@ def resumable_deepspeed_state(path: str | Path, allow_pickle: bool = False) -> d
     """The client state (:func:`deepspeed_client_state`) of a DeepSpeed checkpoint folder that a run
     can resume from: complete (:func:`deepspeed_checkpoint_step` agrees with the stored step) and
     holding nothing but tensors, containers and DeepSpeed's data classes in any of its files
-    (checked before anything unpickles; ``allow_pickle`` lets other objects through)."""
+    (checked before anything unpickles; ``allow_pickle`` lets other objects through). Each file is
+    loaded once (memory-mapped): the check's load of rank 0's model states is the client state."""
     p = Path(path)
     step = deepspeed_checkpoint_step(p)
     if step is None:
         raise UserError(f"{p}: an incomplete DeepSpeed checkpoint (no {DEEPSPEED_COMPLETE_FILE}: its save was cut "
                         "short, or it was not written by unicon train); resume from another checkpoint of the run")
-    for f in sorted(_deepspeed_tag_dir(p).glob("*.pt")):
-        _load_deepspeed_file(f, allow_pickle)
-    state = deepspeed_client_state(p, allow_pickle)
+    tag_dir = _deepspeed_tag_dir(p)
+    first, loaded = _client_state_file(tag_dir), None
+    for f in sorted(tag_dir.glob("*.pt")):
+        state = _load_deepspeed_file(f, allow_pickle)
+        if f == first:
+            loaded = state
+    state = _client_state(p, first, loaded, allow_pickle)
     if int(state.get("global_step", -1)) != step:
         raise UserError(f"{p}: {DEEPSPEED_COMPLETE_FILE} says step {step}, its files step {state.get('global_step')}: "
                         "an incomplete DeepSpeed checkpoint")
