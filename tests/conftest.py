@@ -121,10 +121,11 @@ def tiny_shapes_world(tmp_path_factory) -> Path:
 
     sys.path.insert(0, str(REPO))
     from data_builders.shapes import main as build_shapes
+    from standins import SMALL_INSTRUCT
     root = tmp_path_factory.mktemp("shapes")
     build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet",
                   "--overwrite", "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2",
-                  "--num-reason-train", "0"])
+                  "--num-reason-train", "0", *SMALL_INSTRUCT])
     return root
 
 

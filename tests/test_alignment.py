@@ -26,7 +26,8 @@ from unicon.evaluation.correlation import kendall
 REPO = Path(__file__).resolve().parents[1]
 EPS64 = torch.finfo(torch.float64).eps
 TINY_WORLD = ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet", "--overwrite", "--num-ureason", "2",
-              "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--num-reason-train", "0"]
+              "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--num-reason-train", "0",
+              *standins.SMALL_INSTRUCT]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from standins import SMALL_INSTRUCT  # noqa: E402
 from unicon.config import compose  # noqa: E402
 from unicon.data.coco_format import CocoFormatError  # noqa: E402
 from unicon.data.coco_mixture import RefsFormatError, read_coco_mixture, read_refs  # noqa: E402
@@ -40,7 +41,7 @@ def world(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cocomix") / "world"
     build_shapes(["--out", str(root), "--num-train", "12", "--num-val", "2", "--num-test", "2", "--quiet",
                   "--num-reason-train", "0", "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1",
-                  "--vocab-size", "300", "--coco-format"])
+                  "--vocab-size", "300", "--coco-format", *SMALL_INSTRUCT])
     c = root / "coco"
     assert builder.main(["--captions", str(c / "captions_train.json"), "--questions", str(c / "questions_train.json"),
                          "--annotations", str(c / "vqa_annotations_train.json"),

@@ -422,7 +422,7 @@ def tiny_world_model(tmp_path_factory):
     world = root / "world"
     build_shapes(["--out", str(world), "--num-train", "8", "--num-val", "2", "--num-test", "12", "--quiet",
                   "--num-reason-train", "2", "--num-ureason", "1", "--geneval-per-tag", "1",
-                  "--num-drift-seeds", "1", "--vocab-size", "300"])
+                  "--num-drift-seeds", "1", "--vocab-size", "300", *standins.SMALL_INSTRUCT])
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "model" / "ofa_shapes_tiny.yaml")
     torch.manual_seed(0)
     model = build_model(cfg, world_root=world)

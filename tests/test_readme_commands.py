@@ -45,7 +45,7 @@ ONE_PROCESS = ("trainer.devices=1", "trainer.strategy=auto")
 RUNS: dict[str, tuple[list[str], int]] = {
     "unicon build-data shapes --out data/shapes": (
         ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
-         "--num-drift-seeds", "2", "--quiet"], 0),
+         "--num-drift-seeds", "2", "--num-reason-train", "8", *standins.SMALL_INSTRUCT, "--quiet"], 0),
     "python -m unicon.embedders.clip --train-shapes data/shapes --out checkpoints/shapes_clip": (
         ["--steps", "3", "--batch-size", "8"], 0),
     "unicon train experiment=shapes_consistency loss.lambda_=0.25 trainer.max_epochs=3": (
@@ -59,7 +59,7 @@ RUNS: dict[str, tuple[list[str], int]] = {
          "eval.cococon.max_samples=4", "eval.drift.enabled=false", "eval.ureason.enabled=false"], 0),
     "unicon build-data shapes --out data/shapes_gap --caption-gap purple": (
         ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--num-ureason", "4", "--geneval-per-tag", "1",
-         "--num-drift-seeds", "2", "--num-reason-train", "4", "--quiet"], 0),
+         "--num-drift-seeds", "2", "--num-reason-train", "4", *standins.SMALL_INSTRUCT, "--quiet"], 0),
     "unicon train experiment=shapes_pretrain name=shapes_gap_pretrain data.root=data/shapes_gap": (
         ["trainer.max_steps=2", *ONE_PROCESS], 0),
     "unicon experiment table2 --seeds 0 1 2 3 4 --methods K M --out results/table2_gap -- data.root=data/shapes_gap init_from=checkpoints/shapes_gap_pretrain/export eval.cococon.probe_words=[purple]": (
@@ -104,8 +104,8 @@ RUNS: dict[str, tuple[list[str], int]] = {
     "unicon study serve outputs/study": (["--port", "0", "--stop-after", "1"], 0),
     "unicon study export outputs/study": ([], 0),
     "unicon bench scoring": (["--samples", "4", "--k", "3"], 0),
-    "unicon bench train": (["trainer.max_steps=2"], 0),
-    "unicon bench chains": (["--repeats", "1", "--t2i-base-codes", "2"], 0),
+    "unicon bench train": (["--steps", "2", "--warmup", "0", "--sequences", "8", "trainer.max_steps=2"], 0),
+    "unicon bench chains": (["--repeats", "1", "--t2i-base-codes", "2", "--num-chains", "2", "--generations", "1"], 0),
     # one process: the recipe's two-rank measurement has its own test (test_training.py)
     "unicon bench pretrain": (["--steps", "1", "--warmup", "0", "data.batch_size=4", "trainer.devices=1"], 0),
     "unicon bench help": (["--repeats", "1", "--commands", "evaluate cococon", "report"], 0),
@@ -246,7 +246,8 @@ DEMO_NOISE = re.compile(r"warn|deprecat|💡|srun|not empty|PTBTokenizer|Loading
 @pytest.mark.slow
 def test_make_demo(sandbox, tmp_path):
     """``make demo`` with the sandbox's world in place (so it skips the build, as on a second run), starting
-    from the shipped model, with shortened runs; twice, as users do. Each run (K, then M) prints its
+    from the shipped model, with shortened runs. M's run folder exists already (the README test's demo
+    run), so the demo also shows that it replaces its own earlier runs. Each run (K, then M) prints its
     headline table, and the demo ends with M against K."""
     proj = sandbox
     if not (proj / "data" / "shapes" / "world.json").is_file():
@@ -259,25 +260,24 @@ def test_make_demo(sandbox, tmp_path):
         pytest.skip(f"needs the project's virtual environment {venv} (make setup)")
     args = ("trainer.limit_train_batches=2 eval.cococon.max_samples=4 eval.drift.num_chains=1 "
             "eval.drift.generations=1 eval.ureason.max_samples=2 logger=csv")
-    for _ in range(2):
-        # -o: never remake the project's venv from the sandbox (a stamp older than pyproject.toml would
-        # otherwise reinstall it as an editable install of the sandbox, which has no src/)
-        proc = subprocess.run(["make", "-o", str(venv / ".unicon-installed"), "demo", f"VENV={venv}", f"ARGS={args}"],
-                              cwd=proj, capture_output=True,
-                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out = proc.stdout
-        assert "report:" in out and "build-data" not in out
-        # row K, then row M, each with its headline table above its paths; then M against K
-        k_run, m_run = out.index("experiment=shapes_demo_control"), out.index("train experiment=shapes_demo ")
-        assert k_run < out.index("CocoCon at the first and last", k_run) < out.index("checkpoint:", k_run) < m_run
-        assert m_run < out.index("CocoCon at the first and last", m_run) < out.index("checkpoint:", m_run)
-        tail = out[out.index("CocoCon at the last epoch end: shapes_demo (run) against shapes_demo_control (base)"):]
-        assert all(f"\n{task} " in tail for task in ("vqa", "localization", "t2i")), tail
-        # a log a newcomer can read: no library noise (unicon.cli.LIBRARY_NOISE, the java tokenizer's speed,
-        # a loading bar), a missing CLIP named at most once, and it fits on two screens
-        log = (proc.stdout + proc.stderr).splitlines()
-        assert [line for line in log if DEMO_NOISE.search(line)] == []
-        assert sum("no CLIP model" in line for line in log) <= 1 and len(log) <= 100, "\n".join(log)
+    # -o: never remake the project's venv from the sandbox (a stamp older than pyproject.toml would
+    # otherwise reinstall it as an editable install of the sandbox, which has no src/)
+    proc = subprocess.run(["make", "-o", str(venv / ".unicon-installed"), "demo", f"VENV={venv}", f"ARGS={args}"],
+                          cwd=proj, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "report:" in out and "build-data" not in out
+    # row K, then row M, each with its headline table above its paths; then M against K
+    k_run, m_run = out.index("experiment=shapes_demo_control"), out.index("train experiment=shapes_demo ")
+    assert k_run < out.index("CocoCon at the first and last", k_run) < out.index("checkpoint:", k_run) < m_run
+    assert m_run < out.index("CocoCon at the first and last", m_run) < out.index("checkpoint:", m_run)
+    tail = out[out.index("CocoCon at the last epoch end: shapes_demo (run) against shapes_demo_control (base)"):]
+    assert all(f"\n{task} " in tail for task in ("vqa", "localization", "t2i")), tail
+    # a log a newcomer can read: no library noise (unicon.cli.LIBRARY_NOISE, the java tokenizer's speed,
+    # a loading bar), a missing CLIP named at most once, and it fits on two screens
+    log = (proc.stdout + proc.stderr).splitlines()
+    assert [line for line in log if DEMO_NOISE.search(line)] == []
+    assert sum("no CLIP model" in line for line in log) <= 1 and len(log) <= 100, "\n".join(log)
     assert (proj / "checkpoints" / "shapes_demo" / "report.md").is_file()
     assert "Against the baseline run" in (proj / "checkpoints" / "shapes_demo" / "report.html").read_text()

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from standins import SMALL_INSTRUCT
 from unicon.cli import main as unicon_main
 from unicon.config import compose
 from unicon.errors import UserError
@@ -513,7 +514,7 @@ def test_checkpoint_from_another_world_is_named(world, trained, tmp_path):
 
     build_shapes(["--out", str(other), "--num-train", "4", "--num-val", "2", "--num-test", "2", "--quiet",
                   "--overwrite", "--num-ureason", "1", "--geneval-per-tag", "1", "--num-drift-seeds", "1",
-                  "--num-reason-train", "0"])
+                  "--num-reason-train", "0", *SMALL_INSTRUCT])
     # a foreign world: its vocabulary has one more word (the model's embedding table no longer fits)
     tok = json.loads((other / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]

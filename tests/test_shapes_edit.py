@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from standins import SMALL_INSTRUCT
 from unicon.worlds.shapes import Scene, ShapeObject, WorldConfig, load_world, parse, render
 from unicon.worlds.shapes_edit import (
     EDIT_KINDS,
@@ -37,7 +38,7 @@ from unicon.worlds.shapes_text import plural, resolve_expression
 REPO = Path(__file__).resolve().parents[1]
 CFG = WorldConfig()
 TINY = ["--num-train", "12", "--num-val", "4", "--num-test", "4", "--quiet", "--num-ureason", "2",
-        "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--num-reason-train", "4"]
+        "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--num-reason-train", "4", *SMALL_INSTRUCT]
 
 
 def O(shape, color, row, col):  # noqa: E743 - short helper for hand-made scenes

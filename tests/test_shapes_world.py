@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from standins import SMALL_INSTRUCT
 from unicon.errors import UserError
 from unicon.models.base import pil_to_tensor
 from unicon.worlds.shapes import (
@@ -46,7 +47,7 @@ from unicon.worlds.shapes_verify import check_criterion, check_geneval
 REPO = Path(__file__).resolve().parents[1]
 CFG = WorldConfig()
 SMALL = ["--num-train", "120", "--num-val", "30", "--num-test", "30", "--num-reason-train", "40",
-         "--num-ureason", "8", "--geneval-per-tag", "5", "--num-drift-seeds", "8", "--quiet"]
+         "--num-ureason", "8", "--geneval-per-tag", "5", "--num-drift-seeds", "8", "--quiet", *SMALL_INSTRUCT]
 
 
 def _builder():
@@ -478,7 +479,8 @@ def test_caption_gap_removes_one_concept_from_training_captions_only(tmp_path):
     """--caption-gap: train caption rows naming the concept are dropped (keep 0); every other row,
     and the val/test splits, are those of the same world without the gap."""
     small = ["--num-train", "60", "--num-val", "10", "--num-test", "10", "--num-reason-train", "4",
-             "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--quiet", "--seed", "5"]
+             "--num-ureason", "2", "--geneval-per-tag", "2", "--num-drift-seeds", "2", "--quiet", "--seed", "5",
+             *SMALL_INSTRUCT]
     b = _builder()
     assert b.main(["--out", str(tmp_path / "base"), *small]) == 0
     assert b.main(["--out", str(tmp_path / "gap"), *small, "--caption-gap", "purple", "--caption-gap-keep", "0"]) == 0
