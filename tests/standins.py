@@ -34,6 +34,19 @@ def build_world(root: Path, *extra: str, train: int = 12) -> Path:
     return root
 
 
+def tiny_clip(world: Path, out: Path) -> Path:
+    """A randomly initialised tiny open_clip in ``out``, written by the code that trains the ShapesWorld
+    CLIP (one step at learning rate 0)."""
+    from unicon.embedders.clip import SHAPES_CLIP_CONFIG, train_shapes_clip
+
+    cfg = json.loads(json.dumps(SHAPES_CLIP_CONFIG))
+    cfg["embed_dim"] = 16
+    cfg["vision_cfg"].update(width=32, layers=1, head_width=16)
+    cfg["text_cfg"].update(width=32, heads=2, layers=1)
+    train_shapes_clip(world, out, steps=1, lr=0.0, model_cfg=cfg, max_pairs=8, batch_size=8)
+    return out
+
+
 def janus_export(path: Path) -> Path:
     """``configs/model/janus_tiny.yaml`` at random init, saved like a Janus-Pro checkpoint export."""
     from omegaconf import OmegaConf

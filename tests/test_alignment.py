@@ -261,16 +261,7 @@ def test_alignment_files_leave_a_default_build_unchanged(tiny_shapes_world, tmp_
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_clip(tiny_shapes_world, tmp_path_factory) -> Path:
-    """A randomly initialised tiny open_clip, written by the code that trains the ShapesWorld CLIP."""
-    from unicon.embedders.clip import SHAPES_CLIP_CONFIG, train_shapes_clip
-
-    cfg = json.loads(json.dumps(SHAPES_CLIP_CONFIG))
-    cfg["embed_dim"] = 16
-    cfg["vision_cfg"].update(width=32, layers=1, head_width=16)
-    cfg["text_cfg"].update(width=32, heads=2, layers=1)
-    out = tmp_path_factory.mktemp("clip")
-    train_shapes_clip(tiny_shapes_world, out, steps=1, lr=0.0, model_cfg=cfg, max_pairs=8, batch_size=8)
-    return out
+    return standins.tiny_clip(tiny_shapes_world, tmp_path_factory.mktemp("clip"))
 
 
 def test_cli_scores_taus_and_merges_shards(tiny_shapes_world, tiny_clip, tmp_path, capsys, monkeypatch):

@@ -65,7 +65,7 @@ def test_train_sbatch_body_runs(srun_shim, tmp_path):
 @pytest.mark.slow
 def test_evaluate_sbatch_body_runs(srun_shim, tmp_path):
     """The evaluation script on stand-ins: a tiny Janus export, placeholder COCO images, a tiny
-    OWLv2, a ShapesWorld CLIP trained for a few steps and a tiny Qwen2-VL judge."""
+    OWLv2, a tiny ShapesWorld CLIP and a tiny Qwen2-VL judge."""
     import json
 
     from PIL import Image
@@ -82,9 +82,7 @@ def test_evaluate_sbatch_body_runs(srun_shim, tmp_path):
     judge = standins.qwen2_vl(tmp_path / "judge")
     world = standins.build_world(tmp_path / "world", "--num-reason-train", "0", train=8)
     env = slurm_env(srun_shim, "77")
-    subprocess.run([sys.executable, "-m", "unicon.embedders.clip", "--train-shapes", str(world), "--out",
-                    str(tmp_path / "clip"), "--steps", "2", "--batch-size", "8"], check=True, env=env,
-                   capture_output=True)
+    standins.tiny_clip(world, tmp_path / "clip")
     coco = tmp_path / "val2014"
     coco.mkdir()
     for image in json.loads((shared / "data" / "cococon" / "cococon.json").read_text())["images"]:

@@ -217,7 +217,7 @@ def test_epoch_end_evaluation_under_zero3_equals_ddp(tiny_shapes_world, tmp_path
                 f"output_dir={tmp_path}", f"name={strategy}", "trainer.max_epochs=1", "trainer.limit_train_batches=1",
                 "trainer.enable_progress_bar=false", "logger=csv", "loss.gamma=1", "optim.lr=1e-12",
                 "data.batch_size=2", "data.contrast_batch_size=2", "data.batching=by_task", "loss.task_draw=per_step",
-                "eval=shapes", "eval.fail_on_error=true", "eval.drift.embedders=[scene]", "eval.drift.generations=2",
+                "eval=shapes", "eval.fail_on_error=true", "eval.drift.embedders=[scene]", "eval.drift.generations=1",
                 "eval.drift.num_chains=3", "eval.drift.batch_size=2", "eval.cococon.max_samples=3",
                 "eval.cococon.batch_size=2", "eval.ureason.max_samples=3", "eval.ureason.batch_size=2", *TINY]
         proc = subprocess.run([sys.executable, "-m", "unicon.cli", "train", *args], cwd=repo, env=env,
