@@ -88,6 +88,9 @@ def _wait(what: str, cond, timeout: float, log: Path, env: dict, job_id: str):
                 what != "the job to finish" and state["JobState"] == "COMPLETED") or (
                 state["JobState"] == "PENDING" and state.get("Reason") not in ("None", "Priority", "Resources",
                                                                               "BeginTime")):  # never runs
+            value = cond()  # the job may have reached what was awaited between the two reads
+            if value:
+                return value
             break
         time.sleep(0.2)
     slurmctld = Path(env["UNICON_SLURM_DIR"]) / "log" / "slurmctld.log"
