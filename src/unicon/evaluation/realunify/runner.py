@@ -185,7 +185,7 @@ def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_co
     insts = [s.instance for s in batch]
     if "direct" in settings:
         ims, errs = images_by_row(lambda rows: model.generate_image([insts[r].prompt for r in rows], config=image_config),
-                             list(range(len(batch))), "generate_image")
+                                  range(len(batch)), "generate_image")
         for s, im, err in zip(batch, ims, errs):
             s.images["direct"], s.errors["direct"] = im, err
     if "stepwise" in settings:
@@ -200,7 +200,7 @@ def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_co
                 s.images["stepwise"], s.errors["stepwise"] = None, "empty refined prompt"
         if todo:
             ims, errs = images_by_row(lambda rows: model.generate_image([batch[r].refined for r in rows], config=image_config),
-                                 todo, "generate_image")
+                                      todo, "generate_image")
             for k, im, err in zip(todo, ims, errs):
                 batch[k].images["stepwise"], batch[k].errors["stepwise"] = im, err
 
@@ -244,9 +244,9 @@ def _run_geu(model, batch: list[Sample], settings, image_config, edit_prompt_sou
             i = s.instance
             s.edit_instruction = i.edit_instruction if edit_prompt_source == "row" else edit_prompt(i.category, i.question)
         edited, errs = images_by_row(lambda rows: model.edit_image([images[r] for r in rows],
-                                                              [batch[r].edit_instruction for r in rows],
-                                                              config=image_config),
-                                list(range(len(batch))), "edit_image")
+                                                                   [batch[r].edit_instruction for r in rows],
+                                                                   config=image_config),
+                                     range(len(batch)), "edit_image")
         for s, im, err in zip(batch, edited, errs):
             s.images["stepwise"], s.errors["stepwise"] = im, err
             s.replies["stepwise"] = None
