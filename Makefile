@@ -20,10 +20,10 @@ timed = t=$$(date +%s); $(2) && echo "setup: $(1): $$(( $$(date +%s) - t )) s"
 # The whole environment of a developer: the package, the test and DeepSpeed extras.
 setup: $(DEV_STAMP)
 
-$(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh
+$(STAMP): constraints.txt pyproject.toml scripts/install_torchsort.sh scripts/wheel_cache.py
 	@$(call timed,virtual environment $(VENV),test -x $(VPY) || $(PYTHON) -m venv $(VENV))
 	@$(call timed,torch and torchvision,$(VPY) -m pip install -q -c constraints.txt torch torchvision)
-	@$(call timed,torchsort (compiled),PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION))
+	@$(call timed,torchsort (compiled once per machine),PYTHON=$(VPY) bash scripts/install_torchsort.sh $(TORCHSORT_VERSION))
 	@$(call timed,unicon and its dependencies,$(VPY) -m pip install -q -c constraints.txt -e .)
 	@touch $@
 
@@ -31,12 +31,13 @@ $(DEV_STAMP): $(STAMP)
 	@$(call timed,the test and DeepSpeed extras,$(VPY) -m pip install -q -c constraints.txt -e '.[dev$(comma)deepspeed]')
 	@touch $@
 
-# DeepSpeed's CPU Adam and shared-memory ops (ZeRO offload and ZeRO on the CPU), compiled once, with
-# the venv's ninja (as in its jobs and the tests: another ninja version would make torch rebuild them).
-# Only `make test` needs them up front; a run that uses them without this builds them on first use.
+# DeepSpeed's CPU Adam and shared-memory ops (ZeRO offload and ZeRO on the CPU), prebuilt into a
+# DeepSpeed wheel that is compiled once per machine and kept outside the clone (scripts/wheel_cache.py,
+# as torchsort's). Only `make test` needs them up front; a run that uses them without this builds
+# them on first use.
 DS_STAMP := $(VENV)/.unicon-deepspeed-ops
-$(DS_STAMP): $(DEV_STAMP) scripts/build_deepspeed_ops.py
-	@$(call timed,DeepSpeed's CPU ops (compiled),PATH=$(abspath $(VENV))/bin:$$PATH $(VPY) scripts/build_deepspeed_ops.py)
+$(DS_STAMP): $(DEV_STAMP) scripts/build_deepspeed_ops.py scripts/wheel_cache.py
+	@$(call timed,DeepSpeed with its CPU ops (compiled once per machine),PATH=$(abspath $(VENV))/bin:$$PATH $(VPY) scripts/build_deepspeed_ops.py)
 	@touch $@
 
 # One pytest-xdist worker per core; tests sharing an expensive fixture stay together (tests/conftest.py).
