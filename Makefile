@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 comma := ,
 
-.PHONY: setup test demo pretrained clean-env lint
+.PHONY: setup test demo pretrained clean-env
 
 # $(call timed,step,command): run command, then print the step's wall time (set-up says where its time goes)
 timed = t=$$(date +%s); $(2) && echo "setup: $(1): $$(( $$(date +%s) - t )) s"
