@@ -43,16 +43,16 @@ for name in sys.argv[1:]:
 """
 
 
-def install_prebuilt(accelerator, names: list[str]) -> None:
+def install_prebuilt(accelerator, builders: dict) -> None:
+    """DeepSpeed reinstalled from the cached wheel with ``builders``' ops prebuilt (``{class name: builder}``)."""
     import deepspeed
 
-    builders = [accelerator.create_op_builder(name) for name in names]
-    env = ["DS_BUILD_OPS=0", f"DS_ACCELERATOR={accelerator._name}", *(f"{b.BUILD_VAR}=1" for b in builders)]
-    variant = f"{accelerator._name}-" + "+".join(sorted(b.NAME for b in builders))
+    env = ["DS_BUILD_OPS=0", f"DS_ACCELERATOR={accelerator._name}", *(f"{b.BUILD_VAR}=1" for b in builders.values())]
+    variant = f"{accelerator._name}-" + "+".join(sorted(b.NAME for b in builders.values()))
     wheel_cache = Path(__file__).with_name("wheel_cache.py")
     subprocess.run([sys.executable, str(wheel_cache), f"deepspeed=={deepspeed.__version__}", "--variant", variant,
                     "--native", *(f"--env={e}" for e in env)], check=True)
-    subprocess.run([sys.executable, "-c", CHECK, *names], check=True)
+    subprocess.run([sys.executable, "-c", CHECK, *builders], check=True)
 
 
 def main() -> int:
@@ -62,18 +62,17 @@ def main() -> int:
         print("build_deepspeed_ops: deepspeed is not installed; nothing to build")
         return 0
     accelerator = get_accelerator()
-    names = []
+    builders = {}
     for name in OPS:
         builder = accelerator.create_op_builder(name)
         if builder is None or not builder.is_compatible(verbose=False):
             print(f"build_deepspeed_ops: {name}: not available for DeepSpeed's {type(accelerator).__name__}, skipped")
             continue
-        names.append(name)
+        builders[name] = builder
     if accelerator._name == "cpu":
-        install_prebuilt(accelerator, names)
+        install_prebuilt(accelerator, builders)
         return 0
-    for name in names:
-        builder = accelerator.create_op_builder(name)
+    for builder in builders.values():
         t0 = time.monotonic()
         builder.load(verbose=False)
         print(f"build_deepspeed_ops: {builder.absolute_name()} ready ({time.monotonic() - t0:.0f} s)")

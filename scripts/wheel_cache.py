@@ -14,7 +14,7 @@ another: every new clone compiled again (about 45 s for torchsort, 70-150 s for 
 
 Usage::
 
-    python scripts/wheel_cache.py NAME==VERSION [--variant V] [--native] [--env K=V ...] [-- PIP_WHEEL_ARGS...]
+    python scripts/wheel_cache.py NAME==VERSION [--variant V] [--native] [--env K=V ...]
 
 The first run builds the wheel from the package index's source distribution (``pip download``, then
 ``pip wheel --no-build-isolation --no-deps``, extra environment from ``--env``), and moves it into
@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,19 +67,19 @@ def pip(*args: str, env: dict[str, str] | None = None) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True, env=env)
 
 
-def build(requirement: str, folder: Path, env: dict[str, str], pip_args: list[str]) -> None:
+def build(requirement: str, folder: Path, env: dict[str, str]) -> None:
     """Build ``requirement``'s wheel from its source distribution into ``folder`` (created by one
     rename at the end, so that an interrupted or failed build leaves nothing)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **env}
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as tmp:
         sdist, wheel = Path(tmp) / "sdist", Path(tmp) / "wheel"
         pip("download", "-q", "--no-deps", "--no-build-isolation", "--no-binary", ":all:", requirement, "-d", str(sdist),
-            env={**os.environ, **env})
+            env=env)
         archives = sorted(sdist.iterdir())
         if len(archives) != 1:
             raise SystemExit(f"wheel_cache: expected one source distribution of {requirement}, got {archives}")
-        pip("wheel", "-q", "--no-build-isolation", "--no-deps", *pip_args, str(archives[0]), "-w", str(wheel),
-            env={**os.environ, **env})
+        pip("wheel", "-q", "--no-build-isolation", "--no-deps", str(archives[0]), "-w", str(wheel), env=env)
         built = list(wheel.glob("*.whl"))
         if len(built) != 1:
             raise SystemExit(f"wheel_cache: the build of {requirement} wrote {built}, not one wheel")
@@ -92,9 +91,6 @@ def build(requirement: str, folder: Path, env: dict[str, str], pip_args: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pip_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("requirement", help="NAME==VERSION")
     parser.add_argument("--variant", default="default", help="what else the build depends on (e.g. cpu, cuda)")
@@ -112,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     cached = any(folder.glob("*.whl"))
     if not cached:
-        build(args.requirement, folder, env, pip_args)
+        build(args.requirement, folder, env)
     wheel = sorted(folder.glob("*.whl"))[0]
     pip("install", "-q", "--no-deps", "--force-reinstall", str(wheel))
     how = "installed from the wheel cache" if cached else "built, cached and installed"
