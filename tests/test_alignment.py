@@ -327,18 +327,19 @@ def test_eval_group_and_callback_from_config(tiny_shapes_world, tmp_path):
 
     from unicon import config
     from unicon.evaluation import suites
-    from unicon.evaluation.alignment.callback import AlignmentCallback
+    from unicon.evaluation.callbacks import SuiteCallback
 
     cfg = config.compose(["eval=alignment", f"data.root={tiny_shapes_world}", "eval.alignment.bagel_modes=[expected]"])
     assert cfg.eval.alignment.enabled and not cfg.eval.cococon.enabled
     argv = suites.suite("alignment").argv(cfg)
     assert argv[0] == f"--data={tiny_shapes_world}" and "--bagel-modes=expected" in argv and "--limit=64" in argv
-    cb = AlignmentCallback.from_config(cfg)
-    assert cb.bagel_modes == ["expected"] and len(cb.pairs()) == 64
+    cb = SuiteCallback.from_config(suites.suite("alignment"), cfg)
+    assert cb.config.bagel_modes == ["expected"] and len(cb.inputs.pairs) == 64
     assert not config.compose([]).eval.alignment.enabled
-    cb = AlignmentCallback(tiny_shapes_world, bagel_modes=["expected"], baselines=[], max_samples=6)
+    cb = SuiteCallback(suites.suite("alignment"), config.AlignmentEvalConfig(
+        data=str(tiny_shapes_world), bagel_modes=["expected"], baselines=[], max_samples=6))
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), current_epoch=0, global_step=3, loggers=[],
-                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+                              is_global_zero=True, strategy=SimpleNamespace(root_device=torch.device("cpu")))
     metrics = cb.evaluate(trainer, standins.FakeModel())
     saved = json.loads((tmp_path / "eval" / "alignment" / "epoch-1" / "alignment.json").read_text())
     assert saved["epoch"] == 1 and saved["n_pairs"] == 6

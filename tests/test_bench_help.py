@@ -59,7 +59,7 @@ COMMAND_MODULES = _commands()
 def importers(importtime: str, package: str) -> list[str]:
     """From ``python -X importtime``'s report (stderr), the chain of modules through which ``package``
     was first imported, outermost first, ending with the package: first-party modules by name, other
-    packages by their top-level name, e.g. ``["unicon.evaluation.cococon.cli", "unicon.loggers",
+    packages by their top-level name, e.g. ``["unicon.evaluation.cococon.suite", "unicon.loggers",
     "lightning", "torch"]``; ``[]`` if it never was. The report lists each module after the ones it
     imported, two spaces deeper per level."""
     rows = []
@@ -100,10 +100,10 @@ def test_help_exits_0_and_no_command_module_imports_a_heavy_library(command):
 def test_importers_names_the_first_party_module_that_imports_a_package():
     report = "\n".join(f"import time: {1:>9} | {1:>10} | {name}" for name in [
         "        torch.nn", "      torch", "    lightning.fabric", "    lightning", "  lightning.pytorch",
-        "  unicon.jsonsafe", "unicon.loggers", "  numpy", "unicon.evaluation.cococon.cli"])
+        "  unicon.jsonsafe", "unicon.loggers", "  numpy", "unicon.evaluation.cococon.suite"])
     assert importers(report, "lightning") == ["unicon.loggers", "lightning"]
     assert importers(report, "torch") == ["unicon.loggers", "lightning", "torch"]
-    assert importers(report, "numpy") == ["unicon.evaluation.cococon.cli", "numpy"]
+    assert importers(report, "numpy") == ["unicon.evaluation.cococon.suite", "numpy"]
     assert importers(report, "transformers") == []
 
 

@@ -16,8 +16,10 @@ import standins
 from unicon.data.cococon import CocoConFormatError, load_cococon
 from unicon.evaluation.cococon import metrics, runner
 from unicon.evaluation.distributed import padding_repeats
-from unicon.evaluation.cococon.callback import CocoConCallback
-from unicon.evaluation.cococon.cli import cli
+from unicon.evaluation.callbacks import SuiteCallback
+from unicon.evaluation.suites import suite
+
+cli = suite("cococon").cli
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +329,7 @@ def test_real_cococon_file_flows_through(shared_data, tmp_path):
 def test_cli_writes_results(tmp_path, monkeypatch):
     import unicon.models
     from unicon.config import CocoConEvalConfig
-    from unicon.evaluation.cococon.cli import parser
+    parser = suite("cococon").parser
     from unicon.core import weights_fingerprint
 
     path = _mini_file(tmp_path)
@@ -493,8 +495,8 @@ def test_callback_logs_metrics_and_table(tmp_path):
     cfg = OmegaConf.structured(RunConfig)
     cfg.eval.cococon.data, cfg.eval.cococon.max_samples, cfg.eval.cococon.table_rows = str(path), 6, 3
     cfg.eval.fail_on_error = True
-    callback = CocoConCallback.from_config(cfg)
-    assert (callback.max_samples, callback.batch_size, callback.every_n_epochs) == (6, 16, 1)
+    callback = SuiteCallback.from_config(suite("cococon"), cfg)
+    assert (callback.config.max_samples, callback.config.batch_size, callback.every_n_epochs) == (6, 16, 1)
     run_dir = tmp_path / "run"
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=JsonlLogger(run_dir), callbacks=[callback],
                          default_root_dir=run_dir, enable_checkpointing=False, enable_progress_bar=False,

@@ -23,8 +23,9 @@ from unicon.data.geneval import GenEvalFormatError, load_geneval, parse_row
 from unicon.embedders.base import Embedder, EmbedderNotFound
 from unicon.bench import chains as bench
 from unicon.evaluation.drift import metrics, runner
-from unicon.evaluation.drift import cli as drift_cli
-from unicon.evaluation.drift.callback import DriftCallback
+from unicon.evaluation import cli_common
+from unicon.evaluation.callbacks import SuiteCallback
+from unicon.evaluation.suites import suite
 from unicon.errors import UserError
 from unicon.evaluation.drift.geneval import evaluate_detections, keep_detections, relative_position, summarize
 
@@ -677,7 +678,8 @@ def fake_trainer(run_dir: Path, rank: int = 0, loggers=()):
     from types import SimpleNamespace
 
     return SimpleNamespace(default_root_dir=str(run_dir), current_epoch=0, global_step=7, loggers=list(loggers),
-                           sanity_checking=False, is_global_zero=rank == 0)
+                           sanity_checking=False, is_global_zero=rank == 0,
+                           strategy=SimpleNamespace(root_device=torch.device("cpu")))
 
 
 def test_drift_callback_logs_metrics(world_cfg, tmp_path):
@@ -686,7 +688,7 @@ def test_drift_callback_logs_metrics(world_cfg, tmp_path):
     world = make_world(tmp_path / "world", world_cfg)
     cfg = run_config(world, num_chains=3, generations=2, embedders=["scene", "clip"], clip=str(tmp_path / "no_clip"),
                      batch_size=4, strips=1)
-    cb = DriftCallback.from_config(cfg)
+    cb = SuiteCallback.from_config(suite("drift"), cfg)
     logger = JsonlLogger(tmp_path / "run")
     result = cb.evaluate(fake_trainer(tmp_path / "run", loggers=[logger]), shapes_model(world, competent=True))
     # the missing CLIP was skipped (warning), the scene embedder covers all four mappings
@@ -706,8 +708,8 @@ def test_a_missing_default_clip_is_named_once_with_its_consequence_and_its_fix(w
     world = make_world(tmp_path / "world", world_cfg)
     monkeypatch.chdir(tmp_path)  # no checkpoints/shapes_clip here
     with caplog.at_level("WARNING"):
-        cb = DriftCallback.from_config(run_config(world, embedders=["scene", "clip"]))
-    assert list(cb.embedders) == ["scene"]
+        cb = SuiteCallback.from_config(suite("drift"), run_config(world, embedders=["scene", "clip"]))
+    assert list(cb.inputs.embedders) == ["scene"]
     assert [r.getMessage() for r in caplog.records] == [
         "drift: no CLIP model at the default checkpoints/shapes_clip, so MCD t2t, t2i, i2i, i2t is measured with the "
         "scene embedder instead of CLIP and no drift/clip/* metric is logged; train the world's CLIP (minutes on a "
@@ -722,14 +724,15 @@ def test_drift_callback_on_data_that_is_not_a_shapes_world(world_cfg, tmp_path):
     data.mkdir()
     cfg = run_config(data, seeds=str(world / "drift_seeds.jsonl"), num_chains=2, generations=1,
                      embedders=["scene"], geneval=False, strips=0)
-    cb = DriftCallback.from_config(cfg)
-    assert cb.detector is None and cb.geneval_seeds == [] and cb.embedders == {} and len(cb.seeds) == 2
+    cb = SuiteCallback.from_config(suite("drift"), cfg)
+    assert cb.inputs.detector is None and cb.inputs.geneval_seeds == [] and cb.inputs.embedders == {} \
+        and len(cb.inputs.seeds) == 2
     cb.evaluate(fake_trainer(tmp_path / "run"), shapes_model(world, competent=True))
     assert (tmp_path / "run" / "eval" / "drift" / "epoch-1" / "mcd" / "image-first" / "gen-1.csv").is_file()
     with pytest.raises(UserError, match=r"eval\.drift\.geneval.*not a ShapesWorld"):
-        DriftCallback.from_config(run_config(data, seeds=str(world / "drift_seeds.jsonl")))
+        SuiteCallback.from_config(suite("drift"), run_config(data, seeds=str(world / "drift_seeds.jsonl")))
     with pytest.raises(UserError, match=r"eval\.drift\.seeds: not set"):
-        DriftCallback.from_config(run_config(data, geneval=False))
+        SuiteCallback.from_config(suite("drift"), run_config(data, geneval=False))
 
 
 def test_a_detector_threshold_for_the_exact_shapes_detector_is_refused(world_cfg, tmp_path):
@@ -739,7 +742,7 @@ def test_a_detector_threshold_for_the_exact_shapes_detector_is_refused(world_cfg
 
     world = make_world(tmp_path / "world", world_cfg)
     with pytest.raises(UserError, match=r"eval\.drift\.detector_threshold=0\.5: .*exact.*owlv2"):
-        DriftCallback.from_config(run_config(world, detector_threshold=0.5))
+        SuiteCallback.from_config(suite("drift"), run_config(world, detector_threshold=0.5))
     with pytest.raises(UserError, match=r"--detector-threshold 0\.5: the 'shapes' detector is exact"):
         load_detector("shapes", world_cfg=world_cfg, threshold=0.5)
     assert load_detector("shapes", world_cfg=world_cfg).describe()["name"] == "shapes"
@@ -756,7 +759,7 @@ def _ddp_drift_rank(rank, world_size, init_file, world_root, run_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        cb = DriftCallback.from_config(run_config(Path(world_root), **DDP_SETTINGS))
+        cb = SuiteCallback.from_config(suite("drift"), run_config(Path(world_root), **DDP_SETTINGS))
         result = cb.evaluate(fake_trainer(Path(run_dir), rank), shapes_model(world_root, competent=False))
         Path(run_dir, f"metrics-rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -768,7 +771,7 @@ def test_ddp_two_ranks_match_single_process(world_cfg, tmp_path, fork_safe_threa
     import torch.multiprocessing as mp
 
     world = make_world(tmp_path / "world", world_cfg)
-    cb = DriftCallback.from_config(run_config(world, **DDP_SETTINGS))
+    cb = SuiteCallback.from_config(suite("drift"), run_config(world, **DDP_SETTINGS))
     single = cb.evaluate(fake_trainer(tmp_path / "single"), shapes_model(world, competent=False))
     # fork: the children inherit the imported modules and this module's test doubles
     mp.start_processes(_ddp_drift_rank, args=(2, str(tmp_path / "init"), str(world), str(tmp_path / "ddp")),
@@ -791,10 +794,10 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
 
     world = make_world(tmp_path / "world", world_cfg)
     monkeypatch.setattr(bench, "_load_model", lambda ckpt: shapes_model(world, competent=True))
-    monkeypatch.setattr(drift_cli, "load_model_for", lambda args: shapes_model(world, competent=True))
+    monkeypatch.setattr(cli_common, "load_model_for", lambda args: shapes_model(world, competent=True))
     out = tmp_path / "out"
-    rc = drift_cli.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
-                        "--embedders", "scene", "--logger", "csv", "--batch-size", "3", "--image-seed", "5"])
+    rc = suite("drift").cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
+                            "--embedders", "scene", "--logger", "csv", "--batch-size", "3", "--image-seed", "5"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["MCD_avg"] == pytest.approx(1.0) and summary["MGG"] > 0.8 and summary["repairs"] == 0
@@ -805,11 +808,11 @@ def test_cli_and_bench_with_a_model_double(world_cfg, tmp_path, monkeypatch, cap
     assert report["model_fingerprint"] == weights_fingerprint(shapes_model(world, competent=True))
     assert report["environment"] == environment_info()  # git commit, package versions
     # a second invocation resumes: nothing recomputed
-    rc = drift_cli.cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
-                        "--embedders", "scene", "--batch-size", "3", "--logger", "none", "--image-seed", "5"])
+    rc = suite("drift").cli(["--ckpt", "x", "--world", str(world), "--generations", "2", "--out", str(out),
+                            "--embedders", "scene", "--batch-size", "3", "--logger", "none", "--image-seed", "5"])
     assert rc == 0
     with pytest.raises(SystemExit):
-        drift_cli.cli(["--help"])
+        suite("drift").cli(["--help"])
     capsys.readouterr()
     rc = bench.bench_cli(["--ckpt", "x", "--world", str(world), "--num-chains", "3", "--generations", "1",
                           "--t2i-base-codes", "2"])
@@ -823,7 +826,7 @@ def test_cli_defaults_are_the_epoch_end_settings(tmp_path):
     from unicon.config import DriftEvalConfig
     from unicon.evaluation.cli_common import check_common_args
 
-    args = drift_cli.build_parser().parse_args(["--ckpt", "x", "--out", str(tmp_path / "y")])
+    args = suite("drift").parser().parse_args(["--ckpt", "x", "--out", str(tmp_path / "y")])
     cfg = DriftEvalConfig()
     assert (args.generations, args.batch_size, args.i2t_prompt, args.clip, args.dino, args.sentence, args.strips,
             args.seeds, args.geneval, args.long) == (cfg.generations, cfg.batch_size, cfg.i2t_prompt, cfg.clip,
@@ -1082,8 +1085,8 @@ def test_geneval_r_is_the_default_outside_shapesworld(tmp_path, monkeypatch):
     Image.new("RGB", (8, 8)).save(tmp_path / "s0.png")
     seeds.write_text(json.dumps({"id": "s0", "caption": "a bench", "image": str(tmp_path / "s0.png")}) + "\n")
     with pytest.raises(UserError, match="'shapes' detector needs the ShapesWorld"):
-        drift_cli.cli(["--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--world",
-                       str(tmp_path / "noworld"), "--seeds", str(seeds), "--embedders", ""])
+        suite("drift").cli(["--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--world",
+                           str(tmp_path / "noworld"), "--seeds", str(seeds), "--embedders", ""])
 
 
 def test_mpnet_sentence_embedder_from_a_local_directory(tmp_path):

@@ -209,9 +209,9 @@ def export(ofa, tmp_path_factory) -> Path:
 
 
 def _cli(*args: str) -> int:
-    from unicon.evaluation.editing.cli import cli
+    from unicon.evaluation.suites import suite
 
-    return cli([*args, "--device", "cpu", "--logger", "none"])
+    return suite("editing").cli([*args, "--device", "cpu", "--logger", "none"])
 
 
 def test_cli_end_to_end_tau_equals_scipy_from_the_samples_file_and_shards_merge(export, world, tmp_path, capsys):
@@ -286,9 +286,9 @@ def test_table_rows_flag_sets_the_rows_of_the_samples_table(world, tmp_path, cap
     the samples table (W&B, tables/editing_samples.jsonl); its default is the config's."""
     import standins
     from unicon.config import EditingEvalConfig
-    from unicon.evaluation.editing.cli import build_parser
+    from unicon.evaluation.suites import suite
 
-    assert build_parser().parse_args(["--ckpt", "c", "--out", "o", "--data", "d"]).table_rows == \
+    assert suite("editing").parser().parse_args(["--ckpt", "c", "--out", "o", "--data", "d"]).table_rows == \
         EditingEvalConfig.table_rows
     ckpt = tmp_path / "fake"
     standins.FakeModel(scale=0.5).save_pretrained(str(ckpt))
@@ -323,17 +323,17 @@ def test_eval_group_argv_and_callback_from_config(world, ofa, tmp_path):
 
     from unicon import config
     from unicon.evaluation import suites
-    from unicon.evaluation.editing.callback import EditingCallback
+    from unicon.evaluation.callbacks import SuiteCallback
 
     cfg = config.compose(["eval=editing", f"data.root={world}", "eval.editing.max_samples=8"])
     assert cfg.eval.editing.enabled and not cfg.eval.cococon.enabled and not config.compose([]).eval.editing.enabled
     data = world / "editscore" / "editscore.jsonl"
     assert suites.suite("editing").argv(cfg) == [f"--data={data}", "--limit=8", "--batch-size=16", "--own-edits=0",
                                                  "--table-rows=16"]
-    cb = EditingCallback.from_config(cfg)
-    assert len(cb.samples()) == 8 and cb.data == data
+    cb = SuiteCallback.from_config(suites.suite("editing"), cfg)
+    assert len(cb.inputs.samples) == 8 and cb.config.data == str(data)
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), current_epoch=0, global_step=3, loggers=[],
-                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")), is_global_zero=True)
     metrics = cb.evaluate(trainer, ofa)
     saved = json.loads((tmp_path / "eval" / "editing" / "epoch-1" / "editing.json").read_text())
     assert saved["epoch"] == 1 and saved["results"]["n"] == 8
@@ -341,7 +341,8 @@ def test_eval_group_argv_and_callback_from_config(world, ofa, tmp_path):
     assert "editing/n" in metrics
     assert "editing/tau_b/score/overall" in metrics
     with pytest.raises(Exception, match="editscore"):
-        EditingCallback(tmp_path / "editscore" / "editscore.jsonl")
+        SuiteCallback(suites.suite("editing"),
+                      config.EditingEvalConfig(data=str(tmp_path / "editscore" / "editscore.jsonl")))
 
 
 def test_direction_is_compared_with_the_papers_results():

@@ -147,7 +147,7 @@ def test_every_suite_on_two_gloo_ranks_equals_one_process(one_process, world, ck
 
     from unicon.evaluation.suites import suites
 
-    assert sorted(FILES) == sorted(s.name for s in suites().values() if s.callback)  # every epoch-end suite
+    assert sorted(FILES) == sorted(suites())  # every suite
     single = json.dumps(one_process["metrics"], sort_keys=True)
     assert sorted(json.loads(single)) == sorted(FILES)
     # fork: the children inherit the imported modules, the registered backend "fake" and the fixed git state
@@ -185,8 +185,7 @@ def test_each_standalone_command_logs_the_wandb_keys_of_its_epoch_end(one_proces
                                                                       monkeypatch, capsys):
     """``unicon evaluate <suite>`` with the arguments ``unicon evaluate all`` passes it for the same config
     logs the keys of its epoch end, of the same kinds (scalar, image, table of as many rows, chart), but
-    ``<suite>/failed`` and ``<suite>/seconds``, which the epoch-end callback adds (CocoCon's command logs its
-    seconds too), and its run config with the weights fingerprint; the epoch end logs the golden keys."""
+    ``<suite>/failed``, which the epoch-end callback adds (both log ``<suite>/seconds``), and its run config with the weights fingerprint; the epoch end logs the golden keys."""
     from unicon.evaluation.suites import suites
 
     cfg = _config(world)
@@ -194,8 +193,6 @@ def test_each_standalone_command_logs_the_wandb_keys_of_its_epoch_end(one_proces
     monkeypatch.setattr(loggers, "make_loggers", lambda *args, **kwargs: [recorder])
     standalone = {}
     for s in suites().values():
-        if s.callback is None:
-            continue
         recorder.logged, recorder.config = {}, {}
         assert s.cli(["--ckpt", str(ckpt), "--device", "cpu", "--logger", "wandb", *s.argv(cfg),
                       "--out", str(tmp_path / s.name)]) == 0
@@ -210,8 +207,8 @@ def test_each_standalone_command_logs_the_wandb_keys_of_its_epoch_end(one_proces
         assert {f"{suite}/failed", f"{suite}/seconds"} <= set(epoch_end[suite]), suite
         assert got == want, (suite, {k: (got.get(k), want.get(k)) for k in sorted(set(got) | set(want))
                                      if got.get(k) != want.get(k)})
-    # of the commands, only CocoCon's logs its time
-    assert [suite for suite, logged in standalone.items() if f"{suite}/seconds" in logged] == ["cococon"]
+    # every command logs its time, as the epoch end does
+    assert [suite for suite, logged in standalone.items() if f"{suite}/seconds" not in logged] == []
     if os.environ.get("UNICON_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(epoch_end, indent=1, sort_keys=True) + "\n")

@@ -728,11 +728,11 @@ def test_shapes_task_accuracies_names_the_cause_of_each_miss_from_the_outputs_si
 
 def test_evaluate_shapes_command_writes_json_and_picture(tiny_world, tmp_path, monkeypatch):
     import unicon.core
-    import unicon.evaluation.shapes.cli as shapes_cli
+    import unicon.evaluation.cli_common as cli_common
     from unicon.cli import main
 
     oracle = _Oracle(tiny_world)
-    monkeypatch.setattr(shapes_cli, "load_model_for", lambda args: oracle)
+    monkeypatch.setattr(cli_common, "load_model_for", lambda args: oracle)
     monkeypatch.setattr(unicon.core, "weights_fingerprint", lambda model: "oracle")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -517,17 +517,18 @@ def test_cli_refuses_an_out_of_another_run_unless_overwrite_deletes_it(tmp_path,
 def test_eval_group_and_callback_from_config(tmp_path):
     from unicon import config
     from unicon.evaluation import suites
-    from unicon.evaluation.realunify.callback import RealUnifyCallback
+    from unicon.evaluation.callbacks import SuiteCallback
 
     data = _world_data(tmp_path / "world")
     cfg = config.compose(["eval=realunify", f"data.root={data}", "eval.realunify.settings=[direct]"])
     assert cfg.eval.realunify.enabled and not cfg.eval.shapes.enabled
     argv = suites.suite("realunify").argv(cfg)
     assert argv[:1] == [f"--data={data}"] and "--settings=direct" in argv and "--limit=4" in argv
-    cb = RealUnifyCallback.from_config(cfg)
-    assert cb.settings == ["direct"] and len(cb.instances()) == 4
+    cb = SuiteCallback.from_config(suites.suite("realunify"), cfg)
+    assert cb.inputs.settings == ["direct"] and len(cb.inputs.instances) == 4
     cb.setup(None, Double(editing=False), "fit")  # direct only: nothing to refuse
-    stepwise = RealUnifyCallback(data, settings=["direct", "stepwise"])
+    stepwise = SuiteCallback(suites.suite("realunify"),
+                             config.RealUnifyEvalConfig(data=str(data), settings=["direct", "stepwise"]))
     with pytest.raises(UserError, match="does not edit images"):
         stepwise.setup(None, Double(editing=False), "fit")
     assert not config.compose([]).eval.realunify.enabled
@@ -758,7 +759,7 @@ def test_cli_stepwise_input_flag_parses_is_recorded_and_refused_on_a_one_image_b
 def test_stepwise_input_is_checked_at_compose_time_and_resolved_by_the_callback(tmp_path):
     from unicon import config
     from unicon.evaluation import suites
-    from unicon.evaluation.realunify.callback import RealUnifyCallback
+    from unicon.evaluation.callbacks import SuiteCallback
 
     data = _world_data(tmp_path / "world")
     bad = r"command line: eval\.realunify\.stepwise_input=.both. is not one of"
@@ -767,9 +768,10 @@ def test_stepwise_input_is_checked_at_compose_time_and_resolved_by_the_callback(
     cfg = config.compose(["eval=realunify", f"data.root={data}"])
     assert cfg.eval.realunify.stepwise_input == "auto"
     assert "--stepwise-input=auto" in suites.suite("realunify").argv(cfg)
-    assert RealUnifyCallback.from_config(cfg).stepwise_input == "edited"  # a ShapesWorld root
+    # a ShapesWorld root
+    assert SuiteCallback.from_config(suites.suite("realunify"), cfg).inputs.stepwise_input == "edited"
     cfg = config.compose(["eval=realunify", f"data.root={data}", "eval.realunify.stepwise_input=original+edited"])
-    cb = RealUnifyCallback.from_config(cfg)
+    cb = SuiteCallback.from_config(suites.suite("realunify"), cfg)
     with pytest.raises(UserError, match="backend 'fake' takes one image per question"):
         cb.setup(None, Double(editing=True), "fit")
     cb.setup(None, TwoImageDouble(), "fit")

@@ -315,7 +315,7 @@ def test_callback_logs_shapes_scalars_at_epoch_end(tiny_shapes_world, tmp_path):
     from torch.utils.data import DataLoader
 
     from unicon.config import compose
-    from unicon.evaluation.shapes.callback import ShapesCallback
+    from unicon.evaluation.callbacks import SuiteCallback
     from unicon.evaluation.shapes.runner import shapes_task_accuracies
     from unicon.loggers import JsonlLogger, read_metrics
     from unicon.training.trainer import make_eval_callbacks
@@ -334,7 +334,7 @@ def test_callback_logs_shapes_scalars_at_epoch_end(tiny_shapes_world, tmp_path):
     cfg = compose(["eval=shapes_tasks", f"data.root={tiny_shapes_world}", "eval.shapes.max_samples=3",
                    "eval.shapes.examples=1", "eval.fail_on_error=true"])
     callbacks = make_eval_callbacks(cfg)
-    assert [type(cb) for cb in callbacks] == [ShapesCallback]
+    assert [(type(cb), cb.name) for cb in callbacks] == [(SuiteCallback, "shapes")]
     run_dir = tmp_path / "run"
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=JsonlLogger(run_dir), callbacks=callbacks,
                          default_root_dir=run_dir, enable_checkpointing=False, enable_progress_bar=False,

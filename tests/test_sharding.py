@@ -23,13 +23,9 @@ import pytest
 import standins
 from unicon import loggers
 from unicon.errors import UserError
-from unicon.evaluation.alignment import cli as alignment_cli
-from unicon.evaluation.cococon import cli as cococon_cli
+from unicon.evaluation.cococon.suite import TIMING_FIELDS
 from unicon.evaluation.distributed import Shard, shard_indices
-from unicon.evaluation.drift import cli as drift_cli
-from unicon.evaluation.editing import cli as editing_cli
-from unicon.evaluation.realunify import cli as realunify_cli
-from unicon.evaluation.ureason import cli as ureason_cli
+from unicon.evaluation.suites import suite
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +47,25 @@ def fixed_git_state(monkeypatch):
     monkeypatch.setattr(loggers, "git_state", lambda: state)
 
 
+def command(name):
+    """``unicon evaluate <name>``"""
+    return lambda argv: suite(name).cli(argv)
+
+
 #: suite -> (cli, its arguments over the world, the files compared, their timing lines)
 SUITES = {
-    "cococon": (cococon_cli.cli, lambda w: ["--data", str(w / "cococon_test.json"), "--cider-tokenizer", "simple"],
-                ["results.json", "per_sample.jsonl"], cococon_cli.TIMING_FIELDS),
-    "drift": (drift_cli.cli, lambda w: ["--world", str(w), "--generations", "2", "--embedders", "scene"],
+    "cococon": (command("cococon"), lambda w: ["--data", str(w / "cococon_test.json"), "--cider-tokenizer", "simple"],
+                ["results.json", "per_sample.jsonl"], TIMING_FIELDS),
+    "drift": (command("drift"), lambda w: ["--world", str(w), "--generations", "2", "--embedders", "scene"],
               ["drift.json"], ()),
-    "ureason": (ureason_cli.cli, lambda w: ["--data", str(w), "--judge", "exact"],
+    "ureason": (command("ureason"), lambda w: ["--data", str(w), "--judge", "exact"],
                 ["ureason.json", "samples.jsonl", "table.md"], ()),
-    "realunify": (realunify_cli.cli, lambda w: ["--data", str(w), "--limit", "1"],  # 1 per category: 7
+    "realunify": (command("realunify"), lambda w: ["--data", str(w), "--limit", "1"],  # 1 per category: 7
                   ["realunify.json", "samples.jsonl", "table.md"], ()),
     # clip_s is not run (no --clip); bleu4 is computed by the merge over every pair
-    "alignment": (alignment_cli.cli, lambda w: ["--data", str(w), "--limit", "3", "--baselines", "clip_s,bleu4"],
+    "alignment": (command("alignment"), lambda w: ["--data", str(w), "--limit", "3", "--baselines", "clip_s,bleu4"],
                   ["alignment.json", "samples.jsonl", "table.md"], ()),
-    "editing": (editing_cli.cli, lambda w: ["--data", str(w / "editscore" / "editscore.jsonl"), "--limit", "3",
+    "editing": (command("editing"), lambda w: ["--data", str(w / "editscore" / "editscore.jsonl"), "--limit", "3",
                                             "--own-edits", "1"],
                 ["editing.json", "samples.jsonl", "own_edits.jsonl", "table.md"], ()),
 }
@@ -122,31 +123,31 @@ def test_merge_refuses_what_does_not_add_up(world, tmp_path, capsys):
     common = ["--ckpt", str(ckpt), "--device", "cpu", "--logger", "none", "--data", str(world / "cococon_test.json"),
               "--cider-tokenizer", "simple", "--out", str(tmp_path / "o")]
     with pytest.raises(UserError, match=r"no shard folder under .*shards"):
-        cococon_cli.cli([*common, "--merge"])
-    assert cococon_cli.cli([*common, "--shard", "0/2"]) == 0
+        command("cococon")([*common, "--merge"])
+    assert command("cococon")([*common, "--shard", "0/2"]) == 0
     with pytest.raises(UserError, match=r"shard 1/2 has not finished \(no .*shard-1-of-2/done\.json\)"):
-        cococon_cli.cli([*common, "--merge"])
+        command("cococon")([*common, "--merge"])
     with pytest.raises(UserError, match=r"--out .*o holds the outputs of another run \(written with other settings: "
                                         r"max_samples=null \(this run: 3\)\); use another --out, or pass --overwrite"):
-        cococon_cli.cli([*common, "--shard", "1/2", "--max-samples", "3"])  # refused before it runs
-    assert cococon_cli.cli([*common, "--shard", "1/2"]) == 0
+        command("cococon")([*common, "--shard", "1/2", "--max-samples", "3"])  # refused before it runs
+    assert command("cococon")([*common, "--shard", "1/2"]) == 0
     done = tmp_path / "o" / "shards" / "shard-1-of-2" / "done.json"  # a shard folder of other settings, copied in
     info = json.loads(done.read_text())
     info["key"]["max_samples"] = 3
     done.write_text(json.dumps(info))
     with pytest.raises(UserError, match=r"shard 1/2 .* was run with other settings: max_samples=3 \(merge: None\)"):
-        cococon_cli.cli([*common, "--merge"])
+        command("cococon")([*common, "--merge"])
     standins.FakeModel(scale=0.25).save_pretrained(str(ckpt))  # the checkpoint changed between the shards
-    assert cococon_cli.cli([*common, "--shard", "1/2"]) == 0  # a rerun replaces the shard's parts
+    assert command("cococon")([*common, "--shard", "1/2"]) == 0  # a rerun replaces the shard's parts
     with pytest.raises(UserError, match="merge: shard 1/2 evaluated another model than shard 0 \\(model_fingerprint"):
-        cococon_cli.cli([*common, "--merge"])
+        command("cococon")([*common, "--merge"])
     standins.FakeModel(scale=0.5).save_pretrained(str(ckpt))
-    assert cococon_cli.cli([*common, "--shard", "1/2"]) == 0
+    assert command("cococon")([*common, "--shard", "1/2"]) == 0
     shutil.rmtree(ckpt)  # the merge loads no model: the shards recorded what it needs
-    assert cococon_cli.cli([*common, "--merge"]) == 0
+    assert command("cococon")([*common, "--merge"]) == 0
     assert json.loads((tmp_path / "o" / "results.json").read_text())["num_samples"] > 0
     with pytest.raises(SystemExit):  # one or the other
-        cococon_cli.cli([*common, "--merge", "--shard", "0/2"])
+        command("cococon")([*common, "--merge", "--shard", "0/2"])
     capsys.readouterr()
 
 

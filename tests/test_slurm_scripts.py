@@ -170,10 +170,28 @@ def test_evaluate_array_shards_every_suite_that_takes_shard():
 
 
 PLUGIN_SUITES = '''
-from unicon.evaluation.suites import register_suite
+from dataclasses import dataclass
 
-register_suite("toysplit", "a plugin suite that takes --shard")(lambda argv=None: 0)
-register_suite("toywhole", "a plugin suite that does not", shardable=False)(lambda argv=None: 0)
+from unicon.evaluation.framework import EvalSuite
+from unicon.evaluation.suites import register
+
+
+@dataclass
+class ToyEvalConfig:
+    enabled: bool = False
+    every_n_epochs: int = 1
+
+
+class ToySplit(EvalSuite):
+    name, help, config = "toysplit", "a plugin suite that takes --shard", ToyEvalConfig
+
+
+class ToyWhole(EvalSuite):
+    name, help, config, shardable = "toywhole", "a plugin suite that does not", ToyEvalConfig, False
+
+
+register(ToySplit())
+register(ToyWhole())
 '''
 
 

@@ -1,9 +1,10 @@
 """An out-of-tree evaluation suite, installed the way a package installs one: a ``toy_plugin``
-package and its ``toy_plugin-0.0.dist-info`` (``entry_points.txt`` naming ``toy_plugin.cli`` in
-the ``unicon.suites`` group) in a folder on ``sys.path``. Its module registers the suite ``toy``
-with an eval dataclass, an epoch-end callback and a report section; without a file of the project
-changing, the suite gets ``unicon evaluate toy``, typed ``eval.toy.<key>=...`` overrides, its
-callback in a training run, its run in ``unicon evaluate all`` and its section in report.html."""
+package and its ``toy_plugin-0.0.dist-info`` (``entry_points.txt`` naming ``toy_plugin.suite`` in
+the ``unicon.suites`` group) in a folder on ``sys.path``. Its module declares the suite ``toy`` (an
+eval dataclass, ``load`` and ``run``, a report section) and nothing else; without a file of the
+project changing, the suite gets ``unicon evaluate toy`` with ``--shard``/``--merge``, typed
+``eval.toy.<key>=...`` overrides, its epoch-end callback in a training run with the W&B names of its
+command, its run in ``unicon evaluate all`` and its section in report.html."""
 
 from __future__ import annotations
 
@@ -20,53 +21,46 @@ from unicon.evaluation import suites
 
 REPO = Path(__file__).resolve().parents[1]
 
-CLI = '''
-import argparse
+SUITE = '''
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from unicon.config import bounded
-from unicon.evaluation.suites import register_suite
+from unicon.evaluation.cli_common import Flag
+from unicon.evaluation.framework import EvalSuite, Outcome
+from unicon.evaluation.suites import register
 
 
 @dataclass
 class ToyEvalConfig:
     enabled: bool = False
+    every_n_epochs: int = 1
     n: int = bounded(1, 1)
 
 
-def argv_from_config(cfg):
-    return ["--n", str(cfg.eval.toy.n)]
+class ToySuite(EvalSuite):
+    name, help, config = "toy", "a toy plugin suite", ToyEvalConfig
+    flags = {"n": Flag("toy items")}
+    draws_images = False
+    report, title, headline = "toy_plugin.report:section", "Toy suite", ("toy/score",)
+
+    def load(self, config, args, root):
+        return list(range(config.n))
+
+    def run(self, run):
+        from unicon.evaluation.distributed import gather_records, owned_indices
+
+        items = run.inputs
+        mine = {i: float(items[i] * items[i]) for i in owned_indices(len(items))}  # this rank's (or shard's)
+        records = gather_records(mine)  # every rank's, in index order (a merge: the shards')
+        score = sum(records.values()) / len(records)
+        if run.is_writer:
+            (run.out / "toy.json").write_text(json.dumps({"n": len(records), "score": score}))
+        return Outcome({"toy/score": score}, rows=[[i, v] for i, v in records.items()], columns=["item", "value"],
+                       summary=f"toy: score {score}")
 
 
-@register_suite("toy", "a toy plugin suite", section="toy", argv=argv_from_config, config=ToyEvalConfig,
-                callback="toy_plugin.callback:ToyCallback", report="toy_plugin.report:section",
-                title="Toy suite", headline=("toy/score",), shardable=False)
-def cli(argv=None):
-    p = argparse.ArgumentParser(prog="unicon evaluate toy", description="the toy suite")
-    p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--n", type=int, default=1, help="toy items")
-    p.add_argument("--device")
-    p.add_argument("--logger")
-    p.add_argument("--allow-pickle", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "toy.json").write_text(json.dumps({"n": args.n, "ckpt": args.ckpt}))
-    return 0
-'''
-
-CALLBACK = '''
-class ToyCallback:
-    def __init__(self, n):
-        self.n = n
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(cfg.eval.toy.n)
+register(ToySuite())
 '''
 
 REPORT = '''
@@ -90,13 +84,12 @@ def plugin(tmp_path, monkeypatch):
     pkg = site / "toy_plugin"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "cli.py").write_text(CLI)
-    (pkg / "callback.py").write_text(CALLBACK)
+    (pkg / "suite.py").write_text(SUITE)
     (pkg / "report.py").write_text(REPORT)
     dist = site / "toy_plugin-0.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy_plugin\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text(f"[{suites.SUITE_ENTRY_POINTS}]\ntoy = toy_plugin.cli\n")
+    (dist / "entry_points.txt").write_text(f"[{suites.SUITE_ENTRY_POINTS}]\ntoy = toy_plugin.suite\n")
     monkeypatch.syspath_prepend(str(site))
     yield site
     suites._SUITES.pop("toy", None)
@@ -110,9 +103,14 @@ def test_without_the_plugin_its_section_is_an_unknown_key():
         compose(["eval.toy.enabled=true"])
 
 
-def test_a_section_outside_the_eval_config_needs_its_dataclass():
-    with pytest.raises(ValueError, match="eval.nowhere is no field of EvalConfig: pass config="):
-        suites.register_suite("nowhere-suite", "no config", section="nowhere")(lambda argv=None: 0)
+def test_a_suite_declares_its_config_dataclass():
+    from unicon.evaluation.framework import EvalSuite
+
+    class NoConfig(EvalSuite):
+        name, help = "nowhere-suite", "no config"
+
+    with pytest.raises(ValueError, match="NoConfig: a suite declares its name and its config dataclass"):
+        suites.register(NoConfig())
     assert "nowhere-suite" not in suites.suites()
 
 
@@ -146,19 +144,78 @@ def test_compose_types_and_validates_the_plugin_section(plugin):
         compose(["eval.toy.n=0"])
 
 
-def test_a_training_run_builds_the_plugin_callback(plugin):
+@pytest.fixture
+def ckpt(tmp_path):
+    import standins
+
+    path = tmp_path / "ckpt"
+    standins.FakeModel().save_pretrained(str(path))
+    return path
+
+
+def test_a_training_run_evaluates_the_plugin_at_epoch_end(plugin, tmp_path):
+    """The plugin's callback, built from ``eval.toy``, runs at the epoch end of a training run and
+    logs the names its command logs."""
+    import lightning.pytorch as pl
+    import torch
+
+    import standins
+    from unicon.loggers import JsonlLogger, read_metrics
     from unicon.training.trainer import make_eval_callbacks
 
-    (callback,) = make_eval_callbacks(compose(["eval=none", "eval.toy.enabled=true", "eval.toy.n=4"]))
-    assert type(callback).__name__ == "ToyCallback" and callback.n == 4
+    (callback,) = make_eval_callbacks(compose(["eval=none", "eval.toy.enabled=true", "eval.toy.n=4",
+                                               "eval.fail_on_error=true"]))
+    assert callback.name == "toy" and callback.config.n == 4
     assert make_eval_callbacks(compose(["eval=none"])) == []
 
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = standins.FakeModel()
 
-def test_unicon_evaluate_all_runs_the_plugin(plugin, tmp_path, capsys):
+        def training_step(self, batch, batch_idx):
+            return (self.model.scale * batch).sum() * 0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    run = tmp_path / "run"
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=JsonlLogger(run), callbacks=[callback],
+                         default_root_dir=run, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=1))
+    logged = {k: v for row in read_metrics(run / "metrics.jsonl") for k, v in row.items()}
+    assert logged["toy/score"] == (0 + 1 + 4 + 9) / 4 and logged["toy/failed"] == 0.0
+    assert json.loads((run / "eval" / "toy" / "epoch-1" / "toy.json").read_text()) == {"n": 4, "score": 3.5}
+
+
+def test_the_plugin_command_shards_merges_and_logs_its_names(plugin, ckpt, tmp_path, capsys):
+    from unicon.cli import main
+    from unicon.loggers import read_metrics
+
+    common = ["evaluate", "toy", "--ckpt", str(ckpt), "--device", "cpu", "--logger", "csv", "--n", "5"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert "toy: score 6.0" in capsys.readouterr().out
+    for shard in ("0/2", "1/2"):
+        assert main([*common, "--out", str(tmp_path / "split"), "--shard", shard]) == 0
+    assert not (tmp_path / "split" / "toy.json").exists()  # a shard writes no results file
+    assert main([*common, "--out", str(tmp_path / "split"), "--merge"]) == 0
+    for out in ("one", "split"):
+        assert json.loads((tmp_path / out / "toy.json").read_text()) == {"n": 5, "score": 6.0}
+        logged = {k for row in read_metrics(tmp_path / out / "metrics.jsonl") for k in row}
+        assert "toy/score" in logged
+    table = (tmp_path / "one" / "tables" / "toy_samples.jsonl").read_text().splitlines()
+    assert [json.loads(r)["value"] for r in table] == [0.0, 1.0, 4.0, 9.0, 16.0]
+    capsys.readouterr()
+    assert main([*common[:-2], "--n", "0", "--out", str(tmp_path / "bad")]) == 2  # checked by the config's range
+    assert "--n must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_unicon_evaluate_all_runs_the_plugin(plugin, ckpt, tmp_path, capsys):
     out = tmp_path / "out"
-    assert suites.all_cli(["--ckpt", "model", "--out", str(out), "eval=none", "eval.toy.enabled=true",
-                           "eval.toy.n=3"]) == 0
-    assert json.loads((out / "toy" / "toy.json").read_text()) == {"n": 3, "ckpt": "model"}
+    assert suites.all_cli(["--ckpt", str(ckpt), "--out", str(out), "--logger", "none", "--device", "cpu", "eval=none",
+                           "eval.toy.enabled=true", "eval.toy.n=3"]) == 0
+    assert json.loads((out / "toy" / "toy.json").read_text()) == {"n": 3, "score": 5 / 3}
     assert "ran toy" in capsys.readouterr().out
 
 

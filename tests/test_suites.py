@@ -18,24 +18,17 @@ from unicon.cli import main as unicon_main
 from unicon.errors import UserError
 from unicon.evaluation import suites
 from unicon.evaluation.cli_common import Flag, add_config_args, config_argv, config_from_args
-from unicon.evaluation.alignment import cli as alignment_cli
-from unicon.evaluation.cococon import cli as cococon_cli
-from unicon.evaluation.drift import cli as drift_cli
-from unicon.evaluation.editing import cli as editing_cli
-from unicon.evaluation.realunify import cli as realunify_cli
-from unicon.evaluation.shapes import cli as shapes_cli
-from unicon.evaluation.ureason import cli as ureason_cli
+from unicon.evaluation.framework import EvalSuite
 
-#: suite -> (its section class, its parser, its FLAGS, fields without a flag, required arguments)
-GENERATED = {
-    "cococon": (config.CocoConEvalConfig, cococon_cli.parser, cococon_cli.FLAGS, (), ["--data", "d"]),
-    "drift": (config.DriftEvalConfig, drift_cli.build_parser, drift_cli.FLAGS, drift_cli.SKIP, []),
-    "ureason": (config.UReasonEvalConfig, ureason_cli.build_parser, ureason_cli.FLAGS, (), ["--data", "d"]),
-    "shapes": (config.ShapesEvalConfig, shapes_cli.parser, shapes_cli.FLAGS, (), []),
-    "realunify": (config.RealUnifyEvalConfig, realunify_cli.build_parser, realunify_cli.FLAGS, (), ["--data", "d"]),
-    "alignment": (config.AlignmentEvalConfig, alignment_cli.build_parser, alignment_cli.FLAGS, (), ["--data", "d"]),
-    "editing": (config.EditingEvalConfig, editing_cli.build_parser, editing_cli.FLAGS, (), ["--data", "d"]),
-}
+#: suite -> the arguments it requires besides --ckpt and --out
+REQUIRED = {"cococon": ["--data", "d"], "drift": [], "ureason": ["--data", "d"], "shapes": [],
+            "realunify": ["--data", "d"], "alignment": ["--data", "d"], "editing": ["--data", "d"]}
+
+
+def generated(name):
+    """(its section class, its parser, its flags, fields without a flag, required arguments)"""
+    s = suites.suite(name)
+    return s.config, s.parser, s.flags, s.skip, REQUIRED[name]
 
 
 def test_in_tree_suites_are_registered_in_order():
@@ -48,22 +41,33 @@ def test_in_tree_suites_are_registered_in_order():
 def test_a_suite_registered_from_a_test_module_runs_through_unicon_evaluate(capsys, monkeypatch):
     suites.suites()  # every suite registered first: the test's suite is gone after the test
     monkeypatch.setattr(suites, "_SUITES", dict(suites._SUITES))
-    seen = []
 
-    @suites.register_suite("registry-test-suite", "a suite defined in a test")
-    def cli(argv=None):
-        seen.append(list(argv))
-        return 0
+    @dataclasses.dataclass
+    class RegistryTestConfig:
+        enabled: bool = False
+        every_n_epochs: int = 1
+        x: int = 1
 
-    assert unicon_main(["evaluate", "registry-test-suite", "--x", "1"]) == 0 and seen == [["--x", "1"]]
+    class RegistryTestSuite(EvalSuite):
+        name, help, config = "registry-test-suite", "a suite defined in a test", RegistryTestConfig
+
+    suites.register(RegistryTestSuite())
+    with pytest.raises(SystemExit):
+        unicon_main(["evaluate", "registry-test-suite", "--help"])
+    assert "--x X" in capsys.readouterr().out
     assert "registry-test-suite" in (unicon_main(["evaluate", "--help"]), capsys.readouterr().out)[1]
+    suites.register(RegistryTestSuite())  # the same suite again: a re-import
+
+    class Another(RegistryTestSuite):
+        pass
+
     with pytest.raises(ValueError, match="already registered"):
-        suites.register_suite("registry-test-suite", "again")(lambda argv=None: 0)
+        suites.register(Another())
 
 
-@pytest.mark.parametrize("suite", list(GENERATED))
+@pytest.mark.parametrize("suite", list(REQUIRED))
 def test_flag_defaults_are_the_config_defaults(suite):
-    cls, parser, flags, skip, required = GENERATED[suite]
+    cls, parser, flags, skip, required = generated(suite)
     args = parser().parse_args(["--ckpt", "c", "--out", "o", *required])
     got = dataclasses.asdict(config_from_args(args, cls, flags, skip))
     want = dataclasses.asdict(cls())
@@ -76,9 +80,9 @@ def test_flag_defaults_are_the_config_defaults(suite):
                for f in dataclasses.fields(cls) if f.name not in ("enabled", "every_n_epochs"))
 
 
-@pytest.mark.parametrize("suite", list(GENERATED))
+@pytest.mark.parametrize("suite", list(REQUIRED))
 def test_a_composed_eval_section_round_trips_through_the_flags(suite):
-    cls, parser, flags, skip, required = GENERATED[suite]
+    cls, parser, flags, skip, required = generated(suite)
     cfg = config.compose(["eval=shapes", f"eval.{suite}.batch_size=3"])
     argv = suites.suite(suite).argv(cfg)
     args = parser().parse_args(["--ckpt", "c", "--out", "o", *argv])
@@ -94,18 +98,19 @@ def test_a_composed_eval_section_round_trips_through_the_flags(suite):
 def test_bad_flag_values_name_the_flag():
     import argparse
 
+    drift = suites.suite("drift")
     p = argparse.ArgumentParser()
-    add_config_args(p, config.DriftEvalConfig, drift_cli.FLAGS, skip=drift_cli.SKIP)
+    add_config_args(p, config.DriftEvalConfig, drift.flags, skip=drift.skip)
     with pytest.raises(UserError, match="--generations must be >= 1, got 0"):
-        config_from_args(p.parse_args(["--generations", "0"]), config.DriftEvalConfig, drift_cli.FLAGS, drift_cli.SKIP)
+        config_from_args(p.parse_args(["--generations", "0"]), config.DriftEvalConfig, drift.flags, drift.skip)
     with pytest.raises(UserError, match="--embedders 'sift' is not one of: scene, clip, text, dino"):
-        config_from_args(p.parse_args(["--embedders", "scene,sift"]), config.DriftEvalConfig, drift_cli.FLAGS,
-                         drift_cli.SKIP)
+        config_from_args(p.parse_args(["--embedders", "scene,sift"]), config.DriftEvalConfig, drift.flags,
+                         drift.skip)
     with pytest.raises(SystemExit):  # argparse: not an int
         p.parse_args(["--strips", "two"])
     assert config_argv({"batch_size": 2, "generative": False, "tasks": ["vqa"], "probe_words": [], "data": None,
                         "images_root": None, "max_samples": 5, "table_rows": 1, "skip_missing": True},
-                       config.CocoConEvalConfig, cococon_cli.FLAGS) == [
+                       config.CocoConEvalConfig, suites.suite("cococon").flags) == [
         "--max-samples=5", "--batch-size=2", "--no-generative", "--table-rows=1", "--skip-missing", "--tasks", "vqa",
         "--probe-words"]
 
@@ -167,25 +172,25 @@ def test_every_results_file_records_commit_versions_fingerprint_and_generation(t
 
 def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkeypatch):
     """make_eval_callbacks reads the suite registry: one callback per enabled eval.<section>, in
-    registry order, of the class the suite registered; a disabled section builds none."""
+    registry order, built by the suite; a disabled section builds none."""
     from unicon.config import compose
     from unicon.training import trainer
 
-    monkeypatch.setattr(trainer, "_make_callback", lambda section, cls, cfg: (section, cls.__name__))
-    registered = [(s.section, s.callback_class().__name__) for s in suites.suites().values() if s.callback]
-    assert [section for section, _ in registered] == ["cococon", "drift", "ureason", "shapes", "realunify",
-                                                      "alignment", "editing"]
+    from unicon.evaluation.callbacks import SuiteCallback
+
+    monkeypatch.setattr(SuiteCallback, "from_config", classmethod(lambda cls, s, cfg: s.section))
+    registered = [s.section for s in suites.suites().values()]
+    assert registered == ["cococon", "drift", "ureason", "shapes", "realunify", "alignment", "editing"]
     off = ("realunify", "alignment", "editing")  # off unless their own group (or enabled=true) turns them on
     assert trainer.make_eval_callbacks(compose(["eval=shapes", "eval.shapes.enabled=true"])) == \
-        [r for r in registered if r[0] not in off]
-    assert trainer.make_eval_callbacks(compose(["eval=realunify"])) == [r for r in registered if r[0] == "realunify"]
-    assert trainer.make_eval_callbacks(compose(["eval=alignment"])) == [r for r in registered if r[0] == "alignment"]
-    assert trainer.make_eval_callbacks(compose(["eval=editing"])) == [r for r in registered if r[0] == "editing"]
-    assert trainer.make_eval_callbacks(compose(["eval=shapes"])) == \
-        [r for r in registered if r[0] not in ("shapes", *off)]
+        [r for r in registered if r not in off]
+    assert trainer.make_eval_callbacks(compose(["eval=realunify"])) == ["realunify"]
+    assert trainer.make_eval_callbacks(compose(["eval=alignment"])) == ["alignment"]
+    assert trainer.make_eval_callbacks(compose(["eval=editing"])) == ["editing"]
+    assert trainer.make_eval_callbacks(compose(["eval=shapes"])) == [r for r in registered if r not in ("shapes", *off)]
     assert trainer.make_eval_callbacks(compose(["eval=shapes", "eval.drift.enabled=false"])) == \
-        [r for r in registered if r[0] not in ("drift", "shapes", *off)]
-    assert trainer.make_eval_callbacks(compose(["eval=shapes_tasks"])) == [r for r in registered if r[0] == "shapes"]
+        [r for r in registered if r not in ("drift", "shapes", *off)]
+    assert trainer.make_eval_callbacks(compose(["eval=shapes_tasks"])) == ["shapes"]
 
 
 def test_evaluate_all_shards_what_can_be_sharded_and_runs_the_rest_whole_in_shard_0(monkeypatch, tmp_path):
@@ -196,8 +201,17 @@ def test_evaluate_all_shards_what_can_be_sharded_and_runs_the_rest_whole_in_shar
     def fake(name):
         return lambda argv: calls.append((name, list(argv))) or 0
 
-    registry = {"cococon": suites.Suite("cococon", "", fake("cococon"), "cococon", lambda cfg: []),
-                "shapes": suites.Suite("shapes", "", fake("shapes"), "shapes", lambda cfg: [], shardable=False)}
+    class Fake(EvalSuite):
+        def __init__(self, name, shardable=True):
+            self.name, self.shardable = name, shardable
+
+        def cli(self, argv=None):
+            return fake(self.name)(argv)
+
+        def argv(self, run_cfg):
+            return []
+
+    registry = {"cococon": Fake("cococon"), "shapes": Fake("shapes", shardable=False)}
     monkeypatch.setattr(suites, "suites", lambda: registry)
     base = ["--ckpt", "m", "--out", str(tmp_path), "eval.cococon.enabled=true", "eval.shapes.enabled=true"]
 
@@ -223,7 +237,7 @@ def test_every_epoch_end_callback_honours_eval_fail_on_error(shipped_world):
     from unicon.config import compose
     from unicon.training import run, trainer
 
-    on = [f"eval.{s.section}.enabled=true" for s in suites.suites().values() if s.callback]
+    on = [f"eval.{s.section}.enabled=true" for s in suites.suites().values()]
     for flag in (True, False):
         built = trainer.make_eval_callbacks(compose(["eval=shapes", f"data.root={shipped_world}", *on,
                                                  f"eval.fail_on_error={str(flag).lower()}"]))

@@ -23,9 +23,8 @@ from unicon.data.ureason import (
     subset,
     world_root_of,
 )
-from unicon.evaluation.ureason import cli as ureason_cli
+from unicon.evaluation.suites import suite
 from unicon.evaluation.ureason import runner as ur
-from unicon.evaluation.ureason.callback import UReasonCallback
 from unicon.evaluation.ureason.judges import (
     REASONING_CHAIN_PROMPT,
     VISUAL_VERIFICATION_PROMPT,
@@ -408,9 +407,9 @@ def test_cli_and_loggers(tmp_path, monkeypatch):
     ckpt.mkdir()
     vlm.mkdir()
     with pytest.raises(UserError, match="judge 'exact' needs ShapesWorld prompts"):
-        ureason_cli.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
+        suite("ureason").cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--judge", "exact"])
     out = tmp_path / "out"
-    assert ureason_cli.cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(out), "--logger", "none",
+    assert suite("ureason").cli(["--ckpt", str(ckpt), "--data", str(data), "--out", str(out), "--logger", "none",
                    "--device", "cpu", "--judge", f"vlm:{vlm}"]) == 0
     saved = json.loads((out / "ureason.json").read_text())
     metrics = saved["metrics"]
@@ -424,11 +423,11 @@ def test_cli_and_loggers(tmp_path, monkeypatch):
     table = [json.loads(line) for line in (out / "tables" / "ureason_samples.jsonl").read_text().splitlines()]
     assert len(table) == 4 and all(Path(out / "tables" / t["image_s1"]).is_file() for t in table)
     with pytest.raises(SystemExit):
-        ureason_cli.cli(["--help"])
+        suite("ureason").cli(["--help"])
 
 
 def test_cli_defaults_are_the_config_defaults():
-    args = ureason_cli.build_parser().parse_args(["--ckpt", "c", "--out", "o", "--data", "d"])
+    args = suite("ureason").parser().parse_args(["--ckpt", "c", "--out", "o", "--data", "d"])
     config = UReasonEvalConfig()
     for name in ("judge", "chain_judge", "max_new_tokens", "batch_size", "table_rows"):
         assert getattr(args, name) == getattr(config, name), name
@@ -461,7 +460,11 @@ def test_callback_logs_headline_metrics(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    cb = UReasonCallback(data, judge=ColorJudge(), max_samples=3, fail_on_error=True)
+    from unicon.evaluation.callbacks import SuiteCallback
+
+    cb = SuiteCallback(suite("ureason"), UReasonEvalConfig(data=str(data), judge="vlm:color-double", max_samples=3),
+                       fail_on_error=True)
+    cb.cache["judge"] = ColorJudge()  # the judge the epoch ends use
     trainer = pl.Trainer(max_epochs=1, logger=[JsonlLogger(tmp_path)], callbacks=[cb], default_root_dir=tmp_path,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          accelerator="cpu")

@@ -194,9 +194,9 @@ def runs(tiny_shapes_world, tmp_path_factory):
 
 
 def _make_runs(tiny_shapes_world: Path, tmp_path_factory) -> dict:
-    from unicon.evaluation.cococon.cli import cli as cococon_cli
-    from unicon.evaluation.drift.cli import cli as drift_cli
-    from unicon.evaluation.ureason.cli import cli as ureason_cli
+    from unicon.evaluation.suites import suite
+
+    cococon_cli, drift_cli, ureason_cli = (suite(name).cli for name in ("cococon", "drift", "ureason"))
     from unicon.models import build_model
     from unicon.training.run import compose_run, train
 

@@ -30,7 +30,7 @@ same summary is printed as rich tables. ``write_report`` (both files) is called 
 
 With ``--baseline RUN_K`` (another run, e.g. the control run K of a consistency run M), both files
 start with the run against the baseline: the suites whose report module defines ``compare``
-(:meth:`unicon.evaluation.suites.Suite.report_module`, see :mod:`unicon.evaluation.suites`) each
+(:meth:`unicon.evaluation.framework.EvalSuite.report_module`, see :mod:`unicon.evaluation.suites`) each
 give their rows, as text (``comparison_text``) and HTML (``comparison_html``); a baseline that no
 suite can compare with the run is an error naming it.
 """

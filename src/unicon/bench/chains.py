@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from unicon.config import DRIFT_CHAINS, compose
 from unicon.data.drift_seeds import load_seeds
 from unicon.errors import UserError
-from unicon.evaluation.drift.cli import add_chain_args
+from unicon.evaluation.drift.suite import add_chain_args
 from unicon import jsonsafe
 
 if TYPE_CHECKING:  # heavy (torch, the model backends): each function imports what it runs, not --help

@@ -152,6 +152,7 @@ def add_common_args(p: argparse.ArgumentParser, out_help: str = "output director
     p.add_argument("--overwrite", action="store_true",
                    help="when --out holds the outputs of another run (another command, other settings, other "
                         "files), delete them first (default: refuse)")
+    p.add_argument("--name", default=None, help="run name for the logger (default: <suite>-<out folder name>)")
     p.set_defaults(suite_command=p.prog)
 
 

@@ -1,7 +1,7 @@
 """The HTML pieces of ``report.html`` that every suite's section is built from.
 
 ``unicon report`` (:mod:`unicon.report`) writes the page; each evaluation suite renders its own
-section (``register_suite(..., report="module:function")``, a function ``(run_dir) -> str`` in the
+section (``EvalSuite.report = "module:function"``, a function ``(run_dir) -> str`` in the
 suite's ``report.py``) from these helpers: escaping and number formatting, tables, inlined images
 and figures, and finding the suite's outputs in a run folder (:func:`suite_outputs`). Every image
 is inlined as a ``data:`` URI; every piece of text is escaped here, so a section passes only

@@ -1,39 +1,28 @@
 """The suite registry: ``unicon evaluate <name>``, ``unicon evaluate all``, the epoch-end callbacks
 of a training run and the sections of ``report.html`` route through it.
 
-A suite registers its command where it is defined, with the decorator::
-
-    @register_suite("cococon", "CocoCon cross-task consistency", section="cococon", argv=argv_from_config,
-                    config=CocoConEvalConfig, callback="unicon.evaluation.cococon.callback:CocoConCallback",
-                    report="unicon.evaluation.cococon.report:section", title="CocoCon")
-    def cli(argv=None) -> int: ...
-
-``section`` names its part of the run config (``eval.<section>``, whose ``enabled`` the training
-run's eval group sets), ``argv`` turns a composed run config into the command's arguments (the
-eval section's fields are the command's generated flags, :func:`unicon.evaluation.cli_common.config_argv`),
-so ``unicon evaluate all --ckpt X eval=<group>`` runs what a training run with that group runs at
-epoch end, with the same settings and data defaults. ``callback`` (``"module:Class"``) is that
-epoch-end callback; ``report`` (``"module:function"``, a function ``(run_dir) -> str`` built from
-:mod:`unicon.evaluation.html`) renders the suite's section of ``report.html`` under ``title``, and
-``headline`` lists the metrics the report's summary and curves show. Both strings are imported only
-when used, so listing the suites (``--help``) imports no torch. The module of ``report``
-(:meth:`Suite.report_module`) may also define, each optional, from a run's series of
-``metrics.jsonl`` (metric name -> ``[(step, value), ...]``): ``headline_table(series) -> str | None``
-(printed at the end of ``unicon train``) and, for ``unicon report RUN --baseline RUN_K``,
-``compare(series, baseline_series) -> rows`` (empty: nothing to compare) with its renderers
-``comparison_text(rows, run_name, baseline_name) -> str`` and
+A suite is an :class:`~unicon.evaluation.framework.EvalSuite` (its declaration, ``load`` and ``run``;
+how to write one: :mod:`unicon.evaluation.framework`), registered where it is defined with
+``register(MySuite())``. Its ``report`` (``"module:function"``, a function ``(run_dir) -> str`` built
+from :mod:`unicon.evaluation.html`) renders its section of ``report.html`` under ``title``, and
+``headline`` lists the metrics the report's summary and curves show. The report module is imported
+only when used, so listing the suites (``--help``) imports no torch. It may also define, each
+optional, from a run's series of ``metrics.jsonl`` (metric name -> ``[(step, value), ...]``):
+``headline_table(series) -> str | None`` (printed at the end of ``unicon train``) and, for ``unicon
+report RUN --baseline RUN_K``, ``compare(series, baseline_series) -> rows`` (empty: nothing to
+compare) with its renderers ``comparison_text(rows, run_name, baseline_name) -> str`` and
 ``comparison_html(rows, baseline, series, baseline_series) -> str`` and ``NOT_COMPARED`` (why a
 baseline gave no row); a suite without them is left out of those parts.
 
 In-tree suites are the modules of :data:`IN_TREE`, their sections fields of
 :class:`unicon.config.EvalConfig`. Out-of-tree ones declare their module in the entry-point group
-:data:`SUITE_ENTRY_POINTS` (``[project.entry-points."unicon.suites"] mysuite = "pkg.cli"``) and
-pass ``config=`` (their eval dataclass, with at least ``enabled: bool``): the config module imports
-no suite (it sits below this one), so this module hands it a provider of those sections
-(:func:`unicon.config.set_eval_sections`) when it is imported; every config composed afterwards
-(``unicon train``, ``unicon evaluate all``: both import the registry first) carries
-``eval.<section>``, typed and validated by the plugin's dataclass, and a training run builds the
-plugin's callback when it is enabled.
+:data:`SUITE_ENTRY_POINTS` (``[project.entry-points."unicon.suites"] mysuite = "pkg.suite"``) and
+declare ``config`` (their eval dataclass, with at least ``enabled: bool`` and ``every_n_epochs:
+int``): the config module imports no suite (it sits below this one), so this module hands it a
+provider of those sections (:func:`unicon.config.set_eval_sections`) when it is imported; every
+config composed afterwards (``unicon train``, ``unicon evaluate all``: both import the registry
+first) carries ``eval.<section>``, typed and validated by the plugin's dataclass, and a training
+run builds the plugin's callback when it is enabled.
 """
 
 from __future__ import annotations
@@ -41,78 +30,34 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from unicon.config import EvalConfig, compose, set_eval_sections
 from unicon.errors import UserError
+from unicon.evaluation.framework import EvalSuite
 
 SUITE_ENTRY_POINTS = "unicon.suites"
 #: the modules whose import registers the in-tree suites
-IN_TREE = ("unicon.evaluation.cococon.cli", "unicon.evaluation.drift.cli", "unicon.evaluation.ureason.cli",
-           "unicon.evaluation.shapes.cli", "unicon.evaluation.realunify.cli", "unicon.evaluation.alignment.cli",
-           "unicon.evaluation.editing.cli")
+IN_TREE = tuple(f"unicon.evaluation.{name}.suite" for name in
+                ("cococon", "drift", "ureason", "shapes", "realunify", "alignment", "editing"))
 
-
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    help: str
-    cli: Callable[[Sequence[str] | None], int]
-    section: str | None = None  # eval.<section> of the run config (None: no epoch-end counterpart)
-    argv: Callable | None = None  # (run config) -> the command's arguments for `evaluate all`
-    callback: str | None = None  # "module:Class" of the epoch-end callback (EvalCallback) of eval.<section>
-    shardable: bool = True  # its command takes --shard I/N and --merge
-    config: type | None = None  # the dataclass of eval.<section> (an in-tree suite's is a field of EvalConfig)
-    report: str | None = None  # "module:function" rendering its section of report.html: (run_dir) -> HTML
-    title: str | None = None  # the heading of that section (default: the name)
-    headline: tuple[str, ...] = ()  # metrics of the report's summary table and curves ("<suite>/<metric>")
-
-    def callback_class(self):
-        """The epoch-end callback class (imported now), None without one."""
-        return None if self.callback is None else _attribute(self.callback)
-
-    def report_section(self) -> Callable | None:
-        """The report section renderer (imported now), None without one."""
-        return None if self.report is None else _attribute(self.report)
-
-    def report_module(self):
-        """The module of the report section renderer (imported now), None without one: its optional
-        ``headline_table``, ``compare``, ... (see the module docstring)."""
-        return None if self.report is None else importlib.import_module(self.report.split(":")[0])
-
-
-def _attribute(spec: str):
-    """``"module:name"`` -> the object (its module imported now)."""
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-_SUITES: dict[str, Suite] = {}
+_SUITES: dict[str, EvalSuite] = {}
 _IN_TREE_SECTIONS = frozenset(f.name for f in fields(EvalConfig) if f.name != "fail_on_error")
 
 
-def register_suite(name: str, help: str, section: str | None = None, argv: Callable | None = None,
-                   callback: str | None = None, shardable: bool = True, config: type | None = None,
-                   report: str | None = None, title: str | None = None, headline: Sequence[str] = ()):
-    """Function decorator: ``cli`` becomes ``unicon evaluate <name>``; ``callback``: ``"module:Class"``
-    of its epoch-end callback; ``shardable``: whether the command takes ``--shard``/``--merge``;
-    ``config``: the dataclass of ``eval.<section>`` (required when the section is not a field of
-    :class:`unicon.config.EvalConfig`); ``report``: ``"module:function"`` of its report.html section,
-    headed ``title``; ``headline``: its headline metrics."""
-    if section is not None and section not in _IN_TREE_SECTIONS and config is None:
-        raise ValueError(f"suite {name!r}: eval.{section} is no field of EvalConfig: pass config=<its dataclass>")
-
-    def register(cli):
-        known = _SUITES.get(name)
-        if known is not None and known.cli is not cli:
-            raise ValueError(f"suite {name!r} is already registered by {known.cli.__module__}")
-        _SUITES[name] = Suite(name, help, cli, section, argv, callback, shardable, config, report, title,
-                              tuple(headline))
-        return cli
-
-    return register
+def register(suite: EvalSuite) -> EvalSuite:
+    """Make ``suite`` ``unicon evaluate <suite.name>``, the callback of ``eval.<suite.section>`` and its
+    report section. Its ``config`` dataclass is required (its fields are the flags and, for a plugin,
+    the run config's section)."""
+    if not suite.name or suite.config is None:
+        raise ValueError(f"{type(suite).__name__}: a suite declares its name and its config dataclass")
+    known = _SUITES.get(suite.name)
+    if known is not None and type(known) is not type(suite):
+        raise ValueError(f"suite {suite.name!r} is already registered by {type(known).__module__}")
+    _SUITES[suite.name] = suite
+    return suite
 
 
 def _load() -> None:
@@ -123,26 +68,26 @@ def _load() -> None:
             entry_point.load()
 
 
-def suites() -> dict[str, Suite]:
+def suites() -> dict[str, EvalSuite]:
     """Every registered suite, in-tree ones first (their :data:`IN_TREE` order)."""
     _load()
 
-    def rank(s: Suite) -> int:
-        return IN_TREE.index(s.cli.__module__) if s.cli.__module__ in IN_TREE else len(IN_TREE)
+    def rank(s: EvalSuite) -> int:
+        module = type(s).__module__
+        return IN_TREE.index(module) if module in IN_TREE else len(IN_TREE)
 
     return {s.name: s for s in sorted(_SUITES.values(), key=rank)}  # sorted() is stable: plugins keep their order
 
 
 def plugin_sections() -> dict[str, type]:
     """``{section: dataclass}`` of the registered suites whose section is no field of ``EvalConfig``."""
-    return {s.section: s.config for s in suites().values()
-            if s.section is not None and s.section not in _IN_TREE_SECTIONS and s.config is not None}
+    return {s.section: s.config for s in suites().values() if s.section not in _IN_TREE_SECTIONS}
 
 
 set_eval_sections(plugin_sections)
 
 
-def suite(name: str) -> Suite:
+def suite(name: str) -> EvalSuite:
     known = suites()
     if name not in known:
         raise UserError(f"unknown evaluation suite '{name}' (choose from {', '.join([*known, 'all'])})")
@@ -160,7 +105,7 @@ def usage() -> str:
 
 def evaluate_cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate <suite> ...``: the registered suite's command. ``--list-shardable`` prints
-    the names of the suites whose command takes ``--shard``/``--merge`` (:attr:`Suite.shardable`),
+    the names of the suites whose command takes ``--shard``/``--merge`` (:attr:`EvalSuite.shardable`),
     one a line, for scripts (``slurm/evaluate_array.sbatch``) that shard suites."""
     argv = list(argv or [])
     if not argv or argv[0] in ("-h", "--help"):
@@ -210,7 +155,7 @@ def all_cli(argv: Sequence[str] | None = None) -> int:
     split = ["--shard", args.shard] * (shard is not None) + ["--merge"] * args.merge
     ran = []
     for s in suites().values():
-        if s.section is None or s.argv is None or not cfg.eval[s.section].enabled:
+        if not cfg.eval[s.section].enabled:
             continue
         if not s.shardable and (args.merge or (shard is not None and shard.index != 0)):
             print(f"unicon evaluate all: {s.name} cannot be sharded: shard 0 runs it whole")

@@ -19,19 +19,9 @@ def make_eval_callbacks(cfg: DictConfig) -> list:
     """Epoch-end evaluation callbacks of the enabled suites. A suite that cannot be built fails the
     run here, before training starts (never silently skipped). A plugin suite's section is in every
     composed config (:func:`unicon.config.set_eval_sections`), so its callback is built like an in-tree one."""
-    callbacks = []
-    for s in suites().values():  # the suite registry names each suite's eval.<section> and callback
-        if s.section is None or s.callback is None or not cfg.eval[s.section].enabled:
-            continue
-        callbacks.append(_make_callback(s.section, s.callback_class(), cfg))
-    return callbacks
+    from unicon.evaluation.callbacks import SuiteCallback  # lazy: pulls in Lightning
 
-
-def _make_callback(suite: str, cls, cfg: DictConfig):
-    """Each suite's constructor: ``from_config(RunConfig)`` where it has one, else ``(section, world_root)``."""
-    if hasattr(cls, "from_config"):
-        return cls.from_config(cfg)
-    return cls(cfg.eval[suite], world_root=cfg.data.root, fail_on_error=cfg.eval.fail_on_error)
+    return [SuiteCallback.from_config(s, cfg) for s in suites().values() if cfg.eval[s.section].enabled]
 
 
 def make_trainer(cfg: DictConfig, run_dir: Path, strategy, loggers: list, requeue: SlurmRequeue | None,

@@ -18,6 +18,6 @@ One module per room, the same rooms as every evaluation suite:
   all-MiniLM-L6-v2;
 * :mod:`~unicon.evaluation.alignment.runner` -- model calls, records, output files, sharded over ranks;
 * :mod:`~unicon.evaluation.alignment.plots` -- each metric against the rating;
-* :mod:`~unicon.evaluation.alignment.callback` -- :class:`AlignmentCallback`, at the end of training epochs;
-* :mod:`~unicon.evaluation.alignment.cli` -- ``unicon evaluate alignment``.
+* :mod:`~unicon.evaluation.alignment.suite` -- ``unicon evaluate alignment`` and the evaluation at the end
+  of training epochs (``eval.alignment``).
 """

@@ -8,9 +8,8 @@ One module per room, the same rooms as every evaluation suite:
 * :mod:`.runner` -- the model calls: scoring and generating over samples
   (:class:`~.runner.CocoConEvaluator`, :func:`~.runner.evaluate_model`, sharded across ranks with
   :mod:`unicon.evaluation.distributed`), and ``results.json`` / ``per_sample.jsonl``;
-* :mod:`.callback` -- :class:`~.callback.CocoConCallback`, at the end of training epochs, and
-  the W&B sample table;
-* :mod:`.cli` -- ``unicon evaluate cococon``;
+* :mod:`.suite` -- ``unicon evaluate cococon`` and ``eval.cococon`` at the end of training epochs,
+  with the W&B sample table;
 * :mod:`.plots` -- the paper's Fig. 5 (C_k by k, C_k against accuracy).
 
 The samples come from :func:`unicon.data.cococon.load_cococon`.

@@ -3,7 +3,7 @@ and ``rho`` per evaluation, Fig. 5a/5b (``consistency_by_k.png``, ``consistency_
 and the sample rows of the run's ``tables/cococon_samples.jsonl``.
 
 Also the suite's optional parts of the report (:mod:`unicon.report` calls them through the suite
-registry, :meth:`unicon.evaluation.suites.Suite.report_module`), all from the series of
+registry, :meth:`unicon.evaluation.framework.EvalSuite.report_module`), all from the series of
 ``metrics.jsonl`` (metric name -> ``[(step, value), ...]``):
 
 * :func:`headline_table`: the table ``unicon train`` prints at the end of a run;

@@ -12,6 +12,6 @@ Rooms, lowest first (each imports only the ones above it):
 * :mod:`.runner` -- the chain runner: the on-disk layout (:class:`.runner.ChainLayout`), the
   resumable journals, markers and repairs, scoring of chains into per-seed records, the split
   of seeds across ranks and :func:`.runner.evaluate_drift`, which ties it all together;
-* :mod:`.callback` -- :class:`.callback.DriftCallback`, the epoch-end evaluation;
-* :mod:`.cli` -- ``unicon evaluate drift``; :mod:`.bench` -- ``unicon bench chains``.
+* :mod:`.suite` -- ``unicon evaluate drift`` and the epoch-end evaluation (``eval.drift``), and the
+  chain arguments of ``unicon bench chains`` (:mod:`unicon.bench.chains`).
 """

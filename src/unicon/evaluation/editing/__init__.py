@@ -13,5 +13,6 @@ One module per room, as every evaluation suite:
 * :mod:`~unicon.evaluation.editing.runner` -- model calls (``image_latents``, ``embed_image``,
   ``embed_text``, optionally ``edit_image``), per-sample records and output files, sharded over ranks;
 * :mod:`~unicon.evaluation.editing.plots` -- tau bars and the score-vs-rating scatter;
-* :mod:`~unicon.evaluation.editing.cli` -- ``unicon evaluate editing``.
+* :mod:`~unicon.evaluation.editing.suite` -- ``unicon evaluate editing`` and ``eval.editing`` at the end of
+  training epochs.
 """

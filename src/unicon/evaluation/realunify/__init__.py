@@ -13,6 +13,6 @@ One module per room, the same rooms as every evaluation suite:
 * :mod:`~unicon.evaluation.realunify.runner` -- model calls over instances, judging, per-sample records
   and output files, sharded over ranks;
 * :mod:`~unicon.evaluation.realunify.plots` -- the accuracy bars;
-* :mod:`~unicon.evaluation.realunify.callback` -- :class:`RealUnifyCallback`, at the end of training epochs;
-* :mod:`~unicon.evaluation.realunify.cli` -- ``unicon evaluate realunify``.
+* :mod:`~unicon.evaluation.realunify.suite` -- ``unicon evaluate realunify`` and ``eval.realunify`` at the
+  end of training epochs.
 """

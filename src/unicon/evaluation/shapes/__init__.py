@@ -5,8 +5,6 @@
               cause of a miss;
 ``runner``    the model's generation methods over a ShapesWorld split, sharded across ranks, scored
               by those metrics;
-``callback``  :class:`~.callback.ShapesCallback`, the same at the end of training epochs
-              (``eval.shapes``);
 ``plots``     the picture grid of examples;
-``cli``       ``unicon evaluate shapes``.
+``suite``     ``unicon evaluate shapes`` and ``eval.shapes`` at the end of training epochs.
 """

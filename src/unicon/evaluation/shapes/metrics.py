@@ -1,5 +1,5 @@
 """The ShapesWorld task accuracies as torchmetrics metrics: one way to compute each number of
-``unicon evaluate shapes`` and of the epoch-end callback (:class:`~.callback.ShapesCallback`).
+``unicon evaluate shapes`` and of its epoch-end run (:mod:`.suite`).
 
 No model calls and no file I/O here (those are :mod:`.runner`'s). Every state is a **sum** (examples,
 correct examples, examples per slice and per cause of a miss, IoUs) that torchmetrics reduces with

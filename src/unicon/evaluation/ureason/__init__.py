@@ -9,8 +9,8 @@ One module per room, the same rooms as every evaluation suite:
   refined prompts), judging, per-sample records and output files, sharded over ranks;
 * :mod:`~unicon.evaluation.ureason.judges` -- the judges (VLM, reasoning-chain LLM, ShapesWorld's
   exact verifier) and their strict answer parsing;
-* :mod:`~unicon.evaluation.ureason.callback` -- :class:`UReasonCallback`, at the end of training epochs;
-* :mod:`~unicon.evaluation.ureason.cli` -- ``unicon evaluate ureason``.
+* :mod:`~unicon.evaluation.ureason.suite` -- ``unicon evaluate ureason`` and ``eval.ureason`` at the end
+  of training epochs.
 
 The suite has no figures, hence no ``plots`` module. Instances are loaded by :mod:`unicon.data.ureason`.
 """

@@ -1,0 +1,91 @@
+"""The ShapesWorld suite: ``unicon evaluate shapes`` and ``eval.shapes`` at epoch end, the embedded
+world's task accuracies with a picture.
+
+Runs :func:`unicon.evaluation.shapes.runner.shapes_task_accuracies` (VQA exact match, caption exact
+scene match, localization IoU >= 0.5 and mean IoU, generated-image scene match; definitions in
+:mod:`unicon.evaluation.shapes.metrics`) on a split of a ShapesWorld world, sharded over the ranks of
+a training run, and writes ``shapes_eval.json`` (the numbers, the split; standalone also the
+checkpoint, its weights fingerprint, the image-generation settings, the git commit and package
+versions) and ``shapes_eval.png``: for each task the first examples, with the input image and
+predicted box (localization, gold box dashed), the generated caption or answer, or the generated
+image, and whether the world's verifier accepted it. Scalars: ``shapes/<task>/<key>``
+(:func:`~unicon.evaluation.shapes.metrics.logged_scalars`).
+
+The flags are the fields of :class:`unicon.config.ShapesEvalConfig`; :data:`FLAGS` lists the
+exceptions: the world is ``--world`` (default ``data/shapes``; at epoch end ``data.root``) and the
+examples per task ``--limit`` (default 200; the epoch-end default is smaller). It takes no
+``--shard``: its metrics are torchmetrics states synced over a training run's ranks, and a
+standalone run is minutes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unicon.config import ShapesEvalConfig
+from unicon.evaluation.cli_common import Flag
+from unicon.evaluation.framework import EvalRun, EvalSuite, Outcome
+from unicon.evaluation.suites import register
+
+#: how ``eval.shapes``'s fields appear on the command line: the old flag names, and the standalone defaults
+FLAGS = {
+    "data": Flag("ShapesWorld root (unicon build-data shapes)", names=("--world",), dest="world",
+                 default="data/shapes"),
+    "split": Flag("the split of the world's mixture"),
+    "max_samples": Flag("examples per task (the first ones of the split)", names=("--limit",), dest="limit",
+                        default=200),
+    "batch_size": Flag("examples per model call"),
+    "tasks": Flag("the tasks to evaluate"),
+    "examples": Flag("examples per task in the picture"),
+}
+
+
+class ShapesSuite(EvalSuite):
+    name = "shapes"
+    help = "ShapesWorld task accuracies (VQA, caption, loc, T2I)"
+    description = "ShapesWorld task accuracies of a checkpoint (JSON + picture grid)."
+    config = ShapesEvalConfig
+    flags = FLAGS
+    out_help = "output folder (shapes_eval.json, shapes_eval.png)"
+    shardable = False
+    figures = "unicon.evaluation.shapes.plots:FIGURES"
+
+    def load(self, config, args, root):
+        from unicon.evaluation.shapes.runner import check_world
+
+        check_world(config.data, config.split, what="--world" if args is not None else "eval.shapes.data")
+        return Path(config.data)
+
+    def run(self, run: EvalRun) -> Outcome:
+        import dataclasses
+
+        from unicon import jsonsafe
+        from unicon.evaluation.shapes.metrics import logged_scalars
+        from unicon.evaluation.shapes.plots import plot_examples
+        from unicon.evaluation.shapes.runner import shapes_task_accuracies
+        from unicon.loggers import environment_info
+
+        c, world = run.config, run.inputs
+        image_config = run.image_config()
+        examples: list[dict] = []
+        metrics = shapes_task_accuracies(run.model, world, c.split, c.max_samples, c.batch_size, c.tasks,
+                                         examples=examples, num_examples=c.examples, image_config=image_config,
+                                         device=run.device)
+        if run.is_writer:
+            if run.standalone:
+                result = {"metrics": metrics, "checkpoint": run.checkpoint_info()["checkpoint"],
+                          "model_fingerprint": run.fingerprint, "world": str(world.resolve()), "split": c.split,
+                          "limit": c.max_samples, "image_generation": dataclasses.asdict(image_config),
+                          "environment": environment_info()}
+            else:
+                result = {"metrics": metrics, "world": str(world.resolve()), "split": c.split,
+                          "limit": c.max_samples, "epoch": run.epoch}
+            (run.out / "shapes_eval.json").write_text(jsonsafe.dumps(result, indent=1) + "\n")
+            if examples and c.examples:
+                plot_examples(examples, run.out / "shapes_eval.png", c.examples)
+        summary = jsonsafe.dumps(metrics, indent=1) + f"\nwrote {run.out / 'shapes_eval.json'}" + (
+            f" and {run.out / 'shapes_eval.png'}" if examples else "")
+        return Outcome(logged_scalars(metrics), summary=summary)
+
+
+register(ShapesSuite())
