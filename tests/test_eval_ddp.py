@@ -39,7 +39,7 @@ OVERRIDES = ["eval.fail_on_error=true",
 
 #: suite -> the files its epoch-end evaluation writes (compared byte for byte)
 FILES = {"cococon": ["results.json", "per_sample.jsonl"], "drift": ["drift.json"],
-         "ureason": ["ureason.json", "samples.jsonl", "table.md"], "shapes": ["shapes_eval.json"],
+         "ureason": ["ureason.json", "samples.jsonl", "table.md"], "shapes": ["shapes_eval.json", "shapes_eval.png"],
          "realunify": ["realunify.json", "samples.jsonl", "table.md"],
          "alignment": ["alignment.json", "samples.jsonl", "table.md"],
          "editing": ["editing.json", "samples.jsonl", "own_edits.jsonl", "table.md"]}

@@ -1,5 +1,5 @@
 """``unicon evaluate <suite> --shard i/n`` + ``--merge`` == one run, byte for byte, for every suite that
-takes them (``Suite.shardable``: all but ``shapes``); the merge's refusals (a missing shard, other
+takes them (``EvalSuite.shardable``: every in-tree suite); the merge's refusals (a missing shard, other
 settings, other weights); the partition is the DistributedSampler's; the merge reads only the JSON
 parts the shards write, never a pickle.
 
@@ -65,6 +65,9 @@ SUITES = {
     # clip_s is not run (no --clip); bleu4 is computed by the merge over every pair
     "alignment": (command("alignment"), lambda w: ["--data", str(w), "--limit", "3", "--baselines", "clip_s,bleu4"],
                   ["alignment.json", "samples.jsonl", "table.md"], ()),
+    # the picture shows each task's first rows, whichever shard ran them
+    "shapes": (command("shapes"), lambda w: ["--world", str(w), "--limit", "5", "--examples", "2"],
+               ["shapes_eval.json", "shapes_eval.png"], ()),
     "editing": (command("editing"), lambda w: ["--data", str(w / "editscore" / "editscore.jsonl"), "--limit", "3",
                                             "--own-edits", "1"],
                 ["editing.json", "samples.jsonl", "own_edits.jsonl", "table.md"], ()),
@@ -74,8 +77,8 @@ SUITES = {
 def test_every_shardable_suite_is_covered():
     from unicon.evaluation.suites import suites
 
-    assert sorted(SUITES) == sorted(s.name for s in suites().values() if s.shardable)
-    assert [s.name for s in suites().values() if not s.shardable] == ["shapes"]
+    assert sorted(SUITES) == sorted(s.name for s in suites().values()) == \
+        sorted(s.name for s in suites().values() if s.shardable)
 
 
 def _without(text: str, timing: tuple[str, ...]) -> str:
@@ -102,6 +105,9 @@ def test_two_shards_and_merge_equal_one_run(suite, world, ckpt, tmp_path, capsys
     assert cli([*common, "--out", str(split), "--merge"]) == 0
     capsys.readouterr()
     for name in files:
+        if name.endswith(".png"):
+            assert (one / name).read_bytes() == (split / name).read_bytes(), name
+            continue
         a, b = (one / name).read_text(), (split / name).read_text()
         assert _without(b, timing if name == "results.json" else ()) == \
             _without(a, timing if name == "results.json" else ()), name

@@ -150,9 +150,9 @@ def test_evaluate_array_submits_the_shards_then_a_dependent_merge(srun_shim, tmp
     assert shards.split() == ["--parsable", "--partition=p", "--array=0-11", str(ARRAY_SCRIPT), "task"]
     assert "--dependency=afterok:100" in merge.split() and "--array=0-3" in merge.split()
     assert merge.split()[-2:] == [str(ARRAY_SCRIPT), "merge"] and "shards job 100" in proc.stdout
-    bad = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": "drift shapes"},
+    bad = subprocess.run(["bash", str(ARRAY_SCRIPT), "submit"], env={**env, "SUITES": "drift nosuch"},
                          capture_output=True, text=True, cwd=submit_dir)
-    assert bad.returncode == 2 and "suite 'shapes' cannot be sharded (SUITES: any of cococon, drift," in bad.stderr
+    assert bad.returncode == 2 and "suite 'nosuch' cannot be sharded (SUITES: any of cococon, drift," in bad.stderr
     assert len(log.read_text().splitlines()) == 2  # nothing more was submitted
 
 

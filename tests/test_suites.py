@@ -195,7 +195,8 @@ def test_a_training_run_builds_the_epoch_end_callbacks_the_registry_names(monkey
 
 def test_evaluate_all_shards_what_can_be_sharded_and_runs_the_rest_whole_in_shard_0(monkeypatch, tmp_path):
     """``unicon evaluate all --shard I/N`` passes --shard to every shardable suite; a suite that cannot
-    be sharded (shapes) runs whole in shard 0 only, and --merge leaves it alone."""
+    be sharded (a plugin's; here a stand-in in shapes' section) runs whole in shard 0 only, and --merge
+    leaves it alone."""
     calls = []
 
     def fake(name):

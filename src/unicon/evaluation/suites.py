@@ -123,7 +123,7 @@ def evaluate_cli(argv: Sequence[str] | None = None) -> int:
 
 def all_cli(argv: Sequence[str] | None = None) -> int:
     """``unicon evaluate all --ckpt X --out DIR eval=<group> [key=value ...]``. With ``--shard I/N``, a
-    suite that cannot be sharded (``Suite.shardable``) runs whole in shard 0 and not in the others,
+    suite that cannot be sharded (a plugin without ``EvalSuite.shardable``) runs whole in shard 0 and not in the others,
     and ``--merge`` leaves it as shard 0 wrote it."""
     p = argparse.ArgumentParser(
         prog="unicon evaluate all",

@@ -51,7 +51,7 @@ from PIL import Image
 from unicon.data.mixture import read_edits, read_mixture
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.distributed import metric_sync_kwargs, owned_indices, shard_indices
+from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices
 from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, EditPreference, RelationFlip, report
 from unicon.progress import track
 from unicon.worlds.shapes import Scene, load_world
@@ -171,9 +171,9 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                            image_config=None, device: torch.device | str = "cpu") -> dict[str, float]:
     """The ShapesWorld task accuracies of ``tasks`` (default: VQA, caption, grounding, T2I; see the
     module docstring) of ``model``. With
-    ``examples`` (a list) and ``num_examples``, the first ``num_examples`` predictions of each task
-    (of this rank's share under a process group) are appended to it as dicts (task, input image or
-    prompt, prediction, target, correct). ``image_config`` (an ``ImageGenerationConfig``; default the
+    ``examples`` (a list) and ``num_examples``, the predictions of the first ``num_examples`` rows of
+    each task are appended to it as dicts (task, input image or prompt, prediction, target, correct),
+    on every rank: gathered from the ranks (or the shards of a ``--shard`` run) that made them. ``image_config`` (an ``ImageGenerationConfig``; default the
     model's own) draws the t2i images. ``device`` holds the metric states (the process group's
     device: CUDA under NCCL)."""
     unknown = [t for t in tasks if t not in TASKS]
@@ -209,6 +209,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             flips = RelationFlip(**metric_sync_kwargs()).to(device) if task == "vqa" else None
             prefs = EditPreference(**metric_sync_kwargs()).to(device) if task == "edit" else None
             mine, owned = shard_indices(len(items)), set(owned_indices(len(items)))
+            shown: dict[int, dict] = {}  # this rank's rows among the first num_examples: the picture's
             batches = [mine[i: i + batch_size] for i in range(0, len(mine), batch_size)]
             for batch in track(batches, f"shapes: {task}", len(batches), unit="batches"):
                 preemption.check()  # SIGTERM/SIGUSR1 (watched by the caller): stop before the next batch
@@ -230,12 +231,14 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
                         if len(items) > 1 else None
                     liked = _edit_likelihoods(model, chunk, images, [image(r, "target_image") for r in chunk], others)
                     prefs.update(*([values[j] for j in counted] for values in liked))
-                if examples is not None:
-                    for r, p, t in zip(chunk, preds, targets):
-                        if sum(e["task"] == task for e in examples) < num_examples:
-                            examples.append({"task": task, "id": r.get("id"), "text": r.get("text"),
-                                             "image": None if task == "t2i" else image(r), "prediction": p,
-                                             "target": r.get("target"), "correct": metric.miss(p, t) is None})
+                for j, i in enumerate(batch):
+                    if examples is not None and i < num_examples and i in owned:
+                        r = chunk[j]
+                        shown[i] = {"task": task, "id": r.get("id"), "text": r.get("text"),
+                                    "image": None if task == "t2i" else images[j], "prediction": preds[j],
+                                    "target": r.get("target"), "correct": metric.miss(preds[j], targets[j]) is None}
+            if examples is not None:  # the task's first rows, from whichever rank (or shard) ran them
+                examples += gather_records(shown).values()
             metrics += [m for m in (flips, prefs) if m is not None]
     finally:
         model.train(was_training)

@@ -13,9 +13,10 @@ image, and whether the world's verifier accepted it. Scalars: ``shapes/<task>/<k
 
 The flags are the fields of :class:`unicon.config.ShapesEvalConfig`; :data:`FLAGS` lists the
 exceptions: the world is ``--world`` (default ``data/shapes``; at epoch end ``data.root``) and the
-examples per task ``--limit`` (default 200; the epoch-end default is smaller). It takes no
-``--shard``: its metrics are torchmetrics states synced over a training run's ranks, and a
-standalone run is minutes.
+examples per task ``--limit`` (default 200; the epoch-end default is smaller). The metrics are
+torchmetrics states summed over the ranks (or the shards of ``--shard I/N``, which ``--merge``
+reduces), and the picture shows the first rows of each task whichever rank ran them, so two ranks,
+and shards plus their merge, write what one process writes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class ShapesSuite(EvalSuite):
     config = ShapesEvalConfig
     flags = FLAGS
     out_help = "output folder (shapes_eval.json, shapes_eval.png)"
-    shardable = False
     figures = "unicon.evaluation.shapes.plots:FIGURES"
 
     def load(self, config, args, root):
@@ -84,7 +84,7 @@ class ShapesSuite(EvalSuite):
             if examples and c.examples:
                 plot_examples(examples, run.out / "shapes_eval.png", c.examples)
         summary = jsonsafe.dumps(metrics, indent=1) + f"\nwrote {run.out / 'shapes_eval.json'}" + (
-            f" and {run.out / 'shapes_eval.png'}" if examples else "")
+            f" and {run.out / 'shapes_eval.png'}" if examples and c.examples else "")
         return Outcome(logged_scalars(metrics), summary=summary)
 
 
