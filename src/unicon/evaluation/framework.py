@@ -29,8 +29,9 @@ What a suite gets without writing it:
   model (or, in a merge, :class:`~unicon.evaluation.cli_common.RecordedModel`); SIGTERM/SIGUSR1 stop
   it at the next batch (:mod:`unicon.evaluation.preemption`);
 * the loggers: ``--logger`` (W&B, CSV or none; ``metrics.jsonl`` always), the run's settings, the
-  metrics at step 0 with ``<name>/seconds`` (the evaluation's time; a merge: the shards' sum), the figures of ``figures`` and the sample table ``<name>/samples`` (the
-  same names as at epoch end: one :meth:`EvalSuite.log_media` for both);
+  metrics at step 0 with ``<name>/seconds`` (the evaluation's time; a merge: the shards' sum), the
+  figures of ``figures`` and the sample table ``<name>/samples`` (the same names as at epoch end:
+  one :meth:`EvalSuite.log_media` for both);
 * ``unicon evaluate all`` (:meth:`EvalSuite.argv`: the run config's ``eval.<name>`` as flags, the
   data defaulting as at epoch end: :meth:`EvalSuite.default_data`);
 * the epoch-end callback (:meth:`unicon.evaluation.callbacks.SuiteCallback.from_config`: every
@@ -216,11 +217,6 @@ class EvalSuite:
         """The module of the report section renderer (imported now), None without one: its optional
         ``headline_table``, ``compare``, ... (:mod:`unicon.evaluation.suites`)."""
         return None if self.report is None else importlib.import_module(self.report.split(":")[0])
-
-
-        return SuiteCallback(self, self.config_of(run_cfg), root=str(run_cfg.data.root),
-                             every_n_epochs=run_cfg.eval[self.section].every_n_epochs,
-                             fail_on_error=run_cfg.eval.fail_on_error)
 
 
 def _attribute(spec: str):
