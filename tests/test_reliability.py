@@ -610,25 +610,29 @@ def test_the_same_evaluation_rerun_into_its_out_replaces_its_rows(world, trained
 # ---------------------------------------------------------------------------------------------
 def test_sigterm_during_epoch_end_evaluation_saves_and_ends_the_run(world, tmp_path):
     from unicon.evaluation import preemption
-    from unicon.evaluation.callbacks import EvalCallback
+    from unicon.evaluation.callbacks import SuiteCallback
+    from unicon.evaluation.framework import EvalSuite, Outcome
 
-    class SlowSuite(EvalCallback):
+    class SlowSuite(EvalSuite):
         name = "slow"
         batches = 0
 
-        def evaluate(self, trainer, model):
+        def load(self, config, args, root):
+            return None
+
+        def run(self, run):
             os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends before a kill
             for _ in range(10_000):  # an evaluation loop: one check per batch
                 preemption.check()
                 self.batches += 1
                 time.sleep(0.01)
-            return {}
+            return Outcome({})
 
     suite = SlowSuite()
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(preemption.Preempted) as err:
         train(compose(run_args(world, tmp_path, "trainer.max_steps=2", "trainer.max_epochs=1")),
-              extra_callbacks=[suite])
+              extra_callbacks=[SuiteCallback(suite, None)])
     assert suite.batches == 0 and err.value.signum == signal.SIGTERM
     ckpt = tmp_path / "run" / "last.ckpt"
     assert err.value.checkpoint == str(ckpt) and torch.load(ckpt, weights_only=True)["global_step"] == 2
@@ -773,7 +777,6 @@ def test_tables_and_metrics_hold_no_bare_nan_or_infinity(tmp_path):
 
     from unicon import jsonsafe
     from unicon.evaluation.logs import log_metrics, log_table
-    from unicon.evaluation.cococon.runner import nan_to_none
     from unicon.loggers import JsonlLogger
 
     loggers = [JsonlLogger(tmp_path)]

@@ -1,12 +1,11 @@
 """Epoch-end evaluation: :class:`SuiteCallback`, the one callback of every registered suite
-(:mod:`unicon.evaluation.framework`), on :class:`EvalCallback`, whose subclasses implement only
-``evaluate(trainer, model) -> {metric: value}``. The base decides
-*when* to run (every ``every_n_epochs`` training epochs), puts the model in eval mode under
-``torch.no_grad``, times the run, isolates failures (an exception is logged and reported as
-``<suite>/failed = 1`` unless ``fail_on_error``), and sends the scalars to every logger of the
-trainer (W&B or CSV, and ``metrics.jsonl``) with :func:`unicon.evaluation.logs.log_metrics`. A
-SIGTERM/SIGUSR1 during an evaluation (:mod:`unicon.evaluation.preemption`) stops it at the next
-batch, writes ``<run_dir>/last.ckpt`` and ends the run.
+(:mod:`unicon.evaluation.framework`). It decides *when* to run (every ``every_n_epochs`` training
+epochs), puts the model in eval mode under ``torch.no_grad``, times the run, isolates failures (an
+exception is logged and reported as ``<suite>/failed = 1`` unless ``fail_on_error``), and sends the
+scalars to every logger of the trainer (W&B or CSV, and ``metrics.jsonl``) with
+:func:`unicon.evaluation.logs.log_metrics`. A SIGTERM/SIGUSR1 during an evaluation
+(:mod:`unicon.evaluation.preemption`) stops it at the next batch, writes ``<run_dir>/last.ckpt`` and
+ends the run.
 
 The suites log their tables and figures with the helpers of :mod:`unicon.evaluation.logs`, which
 ``unicon evaluate ...`` shares without importing Lightning (this module does).
@@ -41,29 +40,49 @@ def gathered_parameters(trainer: Trainer, model: torch.nn.Module):
     return gather(model) if callable(gather) else contextlib.nullcontext()
 
 
-class EvalCallback(Callback):
-    """Runs a suite's ``evaluate`` at the end of every ``every_n_epochs``-th training epoch."""
+class SuiteCallback(Callback):
+    """The epoch-end run of a suite (:class:`unicon.evaluation.framework.EvalSuite`) at the end of every
+    ``every_n_epochs``-th training epoch: its data is loaded and checked at construction (a bad file
+    fails before training), the model checked at ``setup``; every rank runs
+    :meth:`~unicon.evaluation.framework.EvalSuite.run` into ``<run_dir>/eval/<suite>/epoch-<e>/``,
+    rank 0 logs its figures and table, and every logger its scalars: the names the suite's command
+    logs."""
 
-    #: metric prefix and artefact folder name, e.g. "cococon"
-    name: str = "eval"
-
-    def __init__(self, every_n_epochs: int = 1, fail_on_error: bool = False):
+    def __init__(self, suite, config, root: str | None = None, every_n_epochs: int = 1, fail_on_error: bool = False):
         if every_n_epochs < 1:
             raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
         self.every_n_epochs = every_n_epochs
         self.fail_on_error = fail_on_error
         self.last_metrics: dict[str, float] = {}
+        self.suite, self.config, self.name = suite, config, suite.name  # name: metric prefix and folder name
+        self.inputs = suite.load(config, None, root)
+        self.cache: dict = {}  # what the suite keeps across epoch ends (judges, embedders)
 
-    # -- to implement -------------------------------------------------------------------------
-    def evaluate(self, trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
-        raise NotImplementedError
+    @classmethod
+    def from_config(cls, suite, run_cfg) -> "SuiteCallback":
+        """``suite``'s callback of a composed run config: ``eval.<section>`` (its data defaulted as
+        :meth:`~unicon.evaluation.framework.EvalSuite.default_data` says), ``data.root`` and
+        ``eval.fail_on_error``."""
+        return cls(suite, suite.config_of(run_cfg), root=str(run_cfg.data.root),
+                   every_n_epochs=run_cfg.eval[suite.section].every_n_epochs, fail_on_error=run_cfg.eval.fail_on_error)
 
-    # -- helpers for subclasses -----------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.suite.check_model(getattr(pl_module, "model", pl_module), self.inputs, self.config)
+
     def output_dir(self, trainer: Trainer) -> Path:
-        """``<run_dir>/eval/<name>/epoch-<e>``: where a suite writes per-sample files and plots."""
+        """``<run_dir>/eval/<name>/epoch-<e>``: where the suite writes per-sample files and plots."""
         d = Path(trainer.default_root_dir) / "eval" / self.name / f"epoch-{trainer.current_epoch + 1}"
         d.mkdir(parents=True, exist_ok=True)
         return d
+
+    def evaluate(self, trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
+        out = self.output_dir(trainer)
+        run = EvalRun(self.config, self.inputs, model, out, str(trainer.strategy.root_device),
+                      epoch=trainer.current_epoch + 1, is_writer=trainer.is_global_zero, cache=self.cache)
+        outcome = self.suite.run(run)
+        if trainer.is_global_zero:
+            self.suite.log_media(trainer.loggers, outcome, out, step=trainer.global_step)
+        return outcome.metrics
 
     # -- Lightning hook -------------------------------------------------------------------------
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -98,37 +117,3 @@ class EvalCallback(Callback):
         metrics[f"{self.name}/seconds"] = time.perf_counter() - start
         self.last_metrics = metrics
         log_metrics(trainer.loggers, metrics, step=trainer.global_step)
-
-
-class SuiteCallback(EvalCallback):
-    """The epoch-end run of a suite (:class:`unicon.evaluation.framework.EvalSuite`): its data is
-    loaded and checked at construction (a bad file fails before training), the model checked at
-    ``setup``; every rank runs :meth:`~unicon.evaluation.framework.EvalSuite.run` into
-    ``<run_dir>/eval/<suite>/epoch-<e>/``, rank 0 logs its figures and table and the base class its
-    scalars: the names the suite's command logs."""
-
-    def __init__(self, suite, config, root: str | None = None, every_n_epochs: int = 1, fail_on_error: bool = False):
-        super().__init__(every_n_epochs=every_n_epochs, fail_on_error=fail_on_error)
-        self.suite, self.config, self.name = suite, config, suite.name
-        self.inputs = suite.load(config, None, root)
-        self.cache: dict = {}  # what the suite keeps across epoch ends (judges, embedders)
-
-    @classmethod
-    def from_config(cls, suite, run_cfg) -> "SuiteCallback":
-        """``suite``'s callback of a composed run config: ``eval.<section>`` (its data defaulted as
-        :meth:`~unicon.evaluation.framework.EvalSuite.default_data` says), ``data.root`` and
-        ``eval.fail_on_error``."""
-        return cls(suite, suite.config_of(run_cfg), root=str(run_cfg.data.root),
-                   every_n_epochs=run_cfg.eval[suite.section].every_n_epochs, fail_on_error=run_cfg.eval.fail_on_error)
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.suite.check_model(getattr(pl_module, "model", pl_module), self.inputs, self.config)
-
-    def evaluate(self, trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
-        out = self.output_dir(trainer)
-        run = EvalRun(self.config, self.inputs, model, out, str(trainer.strategy.root_device),
-                      epoch=trainer.current_epoch + 1, is_writer=trainer.is_global_zero, cache=self.cache)
-        outcome = self.suite.run(run)
-        if trainer.is_global_zero:
-            self.suite.log_media(trainer.loggers, outcome, out, step=trainer.global_step)
-        return outcome.metrics
