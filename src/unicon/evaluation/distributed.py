@@ -42,7 +42,7 @@ T = TypeVar("T")
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one; ``(i, n)`` in
     shard ``i/n`` and ``(0, n)`` in the merge of ``n`` shards (:func:`sharded_run`, :func:`merged_run`)."""
-    v = _virtual()
+    v = _VIRTUAL
     if v is not None:
         return (v.shard.index if v.shard is not None else 0), v.world
     if dist.is_available() and dist.is_initialized():
@@ -50,14 +50,20 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _this_rank(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """``(rank, world_size)`` as given, else this process's; None in a merge (it evaluates nothing itself)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    return None if _merging() else rank_and_world()
+
+
 def shard_indices(n: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
     """This rank's sample indices among ``range(n)`` (see the module docstring, step 1)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    if rank is None or world_size is None:
-        if _merging():
-            return []  # the merge evaluates nothing itself
-        rank, world_size = rank_and_world()
+    if (resolved := _this_rank(rank, world_size)) is None:
+        return []
+    rank, world_size = resolved
     if world_size == 1:
         return list(range(n))
     if n == 0:
@@ -70,10 +76,9 @@ def padding_repeats(n: int, rank: int | None = None, world_size: int | None = No
     """The indices of this rank's shard that a lower rank also evaluates: the sampler's padding
     repeats, whose record :func:`gather_records` keeps from that lower rank. A suite that sums
     per-sample states (counts, FID features) leaves them out."""
-    if rank is None or world_size is None:
-        if _merging():
-            return set()
-        rank, world_size = rank_and_world()
+    if (resolved := _this_rank(rank, world_size)) is None:
+        return set()
+    rank, world_size = resolved
     lower = {i for r in range(rank) for i in shard_indices(n, r, world_size)}
     return lower & set(shard_indices(n, rank, world_size))
 
@@ -81,44 +86,33 @@ def padding_repeats(n: int, rank: int | None = None, world_size: int | None = No
 def owned_indices(n: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
     """This rank's :func:`shard_indices` without its padding repeats: every index of ``range(n)`` is
     owned by exactly one rank (the one whose record :func:`gather_records` keeps)."""
-    if rank is None or world_size is None:
-        if _merging():
-            return []
-        rank, world_size = rank_and_world()
+    if (resolved := _this_rank(rank, world_size)) is None:
+        return []
+    rank, world_size = resolved
     repeats = padding_repeats(n, rank, world_size)
     return [i for i in dict.fromkeys(shard_indices(n, rank, world_size)) if i not in repeats]
-
-
-def gather_records(records: Mapping[int, T]) -> dict[int, T]:
-    """Every rank's ``{index: record}`` merged, repeats dropped, in index order (step 3)."""
-    v = _virtual()
-    _, world = rank_and_world()
-    if v is not None:
-        parts: list[Any] = v.collective(dict(records))  # a shard: its own; a merge: every shard's
-    elif world == 1:
-        return dict(sorted(records.items()))
-    else:
-        parts = [None] * world
-        dist.all_gather_object(parts, dict(records))
-    merged: dict[int, T] = {}
-    for part in parts:
-        for index, record in part.items():
-            merged.setdefault(index, record)
-    return dict(sorted(merged.items()))
 
 
 def gather_objects(obj: T) -> list[T]:
     """``obj`` from every rank, in rank order (``[obj]`` without a process group; a shard: ``[obj]``;
     a merge: every shard's ``obj``)."""
-    v = _virtual()
-    if v is not None:
-        return v.collective(obj)
+    if _VIRTUAL is not None:
+        return _VIRTUAL.collective(obj)
     _, world = rank_and_world()
     if world == 1:
         return [obj]
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, obj)
     return parts
+
+
+def gather_records(records: Mapping[int, T]) -> dict[int, T]:
+    """Every rank's ``{index: record}`` merged, repeats dropped, in index order (step 3)."""
+    merged: dict[int, T] = {}
+    for part in gather_objects(dict(records)):  # a shard: its own; a merge: every shard's
+        for index, record in part.items():
+            merged.setdefault(index, record)
+    return dict(sorted(merged.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,10 +193,6 @@ class _Virtual:
 
 
 _VIRTUAL: _Virtual | None = None
-
-
-def _virtual() -> _Virtual | None:
-    return _VIRTUAL
 
 
 def _merging() -> bool:
@@ -308,9 +298,8 @@ def merged_run(root: str | Path, key: Mapping[str, Any]) -> Iterator[list[dict]]
 def writes_outputs() -> bool:
     """Whether this process writes a suite's final files: rank 0 of a process group (or one
     process), a merge; never a shard."""
-    v = _virtual()
-    if v is not None:
-        return v.shard is None
+    if _VIRTUAL is not None:
+        return _VIRTUAL.shard is None
     return rank_and_world()[0] == 0
 
 
@@ -326,6 +315,6 @@ def metric_sync_kwargs() -> dict[str, Any]:
     """Keyword arguments for a torchmetrics ``Metric`` built by a suite: under a sharded run or a
     merge, its states are reduced over the shards' saved states (torchmetrics' own reduction);
     otherwise nothing (torchmetrics syncs over the process group as usual)."""
-    if _virtual() is None:
+    if _VIRTUAL is None:
         return {}
     return {"dist_sync_fn": _virtual_sync, "distributed_available_fn": lambda: True}
