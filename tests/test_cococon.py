@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 import standins
+from unicon import jsonsafe
 from unicon.data.cococon import CocoConFormatError, load_cococon
 from unicon.evaluation.cococon import metrics, runner
 from unicon.evaluation.distributed import padding_repeats
@@ -546,7 +547,7 @@ def test_real_file_subset_with_tiny_ofa(shared_data, tiny_world_model, tmp_path)
     assert r["num_samples"] == len(samples) and r["localization"]["n_k"][1] == 6
     for task in metrics.TASKS:
         assert r[task]["n_k"][1] > 0 and r[task]["rho_n"] + r[task]["rho_undefined"] > 0
-    check_against_reference(json.loads(json.dumps(runner.nan_to_none(r))), json.loads(json.dumps(result.per_sample)))
+    check_against_reference(json.loads(json.dumps(jsonsafe.finite(r))), json.loads(json.dumps(result.per_sample)))
 
 
 def test_t2i_scene_match_counts_exact_renders(tiny_world_model):

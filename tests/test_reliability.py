@@ -790,5 +790,5 @@ def test_tables_and_metrics_hold_no_bare_nan_or_infinity(tmp_path):
     log_metrics(loggers, {"suite/x": float("nan"), "suite/y": 1.5}, step=0)
     row = jsonsafe.loads_strict((tmp_path / "metrics.jsonl").read_text())
     assert row["suite/x"] == "nan" and row["suite/y"] == 1.5
-    assert nan_to_none({"C_k": {1: float("nan"), 2: float("inf")}, "rho": [float("-inf")]}) == \
+    assert jsonsafe.finite({"C_k": {1: float("nan"), 2: float("inf")}, "rho": [float("-inf")]}) == \
         {"C_k": {1: None, 2: None}, "rho": [None]}

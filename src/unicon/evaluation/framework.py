@@ -36,7 +36,10 @@ What a suite gets without writing it:
   data defaulting as at epoch end: :meth:`EvalSuite.default_data`);
 * the epoch-end callback (:meth:`unicon.evaluation.callbacks.SuiteCallback.from_config`: every
   ``every_n_epochs`` epochs, every rank runs ``run``, rank 0 logs);
-* the report section (``report``, ``title``, ``headline``: :mod:`unicon.evaluation.suites`).
+* the report section (``report``, ``title``, ``headline``: :mod:`unicon.evaluation.suites`);
+* the scaffolding of a runner: :func:`eval_mode` around the model calls, :func:`write_results` (the
+  summary JSON, ``samples.jsonl``, ``table.md``, strict JSON) and :meth:`EvalRun.printed` (what the
+  command prints of them).
 
 ``run`` sees one :class:`EvalRun` in all three places; ``run.epoch`` is None standalone, where
 ``run.args`` holds the command's extra flags and ``run.shards`` the shard state
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -115,6 +119,14 @@ class EvalRun:
         from unicon.evaluation.cli_common import image_generation_config
 
         return image_generation_config(self.model, self.args)
+
+    def printed(self, summary_file: str, middle: str = "") -> str:
+        """What the command prints once the suite wrote :func:`write_results`' files: ``table.md``,
+        ``middle``, then the files' names; nothing at epoch end or in a shard."""
+        if not (self.standalone and self.is_writer):
+            return ""
+        return (self.out / "table.md").read_text() + middle + \
+            f"wrote {self.out / summary_file} and {self.out / 'samples.jsonl'}"
 
     def checkpoint_info(self) -> dict[str, Any]:
         """``ckpt``, ``checkpoint`` (resolved) and ``model_fingerprint`` of a standalone run."""
@@ -223,6 +235,42 @@ def _attribute(spec: str):
     """``"module:name"`` -> the object (its module imported now)."""
     module, name = spec.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def write_jsonl(path: Path, records) -> None:
+    """One strict-JSON line per record (:mod:`unicon.jsonsafe`: non-finite numbers as null; non-ASCII kept)."""
+    from unicon import jsonsafe
+
+    with open(path, "w") as f:
+        for rec in records:
+            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def write_results(out: Path, summary_file: str, summary: dict, records=None, table: str | None = None) -> None:
+    """The files of a suite's evaluation in ``out``, strict JSON (:mod:`unicon.jsonsafe`): ``samples.jsonl``
+    (:func:`write_jsonl`, when ``records`` are given), ``summary_file`` (indented; other values as text)
+    and ``table.md`` (when ``table`` is given)."""
+    from unicon import jsonsafe
+
+    if records is not None:
+        write_jsonl(out / "samples.jsonl", records)
+    (out / summary_file).write_text(jsonsafe.dumps(summary, indent=2, default=str) + "\n")
+    if table is not None:
+        (out / "table.md").write_text(table)
+
+
+@contextmanager
+def eval_mode(model):
+    """The block runs ``model`` in eval mode under ``torch.no_grad``; its training mode is restored after."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def run_command(suite: EvalSuite, argv: Sequence[str] | None) -> int:

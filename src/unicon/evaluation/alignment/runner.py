@@ -35,6 +35,7 @@ Rank 0 (or the merge) writes into ``out_dir``:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -42,7 +43,6 @@ from typing import Any, Sequence
 
 import torch
 
-from unicon import jsonsafe
 from unicon.config import ALIGNMENT_BAGEL_MODES, ALIGNMENT_BASELINES, AlignmentEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
@@ -60,6 +60,7 @@ from unicon.evaluation.alignment.metrics import (
 from unicon.evaluation.alignment.plots import plot_results
 from unicon.evaluation.alignment.prompts import SCALES, scale_of
 from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.framework import eval_mode, write_results
 from unicon.progress import track
 
 log = logging.getLogger(__name__)
@@ -163,12 +164,9 @@ def sample_record(pair: Pair, scored: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_outputs(out_dir: Path, records: Sequence[dict], results: dict[str, Any]) -> None:
-    with (out_dir / "samples.jsonl").open("w") as f:
-        for rec in records:
-            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
-    (out_dir / "alignment.json").write_text(jsonsafe.dumps(results, indent=2, default=str) + "\n")
-    (out_dir / "table.md").write_text(markdown_table(results["metrics"], results["n_pairs"], results["skipped"],
-                                                     results.get("not_run"), results.get("bertscore_model")))
+    write_results(out_dir, "alignment.json", results, records, markdown_table(
+        results["metrics"], results["n_pairs"], results["skipped"], results.get("not_run"),
+        results.get("bertscore_model")))
     plot_results(records, list(results["metrics"]), out_dir)
 
 
@@ -225,21 +223,14 @@ def evaluate_alignment(
     names = metric_names(bagel_modes, baselines, judge is not None or bool(judge_spec))
     mine = shard_indices(len(pairs))
     scored: dict[int, dict] = {}
-    was_training = getattr(model, "training", False)
-    if mine:
-        model.eval()
-    try:
-        with torch.no_grad():
-            starts = range(0, len(mine), batch_size)
-            for s in track(starts, "alignment: scoring pairs", unit="batches"):
-                preemption.check()
-                idx = mine[s:s + batch_size]
-                for i, o in zip(idx, score_batch(model, [pairs[i] for i in idx], bagel_modes, clip, judge, baselines,
-                                                 scale.name, prefix_text)):
-                    scored[i] = o
-    finally:
-        if mine:
-            model.train(was_training)
+    with eval_mode(model) if mine else contextlib.nullcontext():  # a merge's model is a stand-in
+        starts = range(0, len(mine), batch_size)
+        for s in track(starts, "alignment: scoring pairs", unit="batches"):
+            preemption.check()
+            idx = mine[s:s + batch_size]
+            for i, o in zip(idx, score_batch(model, [pairs[i] for i in idx], bagel_modes, clip, judge, baselines,
+                                             scale.name, prefix_text)):
+                scored[i] = o
     records = {i: sample_record(pairs[i], scored[i]) for i in owned_indices(len(pairs))}
     gathered = list(gather_records(records).values())
     # the reference metrics are corpus-level (CIDEr's document frequencies): computed where the files are

@@ -149,12 +149,8 @@ class AlignmentSuite(EvalSuite):
             judge_spec=judge_spec, bagel_scale=inputs.bagel_scale, clip_prefix=c.clip_prefix)
         names = list(results["metrics"])
         rows = table_rows(records, inputs.pairs, names, c.table_rows) if run.is_writer else None
-        summary = ""
-        if run.standalone and run.is_writer:
-            summary = (run.out / "table.md").read_text() + \
-                f"wrote {run.out / 'alignment.json'} and {run.out / 'samples.jsonl'}"
         return Outcome({f"alignment/{k}": v for k, v in flat_metrics(results["metrics"]).items()}, rows,
-                       table_columns(names), summary, results)
+                       table_columns(names), run.printed("alignment.json"), results)
 
 
 register(AlignmentSuite())

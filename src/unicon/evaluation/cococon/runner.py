@@ -45,7 +45,6 @@ The sample table (:data:`TABLE_COLUMNS`, :func:`table_rows`) goes to the loggers
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -352,12 +351,11 @@ def generation_settings(model, evaluator_kwargs: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 def write_outputs(result: CocoConResult, out_dir: Path) -> None:
     """``results.json``, ``per_sample.jsonl`` and the two plots."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = json.dumps(nan_to_none(result.results), indent=2, default=_json_default, allow_nan=False)
-    (out_dir / "results.json").write_text(results + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)  # strict JSON: an undefined metric (NaN) is null
+    (out_dir / "results.json").write_text(jsonsafe.dumps(result.results, indent=2, default=_json_default) + "\n")
     with (out_dir / "per_sample.jsonl").open("w") as f:
         for row in result.per_sample:
-            f.write(json.dumps(nan_to_none(row), default=_json_default, allow_nan=False) + "\n")
+            f.write(jsonsafe.dumps(row, default=_json_default) + "\n")
     plot_results(result.results, out_dir)
 
 
@@ -391,15 +389,7 @@ def table_rows(result: CocoConResult, samples: dict[int, CocoConSample], n: int)
     return rows
 
 
-def nan_to_none(x):
-    """A copy of ``x`` where every non-finite float (NaN: an undefined metric, e.g. C_k with n_k = 0;
-    an infinity) becomes JSON ``null`` (:func:`unicon.jsonsafe.finite`)."""
-    return jsonsafe.finite(x)
-
-
 def _json_default(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
     if isinstance(x, Path):
         return str(x)
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")

@@ -32,7 +32,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from unicon import jsonsafe
 from unicon.config import EditingEvalConfig
 from unicon.data.mixture import read_edits
 from unicon.errors import UserError
@@ -42,6 +41,7 @@ from unicon.evaluation.editing.data import CRITERIA, EditSample, rating_or_none
 from unicon.evaluation.editing.metrics import (COMPONENTS, CORRELATED, EPS, VARIANTS, editing_components, kendall_row,
                                                summarize)
 from unicon.evaluation.editing.plots import plot_results
+from unicon.evaluation.framework import eval_mode, write_jsonl, write_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 
@@ -263,16 +263,10 @@ def table3_lines(table3: dict[str, Any]) -> list[str]:
 
 def write_outputs(out: Path, records: list[dict], results: dict, info: dict, own: list[dict] | None,
                   own_summary: dict | None) -> None:
-    with (out / "samples.jsonl").open("w") as f:
-        for rec in records:
-            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
     if own is not None:
-        with (out / "own_edits.jsonl").open("w") as f:
-            for rec in own:
-                f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
+        write_jsonl(out / "own_edits.jsonl", own)
     payload = {"results": results, **({"own_edits": own_summary} if own_summary is not None else {}), **info}
-    (out / "editing.json").write_text(jsonsafe.dumps(payload, indent=2, default=str) + "\n")
-    (out / "table.md").write_text(markdown_table(results))
+    write_results(out, "editing.json", payload, records, markdown_table(results))
     plot_results(records, results, out)
 
 
@@ -299,9 +293,7 @@ def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         mine = shard_indices(len(samples))
         values = _score_samples(model, samples, mine, batch_size, eps, judge)
         records = {i: sample_record(samples[i], values[i], data_root) for i in owned_indices(len(samples))}
@@ -315,8 +307,6 @@ def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir
             keep = set(owned_indices(n_rows))
             own_records = list(gather_records({i: r for i, r in own.items() if i in keep}).values())
             own_summary = own_edit_summary(own_records) if own_records else None
-    finally:
-        model.train(was_training)
     results = summarize(gathered, skipped_counts(samples), judge_info)
     if out is not None and writes_outputs():
         write_outputs(out, gathered, results, {"eps": eps, **(info or {})}, own_records, own_summary)

@@ -149,16 +149,11 @@ class EditingSuite(EvalSuite):
                 run.model, inputs.samples, run.out, c.batch_size, args.eps, info, own_edits=c.own_edits,
                 world_root=inputs.world, image_config=image_config, check=not run.merging, data_root=data_root,
                 judge=judge, judge_spec=judge_spec)
-        summary = ""
-        if run.standalone and run.is_writer:
-            summary = (run.out / "table.md").read_text()
-            if "own_edits" in results:
-                for kind, b in results["own_edits"]["by_kind"].items():
-                    summary += (f"own edits {kind:<10} n={b['n']:<4} exact={b['exact_match']:.2f} "
-                                f"median score={b['median_score']:.4g}\n")
-            summary += f"wrote {run.out / 'editing.json'} and {run.out / 'samples.jsonl'}"
+        own = "".join(f"own edits {kind:<10} n={b['n']:<4} exact={b['exact_match']:.2f} "
+                      f"median score={b['median_score']:.4g}\n"
+                      for kind, b in results.get("own_edits", {"by_kind": {}})["by_kind"].items())
         return Outcome({f"editing/{k}": v for k, v in results["metrics"].items()},
-                       table_rows(records, inputs.samples, c.table_rows), TABLE_COLUMNS, summary)
+                       table_rows(records, inputs.samples, c.table_rows), TABLE_COLUMNS, run.printed("editing.json", own))
 
 
 register(EditingSuite())

@@ -69,11 +69,11 @@ from typing import Any, Sequence
 import torch
 from PIL import Image
 
-from unicon import jsonsafe
 from unicon.config import REALUNIFY_STEPWISE_INPUTS, RealUnifyEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.framework import eval_mode, write_results
 from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, check_unique, ordered_categories
 from unicon.evaluation.realunify.judges import LETTER_PARSERS, PollVerdict, edit_matches, geu_prediction
 from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
@@ -358,11 +358,7 @@ def save_images(out_dir: Path, s: Sample) -> dict[str, str | None]:
 def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
     """``samples.jsonl``, ``realunify.json`` (``{"metrics": ..., **info}``), ``table.md`` and
     ``settings_by_category.png``."""
-    with (out_dir / "samples.jsonl").open("w") as f:
-        for rec in records:
-            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
-    (out_dir / "realunify.json").write_text(jsonsafe.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
-    (out_dir / "table.md").write_text(markdown_table(metrics))
+    write_results(out_dir, "realunify.json", {"metrics": metrics, **info}, records, markdown_table(metrics))
     plot_results(metrics, out_dir)
 
 
@@ -432,15 +428,10 @@ def evaluate_realunify(
         check_editing(model, instances, settings, edit_prompt_source)
         check_stepwise_input(model, instances, settings, stepwise_input, answer_mode)
     mine = shard_indices(len(instances))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,
-                                       image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse,
-                                       stepwise_input)
-    finally:
-        model.train(was_training)
+    with eval_mode(model):
+        samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,
+                                   image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse,
+                                   stepwise_input)
     judge_samples(judge, samples, settings)
 
     out = Path(out_dir) if out_dir is not None else None

@@ -149,12 +149,8 @@ class RealUnifySuite(EvalSuite):
             image_config, info, device=run.device, edit_prompt_source=c.edit_prompt, world_cfg=world_cfg,
             check_model=not run.merging, answer_mode=c.answer_mode, letter_parse=c.letter_parse,
             stepwise_input=inputs.stepwise_input or c.stepwise_input)
-        summary = ""
-        if run.standalone and run.is_writer:
-            summary = (run.out / "table.md").read_text() + \
-                f"wrote {run.out / 'realunify.json'} and {run.out / 'samples.jsonl'}"
         return Outcome({f"realunify/{k}": v for k, v in metrics.items()}, table_rows(samples, c.table_rows),
-                       TABLE_COLUMNS, summary)
+                       TABLE_COLUMNS, run.printed("realunify.json"))
 
 
 register(RealUnifySuite())

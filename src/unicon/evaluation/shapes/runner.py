@@ -52,6 +52,7 @@ from unicon.data.mixture import read_edits, read_mixture
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices
+from unicon.evaluation.framework import eval_mode
 from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, EditPreference, RelationFlip, report
 from unicon.progress import track
 from unicon.worlds.shapes import Scene, load_world
@@ -164,7 +165,6 @@ def _predict(model, task: str, rows: Sequence[dict], images: Sequence, image_con
     return model.generate_image([r["text"] for r in rows], config=image_config), [r["text"] for r in rows]
 
 
-@torch.no_grad()
 def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", limit: int | None = 200,
                            batch_size: int = 32, tasks: Sequence[str] = DEFAULT_TASKS,
                            examples: list | None = None, num_examples: int = 0,
@@ -187,15 +187,13 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
     world = load_world(root)
     rows = read_split(root, split, tasks)
     where = str(world.mixture_path(split))
-    was_training = model.training
-    model.eval()
 
     def image(row, key="image"):
         with Image.open(root / row[key]) as im:
             return im.convert("RGB")
 
     metrics = []
-    try:
+    with eval_mode(model):
         for task in tasks:
             items = rows[task][:limit] if limit else rows[task]
             if not items:
@@ -240,6 +238,4 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             if examples is not None:  # the task's first rows, from whichever rank (or shard) ran them
                 examples += gather_records(shown).values()
             metrics += [m for m in (flips, prefs) if m is not None]
-    finally:
-        model.train(was_training)
     return report(m.compute() for m in metrics)

@@ -43,12 +43,12 @@ from typing import Any, Sequence
 import torch
 from PIL import Image
 
-from unicon import jsonsafe
 from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.framework import eval_mode, write_results
 from unicon.evaluation.retry import images_by_row
 from unicon.evaluation.ureason.judges import Judge, Verdict
 from unicon.evaluation.ureason.metrics import (
@@ -266,11 +266,8 @@ def save_images(out_dir: Path, s: Sample) -> dict[int, str | None]:
 def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
     """``samples.jsonl``, ``ureason.json`` (``{"metrics": ..., **info}``), ``table.md`` and the
     figures of :mod:`.plots` (``settings_by_category.png``)."""
-    with (out_dir / "samples.jsonl").open("w") as f:
-        for rec in records:
-            f.write(jsonsafe.dumps(rec, ensure_ascii=False) + "\n")
-    (out_dir / "ureason.json").write_text(jsonsafe.dumps({"metrics": metrics, **info}, indent=2, default=str) + "\n")
-    (out_dir / "table.md").write_text(markdown_table(metrics, metric_categories(metrics)))
+    write_results(out_dir, "ureason.json", {"metrics": metrics, **info}, records,
+                  markdown_table(metrics, metric_categories(metrics)))
     plot_results(metrics, out_dir)
 
 
@@ -314,13 +311,8 @@ def evaluate_ureason(
     if not instances:
         raise UserError("UReason: no instances to evaluate")
     mine = shard_indices(len(instances))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            samples = generate_samples(model, [instances[i] for i in mine], max_new_tokens, batch_size, image_config)
-    finally:
-        model.train(was_training)
+    with eval_mode(model):
+        samples = generate_samples(model, [instances[i] for i in mine], max_new_tokens, batch_size, image_config)
     judge_samples(judge, samples)
 
     out = Path(out_dir) if out_dir is not None else None

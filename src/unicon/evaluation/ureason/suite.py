@@ -110,12 +110,8 @@ class UReasonSuite(EvalSuite):
             }
         metrics, samples = evaluate_ureason(run.model, run.inputs, judge, run.out, c.max_new_tokens, c.batch_size,
                                             image_config, info, device=run.device)
-        summary = ""
-        if run.standalone and run.is_writer:
-            summary = (run.out / "table.md").read_text() + \
-                f"wrote {run.out / 'ureason.json'} and {run.out / 'samples.jsonl'}"
         return Outcome({f"ureason/{k}": v for k, v in metrics.items()}, table_rows(samples, c.table_rows),
-                       TABLE_COLUMNS, summary)
+                       TABLE_COLUMNS, run.printed("ureason.json"))
 
 
 register(UReasonSuite())
