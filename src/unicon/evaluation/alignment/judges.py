@@ -49,9 +49,7 @@ class AlignmentVLMJudge(VLMJudge):
     name = "vlm"
 
     def build_text(self, caption: str, scale: str = "cf") -> str:  # type: ignore[override]
-        messages = [{"role": "user", "content": [{"type": "image"},
-                                                 {"type": "text", "text": bagelscore_prompt(caption, scale)}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.chat(bagelscore_prompt(caption, scale))
 
     def rate(self, images: Sequence[Image.Image], captions: Sequence[str], scale: str = "cf") -> list[BagelResult]:
         return rate_with_vlm(self, [self.build_text(c, scale) for c in captions], [[im] for im in images], scale)

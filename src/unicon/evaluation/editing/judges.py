@@ -102,9 +102,7 @@ class EditVLMJudge(VLMJudge):
     sees = "source and edited image"
 
     def build_text(self, instruction: str) -> str:  # type: ignore[override]
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                                 {"type": "text", "text": judge_prompt(instruction, pair=True)}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.chat(judge_prompt(instruction, pair=True), images=2)
 
     def rate(self, sources: Sequence[Image.Image], edited: Sequence[Image.Image],
              instructions: Sequence[str]) -> list[BagelResult]:

@@ -182,8 +182,7 @@ class PollingVLMJudge(VLMJudge):
     name = "vlm"
 
     def build_text(self, question: str) -> str:  # type: ignore[override]
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": polling_prompt(question)}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.chat(polling_prompt(question))
 
     def judge(self, instances: Sequence[UEGInstance], images: Sequence[Image.Image | None]) -> list[PollVerdict]:
         """Every (instance, question) pair with an image, ``batch_size`` pairs per generation."""

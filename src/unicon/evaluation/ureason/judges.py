@@ -292,17 +292,14 @@ class VLMJudge(_TransformersJudge):
                                      trust_remote_code)
         return cls(model.to(device), processor, **kwargs)
 
+    def chat(self, text: str, images: int = 1) -> str:
+        """One user turn of ``images`` images, then ``text``, laid out by the processor's chat template."""
+        content = [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]
+        return self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                  tokenize=False)
+
     def build_text(self, criterion: str) -> str:
-        messages = [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image"},
-                    {"type": "text", "text": fill_prompt(self.prompt, description=criterion)},
-                ],
-            }
-        ]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.chat(fill_prompt(self.prompt, description=criterion))
 
     def judge_images(self, instances, images):
         if len(instances) != len(images):
