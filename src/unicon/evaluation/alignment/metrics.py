@@ -49,6 +49,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from unicon.evaluation.cococon.metrics import _simple_tokenize  # the PTB tokenizer's pure-python stand-in
 from unicon.evaluation.correlation import kendall
 
 #: CLIPScore's rescaling weight w (Hessel et al., 2021)
@@ -59,12 +60,6 @@ HESSEL_PREFIX = "A photo depicts "
 REFERENCE_METRICS = ("bleu1", "bleu4", "rouge_l", "meteor", "cider", "spice", "bertscore")
 #: what SPICE needs beside its own jar: Stanford CoreNLP 3.6.0, in pycocoevalcap's ``spice/lib``
 SPICE_CORENLP_JARS = ("stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar")
-
-
-def _simple_tokenize(text: str) -> str:
-    import re
-
-    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
 def spice_unavailable() -> str | None:

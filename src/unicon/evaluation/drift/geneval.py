@@ -159,17 +159,7 @@ def relative_position(
     revised = np.maximum(np.abs(offset) - margin * dims, 0.0) * np.sign(offset)
     if np.all(np.abs(revised) < 1e-3):
         return set()
-    dx, dy = revised / np.linalg.norm(offset)
-    rels = set()
-    if dx < -0.5:
-        rels.add("left of")
-    if dx > 0.5:
-        rels.add("right of")
-    if dy < -0.5:
-        rels.add("above")
-    if dy > 0.5:
-        rels.add("below")
-    return rels
+    return _relations(*(revised / np.linalg.norm(offset)))
 
 
 def pixel_relative_position(
@@ -181,16 +171,13 @@ def pixel_relative_position(
     dx, dy = xa + wa / 2 - (xb + wb / 2), ya + ha / 2 - (yb + hb / 2)
     rx = max(abs(dx) - margin * (wa + wb), 0.0) * np.sign(dx)
     ry = max(abs(dy) - margin * (ha + hb), 0.0) * np.sign(dy)
-    rels = set()
-    if rx < -0.5:
-        rels.add("left of")
-    if rx > 0.5:
-        rels.add("right of")
-    if ry < -0.5:
-        rels.add("above")
-    if ry > 0.5:
-        rels.add("below")
-    return rels
+    return _relations(rx, ry)
+
+
+def _relations(dx: float, dy: float) -> set[str]:
+    """The relations of an offset ``(dx, dy)`` of A from B: beyond -0.5 or +0.5 on each axis."""
+    return {name for name, beyond in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5),
+                                      ("below", dy > 0.5)) if beyond}
 
 
 def reference_queries(prompt: GenEvalPrompt, template: str = REFERENCE_QUERY) -> list[str]:
