@@ -259,6 +259,18 @@ def write_results(out: Path, summary_file: str, summary: dict, records=None, tab
         (out / "table.md").write_text(table)
 
 
+def write_images(out: Path, images: Mapping[str, Any], key: str) -> dict[str, str | None]:
+    """Each image of ``images`` (``{name: PIL image or None}``) as ``images/<name>/<key>.png`` under ``out``;
+    ``{name: its path relative to out, or None where there is no image}``."""
+    paths: dict[str, str | None] = {}
+    for name, im in images.items():
+        paths[name] = None if im is None else str(Path("images") / name / f"{key}.png")
+        if im is not None:
+            (out / paths[name]).parent.mkdir(parents=True, exist_ok=True)
+            im.save(out / paths[name])
+    return paths
+
+
 @contextmanager
 def eval_mode(model):
     """The block runs ``model`` in eval mode under ``torch.no_grad``; its training mode is restored after."""

@@ -73,7 +73,7 @@ from unicon.config import REALUNIFY_STEPWISE_INPUTS, RealUnifyEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
-from unicon.evaluation.framework import eval_mode, write_results
+from unicon.evaluation.framework import eval_mode, write_images, write_results
 from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, check_unique, ordered_categories
 from unicon.evaluation.realunify.judges import LETTER_PARSERS, PollVerdict, edit_matches, geu_prediction
 from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
@@ -343,16 +343,7 @@ def save_images(out_dir: Path, s: Sample) -> dict[str, str | None]:
     shown = dict(s.images)
     if isinstance(s.instance, GEUInstance):
         shown["input"] = s.instance.image()
-    paths: dict[str, str | None] = {}
-    for name, im in shown.items():
-        if im is None:
-            paths[name] = None
-            continue
-        rel = Path("images") / name / f"{s.instance.key}.png"
-        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-        im.save(out_dir / rel)
-        paths[name] = str(rel)
-    return paths
+    return write_images(out_dir, shown, s.instance.key)
 
 
 def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:

@@ -48,7 +48,7 @@ from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
-from unicon.evaluation.framework import eval_mode, write_results
+from unicon.evaluation.framework import eval_mode, write_images, write_results
 from unicon.evaluation.retry import images_by_row
 from unicon.evaluation.ureason.judges import Judge, Verdict
 from unicon.evaluation.ureason.metrics import (
@@ -250,17 +250,8 @@ def sample_record(s: Sample, image_paths: dict[int, str | None]) -> dict[str, An
 
 def save_images(out_dir: Path, s: Sample) -> dict[int, str | None]:
     """Save a sample's images as ``images/s{k}/<category>_<id>.png``; ``{k: path relative to out_dir}``."""
-    paths: dict[int, str | None] = {}
-    for k in SETTINGS:
-        im = s.images.get(k)
-        if im is None:
-            paths[k] = None
-            continue
-        rel = Path("images") / f"s{k}" / f"{s.instance.key}.png"
-        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-        im.save(out_dir / rel)
-        paths[k] = str(rel)
-    return paths
+    paths = write_images(out_dir, {f"s{k}": s.images.get(k) for k in SETTINGS}, s.instance.key)
+    return {k: paths[f"s{k}"] for k in SETTINGS}
 
 
 def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
