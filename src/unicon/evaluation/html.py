@@ -173,6 +173,17 @@ def metric(key: str) -> Callable[[dict], Any]:
     return lambda results: (results.get("metrics") or {}).get(key)
 
 
+def section(run_dir: Path, suite: str, summary: str, render, columns: Mapping[str, Any] | None = None) -> str:
+    """A suite's section: its evaluations in ``run_dir`` (:func:`suite_outputs` of the summary file
+    ``summary``; none: :func:`not_evaluated`), their :func:`trend` over ``columns`` (a column given as a
+    string is that :func:`metric`), then :func:`earlier` with ``render(label, folder)``."""
+    evals = suite_outputs(run_dir, suite, summary)
+    if not evals:
+        return not_evaluated(suite, summary)
+    columns = {header: metric(c) if isinstance(c, str) else c for header, c in (columns or {}).items()}
+    return (trend(evals, summary, columns, f"{suite}-trend") if columns else "") + earlier(evals, render)
+
+
 def earlier(evals: list[tuple[str, Path]], render) -> str:
     """The last evaluation in full; earlier ones folded under ``<details>``."""
     parts = []

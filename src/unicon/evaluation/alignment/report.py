@@ -30,13 +30,10 @@ def _evaluation(label: str, out: Path) -> str:
 
 def section(run_dir: Path) -> str:
     """The section's HTML for the run (or standalone output) folder ``run_dir``."""
-    evals = h.suite_outputs(run_dir, "alignment", FILE)
-    if not evals:
-        return h.not_evaluated("alignment", FILE)
     def tau_b(key):
         return lambda results: (h.metric(key)(results) or {}).get("tau_b")
 
     columns = {"BagelScore expected τ_b": tau_b("bagelscore_expected"), "BagelScore decode τ_b": tau_b("bagelscore_decode"),
                "CLIP-S τ_b": tau_b("clip_s")}
-    return h.trend(evals, FILE, columns, "alignment-trend") + h.earlier(evals, _evaluation)
+    return h.section(run_dir, "alignment", FILE, _evaluation, columns)
 

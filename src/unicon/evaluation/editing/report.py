@@ -42,6 +42,5 @@ def _evaluation(label: str, out: Path) -> str:
 
 def section(run_dir: Path) -> str:
     """The section's HTML for the run (or standalone output) folder ``run_dir``."""
-    evals = h.suite_outputs(run_dir, "editing", FILE)
-    return h.earlier(evals, _evaluation) if evals else h.not_evaluated("editing", FILE)
+    return h.section(run_dir, "editing", FILE, _evaluation)
 

@@ -56,11 +56,7 @@ def _evaluation(label: str, out: Path) -> str:
 
 def section(run_dir: Path) -> str:
     """The section's HTML for the run (or standalone output) folder ``run_dir``."""
-    evals = h.suite_outputs(run_dir, "realunify", FILE)
-    if not evals:
-        return h.not_evaluated("realunify", FILE)
     columns = {"acc direct": "acc_direct", "acc stepwise": "acc_stepwise", "Δ": "delta", "UEG direct": "acc_direct/ueg",
                "UEG stepwise": "acc_stepwise/ueg", "GEU direct": "acc_direct/geu", "GEU stepwise": "acc_stepwise/geu"}
-    html_ = h.trend(evals, FILE, {header: h.metric(key) for header, key in columns.items()}, "realunify-trend")
-    return html_ + h.earlier(evals, _evaluation)
+    return h.section(run_dir, "realunify", FILE, _evaluation, columns)
 

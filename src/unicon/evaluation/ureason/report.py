@@ -7,22 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from unicon.evaluation import html as h
+from unicon.evaluation.ureason.plots import SETTINGS, categories
 
 #: the summary file that marks an output folder of the suite
 FILE = "ureason.json"
 
 
-def _categories(metrics: dict) -> list[str]:
-    return [k.split("/", 1)[1] for k in metrics if k.startswith("acc_s1/")]
-
-
 def _evaluation(label: str, out: Path) -> str:
     summary = h.read_json(out / FILE) or {}
     metrics = summary.get("metrics") or {}
-    cats = _categories(metrics)
-    settings = (("1", "Direct"), ("2", "Reasoning-guided"), ("3", "De-contextualized"))
+    cats = categories(metrics)
     rows = [[f"<td>{k} {name}</td>", *(h.td(metrics.get(f"acc_s{k}/{c}")) for c in cats), h.td(metrics.get(f"acc_s{k}"))]
-            for k, name in settings]
+            for k, name in SETTINGS]
     rows.append(["<td>reasoning chain</td>", *(h.td(metrics.get(f"chain_acc/{c}")) for c in cats),
                  h.td(metrics.get("chain_acc"))])
     html_ = h.table(["setting (accuracy %)", *(h.esc(c) for c in cats), "overall"], rows, "ureason-acc")
@@ -36,7 +32,7 @@ def _evaluation(label: str, out: Path) -> str:
         body = []
         for s in samples:
             cells = [h.td(s.get("category")), h.td(s.get("expect_en")), h.td(s.get("refined_prompt"))]
-            for k, _ in settings:
+            for k, _ in SETTINGS:
                 verdict = "yes" if s.get(f"correct_s{k}") else "no"
                 img = h.img(out / s[f"image_s{k}"], f"setting {k}", "thumb", f"ureason/s{k}", h.THUMB_SIDE) \
                     if s.get(f"image_s{k}") \
@@ -51,11 +47,7 @@ def _evaluation(label: str, out: Path) -> str:
 
 def section(run_dir: Path) -> str:
     """The section's HTML for the run (or standalone output) folder ``run_dir``."""
-    evals = h.suite_outputs(run_dir, "ureason", FILE)
-    if not evals:
-        return h.not_evaluated("ureason", FILE)
     columns = {"acc s1": "acc_s1", "acc s2": "acc_s2", "acc s3": "acc_s3", "Δ12": "delta_12", "Δ23": "delta_23",
                "chain acc": "chain_acc"}
-    html_ = h.trend(evals, FILE, {header: h.metric(key) for header, key in columns.items()}, "ureason-trend")
-    return html_ + h.earlier(evals, _evaluation)
+    return h.section(run_dir, "ureason", FILE, _evaluation, columns)
 
