@@ -220,8 +220,7 @@ def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), mini
 
         Shard.parse(args.shard)
     out = prepare_out(args.out)
-    claim_out(out, getattr(args, "suite_command", None), _owner_settings(args),
-              overwrite=getattr(args, "overwrite", False), keep=("shards",) if getattr(args, "merge", False) else ())
+    claim_out_weights(args, out, None)  # the settings now, the weights once the model is loaded
     return out
 
 
@@ -342,9 +341,10 @@ def claim_out(out: Path, command: str | None, settings: Mapping[str, Any], overw
         f.flush()
 
 
-def claim_out_weights(args: argparse.Namespace, out: Path, fingerprint: str) -> None:
-    """:func:`claim_out` once the model is loaded: ``--out`` must not hold the outputs of other weights
-    (the checkpoint file may have changed since the outputs were written). Call it before writing."""
+def claim_out_weights(args: argparse.Namespace, out: Path, fingerprint: str | None) -> None:
+    """:func:`claim_out` for the command's ``args``; once the model is loaded with its weights'
+    ``fingerprint`` (None before): ``--out`` must not hold the outputs of other weights (the checkpoint
+    file may have changed since the outputs were written). Call it before writing."""
     ckpt = getattr(args, "ckpt", None)
     claim_out(out, getattr(args, "suite_command", None), _owner_settings(args),
               overwrite=getattr(args, "overwrite", False), keep=("shards",) if getattr(args, "merge", False) else (),

@@ -153,7 +153,8 @@ class EditingSuite(EvalSuite):
                       f"median score={b['median_score']:.4g}\n"
                       for kind, b in results.get("own_edits", {"by_kind": {}})["by_kind"].items())
         return Outcome({f"editing/{k}": v for k, v in results["metrics"].items()},
-                       table_rows(records, inputs.samples, c.table_rows), TABLE_COLUMNS, run.printed("editing.json", own))
+                       table_rows(records, inputs.samples, c.table_rows), TABLE_COLUMNS,
+                       run.printed("editing.json", own))
 
 
 register(EditingSuite())
