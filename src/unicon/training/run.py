@@ -13,10 +13,11 @@
    ``config.yaml`` there (the same config goes into every checkpoint);
 4. build the model, or load it from ``resume`` / ``init_from`` (a ``model:`` section that
    describes another network than that checkpoint is refused), and turn on gradient checkpointing
-   and LoRA if asked: one call, ``unicon.models.checkpoints.load_for_training``;
+   and LoRA if asked: one call, ``unicon.models.checkpoints.load_for_training``, given the resume
+   checkpoint's dict that step 1 read;
 5. wrap it in :class:`~unicon.training.module.ConsistencyModule` (Algorithm 1) with the
    :class:`~unicon.training.datamodule.ConsistencyDataModule`;
-6. ``Trainer.fit`` (:func:`unicon.training.trainer.make_trainer`) with the strategy of
+6. ``Trainer.fit`` (:func:`unicon.training.trainer.fit`) with the strategy of
    ``trainer.strategy`` (``auto``, ``ddp``, ``fsdp``, ``deepspeed_zero2[_offload]``,
    ``deepspeed_zero3[_offload]`` -- the DeepSpeed ones read ``configs/strategy/<name>.json``),
    ModelCheckpoint in the run directory, Lightning's LearningRateMonitor (``train/lr/decay``,
