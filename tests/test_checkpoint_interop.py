@@ -255,12 +255,13 @@ def test_only_complete_deepspeed_folders_are_resumed(deepspeed_runs, tmp_path):
 def test_resuming_a_deepspeed_folder_with_another_model_is_refused_before_loading(deepspeed_runs):
     import unicon.training.run as run
     from unicon.errors import UserError
+    from unicon.models.checkpoints import load_for_training
 
     folder = deepspeed_runs["zero2"]["ckpt_path"]
     cfg = run.compose_run([f"resume={folder}", "model.arch.d_model=64"], announce=False)
     with pytest.raises(UserError, match=rf"{folder}.*d_model"):
-        run.build_training_model(cfg)
-    assert run.build_training_model(run.compose_run([f"resume={folder}"], announce=False)) is not None
+        load_for_training(cfg)
+    assert load_for_training(run.compose_run([f"resume={folder}"], announce=False)) is not None
 
 
 @pytest.mark.slow

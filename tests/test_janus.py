@@ -561,9 +561,11 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
 
     sys.path.insert(0, str(REPO))
     import data_builders.shapes as builder
+    import unicon.models.checkpoints
     import unicon.training.run as run
     from unicon.config import compose
     from unicon.models import load_model
+    from unicon.models.checkpoints import load_for_training
 
     world = tmp_path / "shapes"
     builder.main(["--out", str(world), "--num-train", "6", "--num-val", "2", "--num-test", "2", "--quiet",
@@ -576,13 +578,13 @@ def test_lora_consistency_training_through_the_training_run(tmp_path, monkeypatc
         "trainer.log_every_n_steps=1", "optim.lr=1e-2", "optim.warmup_ratio=0.0", "loss.gamma=1.0",
         "model.lora.enabled=true", "model.lora.r=2",
     ])
-    model = run.build_training_model(cfg)
+    model = load_for_training(cfg)
     assert isinstance(model, JanusUnifiedModel)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert any(".language_model." in n for n in trainable)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    monkeypatch.setattr(run, "build_training_model", lambda c, reads=None: model)
+    monkeypatch.setattr(unicon.models.checkpoints, "load_for_training", lambda c, resumed=None: model)
     out = run.train(cfg)
     assert out["global_step"] == 2
     state = torch.load(out["ckpt_path"], weights_only=False)["state_dict"]

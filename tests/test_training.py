@@ -28,7 +28,8 @@ from unicon.models.base import Scores, UnifiedModel, check_candidates, pil_to_te
 from unicon.training.datamodule import ConsistencyDataModule, collate_contrast
 from unicon.training.module import ConsistencyModule, NonFiniteLossError, supported_tasks, task_candidates
 from unicon.models import build_model, load_model
-from unicon.training.run import build_training_model, cli, train
+from unicon.models.checkpoints import load_for_training
+from unicon.training.run import cli, train
 
 # ---------------------------------------------------------------------------------------------
 # Test double: a tiny byte-level UnifiedModel
@@ -589,11 +590,11 @@ def test_lora_trains_only_adapters_and_export_merges(world, tmp_path, monkeypatc
     monkeypatch.setattr(unicon.models.factory, "build_model", lambda c, w=None: WithProj())
     cfg = run_cfg(world, tmp_path, "trainer.max_steps=2", "model.lora.enabled=true", "model.lora.r=2",
                   "model.lora.target_modules=[fc1]")
-    model = build_training_model(cfg)
+    model = load_for_training(cfg)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    monkeypatch.setattr("unicon.training.run.build_training_model", lambda c, reads=None: model)
+    monkeypatch.setattr("unicon.models.checkpoints.load_for_training", lambda c, resumed=None: model)
     out = train(cfg)
     state = torch.load(out["ckpt_path"], weights_only=False)["state_dict"]
     for name, value in before.items():  # frozen base weights are unchanged in the checkpoint
@@ -729,7 +730,7 @@ def test_freeze_batchnorm_survives_train_mode_also_from_init_from(tiny_shapes_wo
                  f"data.root={tiny_shapes_world}"]  # OFA's ResNet stem (the shapes preset's patch stem has no BN)
     built = build_model(compose(overrides).model, tiny_shapes_world)
     built.save_pretrained(str(tmp_path / "export"))
-    started = build_training_model(compose(overrides + [f"init_from={tmp_path / 'export'}"]))
+    started = load_for_training(compose(overrides + [f"init_from={tmp_path / 'export'}"]))
     for model in (built, started):
         model.train()
         norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]

@@ -84,11 +84,11 @@ def _training_setup(cfg, device: str | None):
 
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
     from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
-    from unicon.training.run import build_training_model
+    from unicon.models.checkpoints import load_for_training
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
-    model = build_training_model(cfg).to(dev).train()
+    model = load_for_training(cfg).to(dev).train()
     dm = ConsistencyDataModule(cfg.data, seed=cfg.seed)
     dm.setup("fit")
     return dev, model, ConsistencyModule(model, cfg), dm, [p for p in model.parameters() if p.requires_grad]
@@ -343,10 +343,10 @@ def _bare_step(cfg, device: torch.device):
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
     from unicon.training.module import SCHEDULERS, ConsistencyModule  # lazy: pulls in Lightning
     from unicon.training.optim import build_optimizer
-    from unicon.training.run import build_training_model
+    from unicon.models.checkpoints import load_for_training
 
     torch.manual_seed(cfg.seed)
-    model = build_training_model(cfg).to(device).train()
+    model = load_for_training(cfg).to(device).train()
     module = ConsistencyModule(model, cfg)
     dm = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
                                image_resize=image_resize_for(model))
@@ -478,12 +478,12 @@ def _pretrain_step(cfg, steps: int, warmup: int, rank: int = 0, world: int = 1):
     from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
     from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
     from unicon.training.optim import build_optimizer
-    from unicon.training.run import build_training_model
+    from unicon.models.checkpoints import load_for_training
 
     if cfg.trainer.cpu_threads:
         torch.set_num_threads(int(cfg.trainer.cpu_threads))
     torch.manual_seed(cfg.seed)
-    model = build_training_model(cfg).train()
+    model = load_for_training(cfg).train()
     module = ConsistencyModule(model, cfg)
     dm = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=False)
     dm.setup("fit")

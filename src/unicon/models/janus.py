@@ -298,7 +298,7 @@ class JanusUnifiedModel(UnifiedModel):
         accepted for ``unicon.models.build_model`` and ignored (Janus has its own tokenizer).
 
         ``dtype`` and ``freeze`` are applied here; LoRA (``model.lora``) and gradient checkpointing are
-        applied by the training run (``unicon.training.run.build_training_model``), or with
+        applied by the training run (``unicon.models.checkpoints.load_for_training``), or with
         :meth:`add_lora` / :meth:`gradient_checkpointing_enable`.
         """
         from transformers import (

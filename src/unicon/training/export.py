@@ -9,17 +9,20 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 
-def export_run(trainer, module, last_checkpoint: str, export_dir: Path, cfg: DictConfig) -> None:
-    """Write the export of a run that ``trainer`` has fitted (a no-op off global rank 0)."""
+def export_run(trainer, module, last_checkpoint: str, run_dir: Path, cfg: DictConfig) -> Path:
+    """Write ``<run_dir>/export``, the export of a run that ``trainer`` has fitted (on global rank 0
+    only); returns its path."""
     from unicon.models.checkpoints import export_model  # lazy: pulls in every model backend (transformers)
 
+    export_dir = run_dir / "export"
     if not trainer.is_global_zero:
-        return
+        return export_dir
     if str(cfg.trainer.strategy).startswith("deepspeed"):
         export_deepspeed_run(last_checkpoint, trainer.global_step, export_dir, cfg)
     else:
         export_model(module.model, export_dir, merge=cfg.model.lora.merge_on_export,
                      run_config=OmegaConf.to_container(cfg, resolve=True))
+    return export_dir
 
 
 def export_deepspeed_run(last_checkpoint: str, global_step: int, export_dir: Path, cfg: DictConfig) -> None:

@@ -4,13 +4,12 @@
   in ``CKPT`` with the command-line overrides on top, each change printed;
 * :func:`requeue_checkpoint` -- in a requeued SLURM job (:func:`slurm_restart_count` > 0), the
   newest readable checkpoint of the run folder, which the restart resumes;
-* :func:`check_resume_is_newest` -- ``resume=`` of a checkpoint older than another one in its folder
-  is refused unless ``resume_older=true``.
+* :func:`resume_checkpoint` -- the dict of ``resume=``'s checkpoint, which a run's weights come
+  from; a checkpoint older than another one in its folder is refused unless ``resume_older=true``.
 
 All of them read checkpoints through one :class:`CheckpointReads` per start, which reads each file
-once (memory-mapped): the resume checkpoint's stored config, its step and, in
-:func:`unicon.training.run.train`, its weights all come from that one read, and Lightning's load
-of ``ckpt_path`` is the only other one.
+once (memory-mapped): the resume checkpoint's stored config, its step and its weights all come
+from that one read, and Lightning's load of ``ckpt_path`` is the only other one.
 """
 
 from __future__ import annotations
@@ -136,15 +135,17 @@ def folder_checkpoints(folder: Path) -> list[Path]:
 
 
 # ---- resume continues the newest state --------------------------------------------------------------
-def check_resume_is_newest(cfg: DictConfig, reads: CheckpointReads) -> None:
-    """Refuse ``resume=`` of a checkpoint while another checkpoint in its folder holds a later step,
-    naming both, unless ``resume_older=true``: resuming it would go back and redo (and overwrite)
-    the later steps. The resume checkpoint must be readable; the others that cannot be read (a
-    save cut short, a DeepSpeed folder without its ``complete.json``) do not count."""
+def resume_checkpoint(cfg: DictConfig, reads: CheckpointReads) -> dict:
+    """The dict of the checkpoint ``cfg.resume`` names (:meth:`CheckpointReads.read`), which the
+    run's network and weights come from. It must be readable, and is refused while another
+    checkpoint in its folder holds a later step, naming both, unless ``resume_older=true``:
+    resuming it would go back and redo (and overwrite) the later steps. The others that cannot be
+    read (a save cut short, a DeepSpeed folder without its ``complete.json``) do not count."""
     allow_pickle = bool(cfg.model.allow_pickle)
-    step = reads.step(cfg.resume, allow_pickle)  # readable, ours
+    resumed = reads.read(cfg.resume, allow_pickle)  # readable, ours
     if cfg.resume_older:
-        return
+        return resumed
+    step = int(resumed.get("global_step", -1))
     resume = Path(cfg.resume)
     newest, newest_step = None, step
     for path in folder_checkpoints(resume.parent):
@@ -163,6 +164,7 @@ def check_resume_is_newest(cfg: DictConfig, reads: CheckpointReads) -> None:
             f"{newest_step - 1}, resume_older=true trains again from step {step} and rewrites the rows after it)")
         raise UserError(f"resume={resume} is at step {step}, but {newest} in the same folder is at step {newest_step}: "
                         f"resume from {newest}, or pass resume_older=true to go back to step {step}{logged}")
+    return resumed
 
 
 def last_training_row(metrics: Path) -> int | None:

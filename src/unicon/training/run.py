@@ -13,10 +13,11 @@
    ``config.yaml`` there (the same config goes into every checkpoint);
 4. build the model, or load it from ``resume`` / ``init_from`` (a ``model:`` section that
    describes another network than that checkpoint is refused), and turn on gradient checkpointing
-   and LoRA if asked: one call, ``unicon.models.checkpoints.load_for_training``;
+   and LoRA if asked: one call, ``unicon.models.checkpoints.load_for_training``, given the resume
+   checkpoint's dict that step 1 read;
 5. wrap it in :class:`~unicon.training.module.ConsistencyModule` (Algorithm 1) with the
    :class:`~unicon.training.datamodule.ConsistencyDataModule`;
-6. ``Trainer.fit`` (:func:`unicon.training.trainer.make_trainer`) with the strategy of
+6. ``Trainer.fit`` (:func:`unicon.training.trainer.fit`) with the strategy of
    ``trainer.strategy`` (``auto``, ``ddp``, ``fsdp``, ``deepspeed_zero2[_offload]``,
    ``deepspeed_zero3[_offload]`` -- the DeepSpeed ones read ``configs/strategy/<name>.json``),
    ModelCheckpoint in the run directory, Lightning's LearningRateMonitor (``train/lr/decay``,
@@ -53,14 +54,14 @@ from unicon.training.export import export_run
 from unicon.training.requeue import SlurmRequeue, install_slurm_requeue
 from unicon.training.resume import (
     CheckpointReads,
-    check_resume_is_newest,
     compose_resumed,
     requeue_checkpoint,
+    resume_checkpoint,
     slurm_restart_count,
 )
-from unicon.training.run_folder import claim_run_dir, release_run_dir, run_dir_of, write_run_config
+from unicon.training.run_folder import claimed_run_dir, run_dir_of, write_run_config
 from unicon.training.strategy import check_strategy, keeps_running_statistics, make_strategy
-from unicon.training.trainer import end_launched_ranks, make_eval_callbacks, make_trainer
+from unicon.training.trainer import fit, make_eval_callbacks
 
 
 EXAMPLES = """\
@@ -153,17 +154,53 @@ def compose_run(overrides: list[str], announce: bool = True, reads: CheckpointRe
 
 def train(cfg: DictConfig, extra_callbacks: list | None = None,
           reads: CheckpointReads | None = None) -> dict[str, Any]:
-    """Run one training job; returns ``{run_dir, ckpt_path, export_dir, wandb_dir, metrics}``.
-    ``reads``: the checkpoint reads of this start so far (:func:`compose_run`'s), shared."""
+    """Run one training job, the steps of the module docstring in order; returns ``{run_dir,
+    ckpt_path, export_dir, wandb_dir, metrics, global_step, counts}``. ``reads``: the checkpoint
+    reads of this start so far (:func:`compose_run`'s), shared."""
+    import lightning as L
+    import torch
+
+    from unicon.data.coco_mixture import image_resize_for
+    from unicon.loggers import log_run_artifacts, log_run_config, make_loggers, wandb_run_dir  # not for --help
+    from unicon.models.checkpoints import load_for_training  # lazy: pulls in every model backend (transformers)
+    from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
+    from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
+
     reads = reads if reads is not None else CheckpointReads()
-    check_start(cfg, reads)
+    resumed = check_start(cfg, reads)
     requeue = install_slurm_requeue(run_dir_of(cfg))  # before the model loads: SIGUSR1 can come then
     try:
-        lock = claim_run_dir(cfg)
-        try:
-            return _fit(cfg, extra_callbacks, requeue, reads)
-        finally:
-            release_run_dir(lock)
+        with claimed_run_dir(cfg) as run_dir:
+            eval_callbacks = make_eval_callbacks(cfg)  # a suite that cannot be built fails before any work
+            if cfg.trainer.cpu_threads:
+                torch.set_num_threads(int(cfg.trainer.cpu_threads))
+            L.seed_everything(cfg.seed, workers=True, verbose=False)
+            model = load_for_training(cfg, resumed)
+            del resumed  # the weights are in the model; the reads map files that ModelCheckpoint rewrites
+            reads.release()
+            # built with the model: it decides whether DDP broadcasts buffers before every forward
+            strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size,
+                                     broadcast_buffers=keeps_running_statistics(model))
+            write_run_config(run_dir, cfg)  # after the checks: a refused run leaves no files
+            module = ConsistencyModule(model, cfg)
+            datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
+                                               image_resize=image_resize_for(model))
+            loggers = make_loggers(cfg, run_dir, persist_run_id=True)  # resume / requeue: the same W&B run
+            log_run_config(loggers, cfg, model)  # flattened config, git commit, versions, weights fingerprint
+            trainer, checkpoint = fit(cfg, run_dir, module, datamodule, strategy, loggers, requeue,
+                                      [*eval_callbacks, *(extra_callbacks or [])])
+            export_dir = export_run(trainer, module, checkpoint.last_model_path, run_dir, cfg)
+            log_run_artifacts(loggers, cfg, export_dir, run_dir, step=trainer.global_step)  # logger.log_model=true
+            return {
+                "run_dir": str(run_dir),
+                "ckpt_path": checkpoint.last_model_path or checkpoint.best_model_path or None,
+                "export_dir": str(export_dir),
+                "wandb_dir": wandb_run_dir(loggers),
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()
+                            if torch.is_tensor(v) and v.numel() == 1},
+                "global_step": trainer.global_step,
+                "counts": dict(module.counts),
+            }
     except Preempted:
         if requeue is not None:
             requeue.on_preempted()  # requeue the job (rank 0); the other ranks exit 0
@@ -174,81 +211,20 @@ def train(cfg: DictConfig, extra_callbacks: list | None = None,
             requeue.uninstall()
 
 
-def check_start(cfg: DictConfig, reads: CheckpointReads) -> None:
+def check_start(cfg: DictConfig, reads: CheckpointReads) -> dict | None:
     """Refuse, before any work, what this run cannot start with: ``trainer.accelerator=gpu`` without
     CUDA, a strategy this machine cannot run (:func:`~unicon.training.strategy.check_strategy`:
-    DeepSpeed without its package or its CPU Adam op), a ``resume`` checkpoint that cannot be read or is older than another
-    one in its folder (:func:`~unicon.training.resume.check_resume_is_newest`)."""
+    DeepSpeed without its package or its CPU Adam op), a ``resume`` checkpoint that cannot be read or
+    is older than another one in its folder. Returns that checkpoint's dict
+    (:func:`~unicon.training.resume.resume_checkpoint`), which the network and its weights come
+    from; None without ``resume``."""
     import torch  # here, not at the top: unicon train --help needs no torch
 
     if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise UserError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA, but torch.cuda.is_available() is "
                         "False on this machine; use trainer=cpu")
     check_strategy(cfg.trainer.strategy, cfg.data.batch_size)
-    if cfg.resume:
-        check_resume_is_newest(cfg, reads)
-
-
-def build_training_model(cfg: DictConfig, reads: CheckpointReads | None = None):
-    """The UnifiedModel a run starts from, with the config's model options (dtype, freezing),
-    gradient checkpointing and LoRA applied (:func:`unicon.models.checkpoints.load_for_training`);
-    a resumed network's weights from the start's read of ``cfg.resume`` when ``reads`` holds one."""
-    # lazy: pulls in every model backend (transformers), not needed by unicon train --help
-    from unicon.models.checkpoints import load_for_training
-
-    resumed = reads.read(cfg.resume, cfg.model.allow_pickle) if reads is not None and cfg.resume else None
-    return load_for_training(cfg, resumed)
-
-
-def _fit(cfg: DictConfig, extra_callbacks: list | None, requeue: SlurmRequeue | None,
-         reads: CheckpointReads) -> dict[str, Any]:
-    """Steps 3-7 of a run in its claimed folder: seed, model, data, loggers, ``Trainer.fit``, export."""
-    import lightning as L
-    import torch
-
-    from unicon.data.coco_mixture import image_resize_for
-    from unicon.loggers import log_run_artifacts, log_run_config, make_loggers, wandb_run_dir  # not for --help
-    from unicon.training.datamodule import ConsistencyDataModule  # lazy: pulls in Lightning
-    from unicon.training.module import ConsistencyModule  # lazy: pulls in Lightning
-
-    run_dir = run_dir_of(cfg)
-    eval_callbacks = make_eval_callbacks(cfg)  # a suite that cannot be built fails before any work
-    if cfg.trainer.cpu_threads:
-        torch.set_num_threads(int(cfg.trainer.cpu_threads))
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    model = build_training_model(cfg, reads)
-    reads.release()  # the weights are in the model; the reads map files that ModelCheckpoint rewrites
-    # built with the model: it decides whether DDP broadcasts buffers before every forward
-    strategy = make_strategy(cfg.trainer.strategy, cfg.data.batch_size,
-                             broadcast_buffers=keeps_running_statistics(model))
-    write_run_config(run_dir, cfg)  # after the checks: a refused run leaves no files
-    module = ConsistencyModule(model, cfg)
-    datamodule = ConsistencyDataModule(cfg.data, seed=cfg.seed, with_contrast=cfg.loss.gamma > 0,
-                                       image_resize=image_resize_for(model))
-    loggers = make_loggers(cfg, run_dir, persist_run_id=True)  # resume / requeue: the same W&B run
-    log_run_config(loggers, cfg, model)  # flattened config, git commit, versions, weights fingerprint
-
-    trainer, checkpoint = make_trainer(cfg, run_dir, strategy, loggers, requeue,
-                                       [*eval_callbacks, *(extra_callbacks or [])])
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=not cfg.model.allow_pickle)
-    except BaseException:
-        end_launched_ranks(trainer)
-        raise
-
-    export_dir = run_dir / "export"
-    export_run(trainer, module, checkpoint.last_model_path, export_dir, cfg)
-    log_run_artifacts(loggers, cfg, export_dir, run_dir, step=trainer.global_step)  # logger.log_model=true
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-    return {
-        "run_dir": str(run_dir),
-        "ckpt_path": checkpoint.last_model_path or checkpoint.best_model_path or None,
-        "export_dir": str(export_dir) if export_dir else None,
-        "wandb_dir": wandb_run_dir(loggers),
-        "metrics": metrics,
-        "global_step": trainer.global_step,
-        "counts": dict(module.counts),
-    }
+    return resume_checkpoint(cfg, reads) if cfg.resume else None
 
 
 def train_from_overrides(overrides: list[str]) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """The run folder ``<output_dir>/<name>/``: :func:`claim_run_dir` creates and locks it (one run per
 folder; a folder that already holds a run is refused unless this run resumes it or
 ``overwrite=true`` deletes it), :func:`write_run_config` writes the resolved ``config.yaml`` into it,
-:func:`release_run_dir` unlocks it."""
+:func:`release_run_dir` unlocks it; :func:`claimed_run_dir` holds it for a ``with`` block."""
 
 from __future__ import annotations
 
 import fcntl
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -76,6 +78,16 @@ def claim_run_dir(cfg: DictConfig):
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     return lock
+
+
+@contextmanager
+def claimed_run_dir(cfg: DictConfig) -> Iterator[Path]:
+    """The run folder, claimed (:func:`claim_run_dir`) for the ``with`` block and released after it."""
+    lock = claim_run_dir(cfg)
+    try:
+        yield run_dir_of(cfg)
+    finally:
+        release_run_dir(lock)
 
 
 def write_run_config(run_dir: Path, cfg: DictConfig) -> None:

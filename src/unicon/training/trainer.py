@@ -1,8 +1,7 @@
-"""The Lightning ``Trainer`` of a run (:func:`make_trainer`): its callbacks (``ModelCheckpoint`` in the
-run folder, the log files, the SLURM requeue hooks, Lightning's ``LearningRateMonitor``
-(``train/lr/decay``, ``train/lr/no_decay``), the epoch-end evaluations of the enabled suites
-(:func:`make_eval_callbacks`), a rich progress bar) and plugins; :func:`end_launched_ranks` when
-``fit`` fails."""
+"""The Lightning ``Trainer`` of a run and its ``fit`` (:func:`fit`): the trainer's callbacks
+(``ModelCheckpoint`` in the run folder, the log files, the SLURM requeue hooks, Lightning's
+``LearningRateMonitor`` (``train/lr/decay``, ``train/lr/no_decay``), the epoch-end evaluations of the
+enabled suites (:func:`make_eval_callbacks`), a rich progress bar) and plugins (:func:`make_trainer`)."""
 
 from __future__ import annotations
 
@@ -77,17 +76,26 @@ def make_trainer(cfg: DictConfig, run_dir: Path, strategy, loggers: list, requeu
     return trainer, checkpoint
 
 
-def end_launched_ranks(trainer) -> None:
-    """Kill the ranks this process launched, when it fails. With ``trainer.devices`` > 1 outside
-    SLURM (or torchrun), Lightning's subprocess launcher starts ranks 1.. as children of rank 0 at
-    the start of ``fit``. A failing child ends them all (Lightning's observer kills every process);
-    a failing rank 0 left the children waiting for it: in the process group's rendezvous (rank 0
-    hosts its store) for the 30-minute timeout, or in a collective forever. Under SLURM each rank
-    is a task of its own, which ``srun --kill-on-bad-exit=1`` (slurm/train.sbatch) ends when another
-    one fails. A no-op in the launched ranks and with one process."""
+def fit(cfg: DictConfig, run_dir: Path, module, datamodule, strategy, loggers: list, requeue: SlurmRequeue | None,
+        more_callbacks: list):
+    """``(trainer, checkpoint)`` of :func:`make_trainer`, after ``trainer.fit`` of ``module`` on
+    ``datamodule``, from ``cfg.resume`` when set (optimizer, scheduler, step, loops).
+
+    When ``fit`` fails, the ranks this process launched are killed. With ``trainer.devices`` > 1
+    outside SLURM (or torchrun), Lightning's subprocess launcher starts ranks 1.. as children of
+    rank 0 at the start of ``fit``. A failing child ends them all (Lightning's observer kills every
+    process); a failing rank 0 left the children waiting for it: in the process group's rendezvous
+    (rank 0 hosts its store) for the 30-minute timeout, or in a collective forever. Under SLURM each
+    rank is a task of its own, which ``srun --kill-on-bad-exit=1`` (slurm/train.sbatch) ends when
+    another one fails. Nothing is killed in the launched ranks and with one process."""
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-    launcher = getattr(trainer.strategy, "launcher", None)
-    if isinstance(launcher, _SubprocessScriptLauncher):
-        launcher.kill(signal.SIGKILL)
-
+    trainer, checkpoint = make_trainer(cfg, run_dir, strategy, loggers, requeue, more_callbacks)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume, weights_only=not cfg.model.allow_pickle)
+    except BaseException:
+        launcher = getattr(trainer.strategy, "launcher", None)
+        if isinstance(launcher, _SubprocessScriptLauncher):
+            launcher.kill(signal.SIGKILL)
+        raise
+    return trainer, checkpoint
