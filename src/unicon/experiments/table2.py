@@ -8,7 +8,7 @@ shared by the methods), then its last epoch-end CocoCon evaluation is read from 
 * ``K``       -- "+ Cont. Pretrain": ``experiment=shapes_consistency_control`` (``loss.type=none``, λ = 0);
 * ``M``       -- soft-rank Spearman (Eq. 3) as ``experiment=shapes_consistency`` configures it, with
   the settings chosen on the validation split (sigmoid soft ranks, ``loss.direction=toward_gold``,
-  T2I's term at λ/4; the experiment file says why);
+  the gold candidate's place alone at λ = 4: the ``spearman_gold`` loss group; the files say why);
 * ``M_paper`` -- Eq. 3 as the paper writes it: torchsort's soft ranks, both tasks moving, one λ;
 * ``hinge``   -- "+ Hinge Loss": ``experiment=shapes_consistency loss=hinge``.
 
@@ -55,8 +55,8 @@ from unicon.errors import UserError
 METHODS: dict[str, list[str]] = {
     "K": ["experiment=shapes_consistency_control"],
     "M": ["experiment=shapes_consistency"],
-    "M_paper": ["experiment=shapes_consistency", "loss.soft_rank=torchsort", "loss.direction=mutual",
-                "loss.task_lambda.t2i=1.0"],
+    "M_paper": ["experiment=shapes_consistency", "loss=spearman", "loss.soft_rank=torchsort",
+                "loss.direction=mutual"],
     "hinge": ["experiment=shapes_consistency", "loss=hinge"],
 }
 TASKS = ("vqa", "localization", "t2i")
