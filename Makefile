@@ -46,17 +46,20 @@ TEST_WORKERS ?= auto
 test: $(DEV_STAMP) $(DS_STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH WANDB_MODE=offline $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
-# The demo: build ShapesWorld (seconds), then the paper's Table 2 rows K and M from the shipped base
-# model (checkpoints/shapes_base), the same data, seed and steps: K cross-entropy only, with
+# The demo: build ShapesWorld (the README's tour evaluates there) and its caption-gap variant (seconds
+# each), then the paper's Table 2 rows K and M on the caption-gap world from its shipped base model
+# (checkpoints/shapes_capgap_base), the same data, seed and steps: K cross-entropy only, with
 # epoch-end CocoCon; M consistency training, with epoch-end CocoCon / drift / UReason. Each stage
 # prints one line with its wall time, each run its headline table (C_1 and rho per task, first and
 # last epoch end) above the paths of what it wrote; the demo ends with M against K at the last epoch
 # end (`unicon report ... --baseline`, also at the top of M's report.html).
-BASE_MODEL := checkpoints/shapes_base
+DEMO_BASE_MODEL := checkpoints/shapes_capgap_base
 demo: $(STAMP)
 	@t0=$$(date +%s); test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes --workers 2 && \
-	  echo "demo: world ready ($$(( $$(date +%s) - t0 )) s)"
-	@test -f $(BASE_MODEL)/model.safetensors || { echo "demo: $(BASE_MODEL) is missing: make pretrained rebuilds it"; exit 2; }
+	  test -f data/shapes_capgap/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes_capgap \
+	    --caption-gap purple --caption-gap-keep 0 --workers 2 && \
+	  echo "demo: worlds ready ($$(( $$(date +%s) - t0 )) s)"
+	@test -f $(DEMO_BASE_MODEL)/model.safetensors || { echo "demo: $(DEMO_BASE_MODEL) is missing: unicon train experiment=shapes_capgap_base rebuilds it (checkpoints/README.md)"; exit 2; }
 	@t0=$$(date +%s); echo "$(VENV)/bin/unicon train experiment=shapes_demo_control overwrite=true $(ARGS)"; \
 	  $(VENV)/bin/unicon train experiment=shapes_demo_control overwrite=true $(ARGS) && \
 	  echo "demo: row K, cross-entropy only, with epoch-end CocoCon ($$(( $$(date +%s) - t0 )) s)"
@@ -69,6 +72,7 @@ demo: $(STAMP)
 # on the default world (runs/shapes_base), then copy its export to checkpoints/shapes_base with a
 # provenance file (the command, the commit, the world's fingerprint, the wall time and the evaluation
 # table measured by the project's own commands; scripts/ship_base_model.py).
+BASE_MODEL := checkpoints/shapes_base
 pretrained: $(STAMP)
 	@test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes --workers 2
 	$(VENV)/bin/python scripts/ship_base_model.py train --world data/shapes --out $(BASE_MODEL)

@@ -78,6 +78,7 @@ def ofa_fixture_dir(shared_dir) -> Path:
 
 #: the shipped base model (scripts/ship_base_model.py) and the command that rebuilds it
 SHIPPED_MODEL = REPO / "checkpoints" / "shapes_base"
+DEMO_BASE_MODEL = REPO / "checkpoints" / "shapes_capgap_base"  # make demo's start, on the caption-gap world
 REBUILD = "make pretrained"
 
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import standins
-from conftest import SHIPPED_MODEL
+from conftest import DEMO_BASE_MODEL, SHIPPED_MODEL
 from unicon.cli import main as unicon_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,6 +166,7 @@ def sandbox(tmp_path_factory) -> Path:
     shutil.copytree(pretrained / "Janus-Pro-1B", pretrained / "Janus-Pro-7B")
     standins.owlv2(top / "models" / "owlv2")
     shutil.copytree(SHIPPED_MODEL, proj / "checkpoints" / "shapes_base")  # tracked in the project, as on a clone
+    shutil.copytree(DEMO_BASE_MODEL, proj / "checkpoints" / "shapes_capgap_base")
     standins.qwen2_vl(top / "models" / "Qwen3-VL-8B")
     return proj
 
@@ -221,8 +222,11 @@ def test_readme_commands_run(sandbox, monkeypatch, capsys):
     order = list(RUNS)
     build = order.pop(0)
     run(build, proj, monkeypatch, capsys)  # data/shapes, used by every command after it
-    # what `make demo` does before the README's commands are useful: the demo run from the shipped model
+    # what `make demo` does before the README's commands are useful: its world (small), then the demo run from
+    # that world's shipped model
     monkeypatch.chdir(proj)
+    assert unicon_main(["build-data", "shapes", "--out", "data/shapes_capgap", "--caption-gap", "purple",
+                        "--caption-gap-keep", "0", *RUNS["unicon build-data shapes --out data/shapes"][0]]) == 0
     assert unicon_main(["train", "experiment=shapes_demo", "trainer.limit_train_batches=2", "eval.cococon.max_samples=4",
                         "eval.drift.num_chains=1", "eval.drift.generations=1", "eval.ureason.max_samples=2"]) == 0, \
         capsys.readouterr().err

@@ -262,8 +262,8 @@ def _figure_series(page: str, key: str) -> dict:
 
 
 def test_report_against_a_baseline_run(tmp_path, capsys):
-    """``unicon report RUN --baseline RUN_K``: per task, C_1 and rho at each run's last epoch end and
-    their difference, printed and at the top of report.md and report.html, with both runs' curves
+    """``unicon report RUN --baseline RUN_K``: per task, C_1, rho and acc@1 at each run's last epoch end
+    and their difference, then captioning's acc@1 and a probed word's rows, printed and at the top of report.md and report.html, with both runs' curves
     there (C_1 per evaluation, the training-batch ρ where logged); a baseline without CocoCon is an
     error naming it."""
     from unicon import cli
@@ -279,14 +279,19 @@ def test_report_against_a_baseline_run(tmp_path, capsys):
     # the training-batch rho: M's consistency steps log it, K (cross-entropy only) none
     rho = [{"step": 5, "train/loss": 1.0, "train/rho/vqa/ema": 0.25}, {"step": 15, "train/rho/vqa/ema": 0.5}]
     m = run("M", {("vqa", "C_1"): [80.0, 90.0], ("vqa", "rho"): [0.5, 0.75], ("t2i", "C_1"): [70.0, 60.0],
-                  ("t2i", "rho"): [0.25, 0.25]}, rho)
+                  ("t2i", "rho"): [0.25, 0.25], ("vqa", "acc@1"): [90.0, 95.0], ("caption", "acc@1"): [80.0, 85.0],
+                  ("probe/purple/caption", "acc@1"): [40.0, 70.0], ("probe/purple/vqa", "C_1"): [50.0, 75.0]}, rho)
     k = run("K", {("vqa", "C_1"): [80.0, 85.0], ("vqa", "rho"): [0.5, 0.5], ("t2i", "C_1"): [70.0, 62.5],
-                  ("t2i", "rho"): [0.25, 0.5]})
+                  ("t2i", "rho"): [0.25, 0.5], ("vqa", "acc@1"): [90.0, 93.0], ("caption", "acc@1"): [80.0, 80.0],
+                  ("probe/purple/caption", "acc@1"): [40.0, 50.0], ("probe/purple/vqa", "C_1"): [50.0, 60.0]})
     assert cli.main(["report", str(m), "--baseline", str(k), "--brief"]) == 0
     out = capsys.readouterr().out
     assert "M (run) against K (base)" in out
-    assert re.search(r"^vqa\s+90\.0\s+85\.0\s+\+5\.0\s+0\.750\s+0\.500\s+\+0\.250$", out, re.M), out
-    assert re.search(r"^t2i\s+60\.0\s+62\.5\s+-2\.5\s+0\.250\s+0\.500\s+-0\.250$", out, re.M), out
+    assert re.search(r"^vqa\s+90\.0\s+85\.0\s+\+5\.0\s+0\.750\s+0\.500\s+\+0\.250\s+95\.0\s+93\.0\s+\+2\.0$", out, re.M), out
+    assert re.search(r"^t2i\s+60\.0\s+62\.5\s+-2\.5\s+0\.250\s+0\.500\s+-0\.250(\s+-){3}$", out, re.M), out
+    assert re.search(r"^caption(\s+-){6}\s+85\.0\s+80\.0\s+\+5\.0$", out, re.M), out
+    assert re.search(r"^purple/caption(\s+-){6}\s+70\.0\s+50\.0\s+\+20\.0$", out, re.M), out
+    assert re.search(r"^purple/vqa\s+75\.0\s+60\.0\s+\+15\.0(\s+-){6}$", out, re.M), out
     assert "localization" not in out  # logged by neither run
     assert "## Against the baseline run" in (m / "report.md").read_text()
     summary = _section((m / "report.html").read_text(encoding="utf-8"), "summary")

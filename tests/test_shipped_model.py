@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REBUILD, REPO, SHIPPED_MODEL
+from conftest import DEMO_BASE_MODEL, REBUILD, REPO, SHIPPED_MODEL
 from unicon.cli import main as unicon_main
 
 PROVENANCE = SHIPPED_MODEL / "provenance.json"
@@ -72,17 +72,61 @@ def test_live_evaluation_finds_the_provenance_numbers(pretrained_shapes, tmp_pat
         assert live[key] == pytest.approx(recorded[key], abs=3 / recorded[f"{key}_n"]), key
 
 
-def test_make_demo_refuses_without_the_shipped_model_with_the_rebuild_command(tmp_path):
-    """Without checkpoints/shapes_base, `make demo` stops at once and names `make pretrained`."""
+def test_make_demo_refuses_without_its_shipped_model_with_the_rebuild_command(tmp_path):
+    """Without checkpoints/shapes_capgap_base (the demo's start), `make demo` stops at once and names the
+    command that trains it."""
     proj = tmp_path / "p"
-    (proj / "data" / "shapes").mkdir(parents=True)
-    (proj / "data" / "shapes" / "world.json").write_text("{}")
+    for world in ("shapes", "shapes_capgap"):
+        (proj / "data" / world).mkdir(parents=True)
+        (proj / "data" / world / "world.json").write_text("{}")
     (proj / "Makefile").symlink_to(REPO / "Makefile")
     venv = REPO / ".venv"
     proc = subprocess.run(["make", "-o", str(venv / ".unicon-installed"), "demo", f"VENV={venv}"], cwd=proj,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert REBUILD in proc.stdout + proc.stderr
+    assert "unicon train experiment=shapes_capgap_base" in proc.stdout + proc.stderr
+
+
+# -- checkpoints/shapes_capgap_base: the base model of the caption-gap world, the start of `make demo` --------
+
+CAPGAP_PROVENANCE = DEMO_BASE_MODEL / "provenance.json"
+
+
+@pytest.fixture(scope="module")
+def capgap_world(tmp_path_factory):
+    """The caption-gap world, built with the options its provenance records."""
+    command = json.loads(CAPGAP_PROVENANCE.read_text())["world"]["build_command"].split()
+    options = command[command.index("--out") + 2:]
+    sys.path.insert(0, str(REPO))
+    from data_builders.shapes import main as build_shapes
+
+    root = tmp_path_factory.mktemp("capgap_world")
+    assert build_shapes(["--out", str(root), *options, "--quiet", "--overwrite"]) == 0
+    return root
+
+
+def test_demo_base_model_loads_and_its_provenance_names_command_commit_world_and_figures():
+    from unicon.models import load_model
+
+    load_model(DEMO_BASE_MODEL)
+    p = json.loads(CAPGAP_PROVENANCE.read_text())
+    assert p["command"].startswith("unicon train experiment=shapes_pretrain") and "data.root=data/shapes_capgap" in p["command"]
+    assert "--caption-gap purple --caption-gap-keep 0" in p["world"]["build_command"]
+    assert len(p["git_commit"]) == 40 and len(p["world"]["fingerprint"]) == 64 and p["wall_time_s"] > 0
+    test = p["evaluations"]["cococon_test"]
+    assert test["command"].startswith("unicon evaluate cococon --ckpt checkpoints/shapes_capgap_base")
+    # the blind spot the demo is about: the base model captions purple far worse than VQA answers about it
+    purple = test["metrics"]["probe/purple"]
+    assert purple["caption_acc@1"] < purple["vqa"]["acc@1"] - 50
+
+
+@pytest.mark.slow
+def test_the_demo_world_is_rebuilt_bit_for_bit(capgap_world):
+    from unicon.worlds.shapes import load_world
+
+    assert load_world(capgap_world).fingerprint() == json.loads(CAPGAP_PROVENANCE.read_text())["world"]["fingerprint"], (
+        "the recorded `unicon build-data shapes --caption-gap ...` no longer builds the world "
+        f"{DEMO_BASE_MODEL} was trained on; retrain it (checkpoints/README.md)")
 
 
 def test_ship_script_help():

@@ -102,31 +102,51 @@ NOT_COMPARED = ("no CocoCon C_1 and rho logged for a task that this run logged t
                 "(the baseline must be a run with eval.cococon enabled)")
 
 
+def _last(series: dict, baseline: dict, key: str) -> dict[str, float] | None:
+    """``{run, baseline, difference}`` of ``key`` at each run's last logged value; None unless both logged it."""
+    mine, base = series.get(key), baseline.get(key)
+    if not mine or not base:
+        return None
+    return {"run": mine[-1][1], "baseline": base[-1][1], "difference": mine[-1][1] - base[-1][1]}
+
+
 def compare(series: dict, baseline: dict) -> list[dict[str, Any]]:
-    """Per CocoCon task, ``C_1`` and ``rho`` at the last epoch-end evaluation of a run (e.g. the
-    consistency-trained row M) and of a baseline run (e.g. its control K, the same data, seed and
-    steps), with their difference ``run - baseline``. Tasks logged by both runs only."""
+    """Per CocoCon task, ``C_1``, ``rho`` and ``acc@1`` at the last epoch-end evaluation of a run (e.g.
+    the consistency-trained row M) and of a baseline run (e.g. its control K, the same data, seed and
+    steps), with their difference ``run - baseline``; tasks whose ``C_1`` and ``rho`` both runs logged.
+    Then captioning's ``acc@1`` and, for each probed word (``eval.cococon.probe_words``) both runs
+    logged, the same rows on the samples about it (``<word>/caption``, ``<word>/<task>``)."""
     rows = []
     for task in HEADLINE_TASKS:
-        row: dict[str, Any] = {"task": task}
-        for metric in ("C_1", "rho"):
-            mine, base = series.get(f"cococon/{task}/{metric}"), baseline.get(f"cococon/{task}/{metric}")
-            if not mine or not base:
-                break
-            row[metric] = {"run": mine[-1][1], "baseline": base[-1][1], "difference": mine[-1][1] - base[-1][1]}
-        else:
+        row = {"task": task, **{m: v for m in ("C_1", "rho", "acc@1") if (v := _last(series, baseline, f"cococon/{task}/{m}"))}}
+        if "C_1" in row and "rho" in row:
             rows.append(row)
+    if rows and (caption := _last(series, baseline, "cococon/caption/acc@1")):
+        rows.append({"task": "caption", "acc@1": caption})
+    words = sorted({k.split("/")[2] for k in series if k.startswith("cococon/probe/") and k.endswith("/caption/acc@1")
+                    and k.count("/") == 4})
+    for word in words if rows else ():
+        for task in ("caption", *HEADLINE_TASKS):
+            row = {"task": f"{word}/{task}", **{m: v for m in ("C_1", "rho", "acc@1")
+                                                if (v := _last(series, baseline, f"cococon/probe/{word}/{task}/{m}"))}}
+            if len(row) > 1:
+                rows.append(row)
     return rows
 
 
 def comparison_text(rows: list[dict[str, Any]], run: str, baseline: str) -> str:
-    """:func:`compare` as plain text, one line per task."""
-    head = f"{'task':<14}{'C_1 run':>9}{'C_1 base':>10}{'change':>8}{'rho run':>9}{'rho base':>10}{'change':>8}"
+    """:func:`compare` as plain text, one line per row (``-`` where a row has no such metric)."""
+    head = (f"{'task':<20}{'C_1 run':>9}{'C_1 base':>10}{'change':>8}{'rho run':>9}{'rho base':>10}{'change':>8}"
+            f"{'acc@1 run':>11}{'acc@1 base':>12}{'change':>8}")
     lines = [f"CocoCon at the last epoch end: {run} (run) against {baseline} (base)", head]
+    formats = {"C_1": (9, 10, ".1f"), "rho": (9, 10, ".3f"), "acc@1": (11, 12, ".1f")}
     for r in rows:
-        c, p = r["C_1"], r["rho"]
-        lines.append(f"{r['task']:<14}{c['run']:>9.1f}{c['baseline']:>10.1f}{c['difference']:>+8.1f}"
-                     f"{p['run']:>9.3f}{p['baseline']:>10.3f}{p['difference']:>+8.3f}")
+        cells = []
+        for metric, (w_run, w_base, f) in formats.items():
+            v = r.get(metric)
+            cells.append("-".rjust(w_run) + "-".rjust(w_base) + "-".rjust(8) if v is None else
+                         f"{v['run']:>{w_run}{f}}{v['baseline']:>{w_base}{f}}{v['difference']:>+8{f}}")
+        lines.append(f"{r['task']:<20}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -167,13 +187,18 @@ def comparison_html(rows: list[dict[str, Any]], baseline: str | Path, series: di
         cls = "ok" if v > 0 else "bad" if v < 0 else ""
         return f'<td class="num {cls}">{h.num(v)}</td>'
 
-    body = [[f"<td>{h.esc(r['task'])}</td>", h.td(r["C_1"]["run"]), h.td(r["C_1"]["baseline"]), diff(r["C_1"]["difference"]),
-             h.td(r["rho"]["run"]), h.td(r["rho"]["baseline"]), diff(r["rho"]["difference"])] for r in rows]
-    out = (h.table(["task", "C_1 this run", "C_1 baseline", "change", "rho this run", "rho baseline", "change"],
-                   body, "comparison")
-           + '<p class="note">CocoCon at the last epoch-end evaluation of each run.</p>')
+    def cells(v: dict[str, float] | None) -> list[str]:
+        return ['<td class="num">-</td>'] * 3 if v is None else [h.td(v["run"]), h.td(v["baseline"]), diff(v["difference"])]
+
+    body = [[f"<td>{h.esc(r['task'])}</td>", *cells(r.get("C_1")), *cells(r.get("rho")), *cells(r.get("acc@1"))]
+            for r in rows]
+    out = (h.table(["task", "C_1 this run", "C_1 baseline", "change", "rho this run", "rho baseline", "change",
+                    "acc@1 this run", "acc@1 baseline", "change"], body, "comparison")
+           + '<p class="note">CocoCon at the last epoch-end evaluation of each run; a probed word\'s rows '
+             '(<code>word/task</code>) are on the samples about it.</p>')
     runs = {"this run": series, "baseline": baseline_series}
-    c1 = {r["task"]: {label: list(s[f"cococon/{r['task']}/C_1"]) for label, s in runs.items()} for r in rows}
+    c1 = {r["task"]: {label: list(s[f"cococon/{r['task']}/C_1"]) for label, s in runs.items()}
+          for r in rows if r["task"] in HEADLINE_TASKS}
     figures = [_pair_figure(c1, "C_1 (%)", "comparison/C_1", "C_1 at each epoch-end evaluation, both runs")]
     rho = {t: lines for t in HEADLINE_TASKS
            if (lines := {label: list(s[f"train/rho/{t}/ema"]) for label, s in runs.items() if f"train/rho/{t}/ema" in s})}
