@@ -371,7 +371,7 @@ def test_report_skips_and_counts_unreadable_lines(tmp_path):
 def test_command_line_group_choice_beats_the_experiment():
     cfg = compose(["experiment=shapes_consistency", "eval=none"])
     assert not (cfg.eval.cococon.enabled or cfg.eval.drift.enabled or cfg.eval.ureason.enabled)
-    assert cfg.loss.lambda_ == 0.25 and cfg.name == "shapes_consistency"  # the rest of the experiment stays
+    assert cfg.loss.lambda_ == 4.0 and cfg.name == "shapes_consistency"  # the rest of the experiment stays
     assert compose(["experiment=shapes_consistency", "loss=hinge"]).loss.type == "hinge"
 
 
