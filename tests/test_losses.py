@@ -205,6 +205,27 @@ def test_toward_gold_moves_only_the_task_that_misranks_the_gold(loss_type):
     assert g0[0] == 0 and gi[0] > 0 and g0[1] > 0 and gi[1] == 0
     assert (g0[2:] > 0).all() and (gi[2:] > 0).all()
     assert all((g > 0).all() for g in grads["mutual"])
+
+
+@pytest.mark.parametrize("loss_type", ["spearman", "hinge"])
+def test_toward_gold_strict_leaves_out_the_examples_where_neither_task_ranks_the_gold_first(loss_type):
+    """loss.direction=toward_gold_strict: toward_gold's gradients on the examples where a task ranks the gold
+    first, none where neither does, and the mean over the examples kept: the loss of the kept rows alone."""
+    s0 = torch.tensor([[0.0, 0.1, 0.2, 3.0],    # only s0 ranks gold first -> only si moves
+                       [0.1, 0.0, 0.2, 3.0],    # neither ranks gold first -> left out
+                       [0.0, 0.2, 0.1, 3.0]])   # both rank gold first -> both move
+    si = torch.tensor([[0.2, 0.1, 0.0, 3.0],
+                       [0.2, 0.1, 0.0, 3.0],
+                       [0.0, 0.1, 0.2, 3.0]])
+    a, b = s0.clone().requires_grad_(), si.clone().requires_grad_()
+    loss = consistency_loss(loss_type, a, b, direction="toward_gold_strict")
+    loss.backward()
+    g0, gi = a.grad.abs().sum(1), b.grad.abs().sum(1)
+    assert g0[0] == 0 and gi[0] > 0 and g0[1] == 0 and gi[1] == 0 and g0[2] > 0 and gi[2] > 0
+    kept = consistency_loss(loss_type, s0[[0, 2]], si[[0, 2]], direction="toward_gold")
+    assert loss.item() == pytest.approx(kept.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="toward_gold_strict"):
+        consistency_loss(loss_type, s0, si, direction="sideways")
     with pytest.raises(ValueError, match="loss.direction"):
         consistency_loss(loss_type, s0, si, direction="sideways")
 

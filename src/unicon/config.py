@@ -220,9 +220,10 @@ class LossConfig:
     # a loss call divided by the RMS of those rows' stds, no 1/std-growing gradient; losses/consistency.py)
     rank_scale: str = choice("row", ("row", "batch"))
     hinge_margin: float = bounded(0.1, 0.0)
-    # "mutual" (Eq. 3: both tasks move) or "toward_gold" (ours: where only one task ranks the gold
-    # first, only the other one moves; losses/consistency.py)
-    direction: str = choice("mutual", ("mutual", "toward_gold"))
+    # "mutual" (Eq. 3: both tasks move), "toward_gold" (ours: where only one task ranks the gold
+    # first, only the other one moves) or "toward_gold_strict" (ours: as toward_gold, and an example
+    # where neither task ranks the gold first is left out; losses/consistency.py)
+    direction: str = choice("mutual", ("mutual", "toward_gold", "toward_gold_strict"))
     tasks: list[str] = choice(list(EVAL_TASKS), EVAL_TASKS, each=True)  # evaluation tasks t_i
     # per evaluation task, a factor on its examples' L_const terms (λ_t = λ · factor; 1 when absent)
     task_lambda: dict[str, float] = field(default_factory=dict)

@@ -106,7 +106,11 @@ where VQA knows a concept that captioning does not (``unicon build-data shapes -
 the mutual loss reached agreement by moving the task that was right: on the probed samples M
 raised VQA C₁ while VQA accuracy fell from 84-95% to 58-82%
 (docs/notebook/2026-11-27-shapes-consistency-notebook.md). The gold label is the one the L_ce term
-of the same step already uses.
+of the same step already uses. ``toward_gold_strict`` (ours): as ``toward_gold``, and an example where
+neither task ranks the gold first is left out of the loss (and of its mean): pulling two wrong orders
+together makes the tasks agree in error, which C_k counts as consistent (on ShapesWorld's location
+contrasts, where captioning is below chance, ``toward_gold`` raised VQA's C_1 while its accuracy fell:
+docs/notebook/2026-12-03-the-method-shown.md).
 
 :func:`rank_diagnostics` reports, per consistency step, the hard-rank Spearman ρ between the
 two tasks and the mean |soft rank − hard rank| of the ranks the loss uses (near 0: the loss
@@ -236,11 +240,13 @@ def spearman_rank_loss(
     rank_terms: str = "all",
     scale: str = "row",
     tasks=None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 3, ``½‖R(z0) − R(zi)‖²`` per example on rank-scaled scores, mean over examples (module
     docstring); ``rank_terms="gold"``: the gold candidate's term only; ``weight``: ``[B]`` factors
     of the examples' terms (see :func:`_reduce`); ``scale``: ``loss.rank_scale`` (``row`` | ``batch``;
-    with ``batch``, ``tasks`` labels each row's evaluation task: one scale per task for ``si``)."""
+    with ``batch``, ``tasks`` labels each row's evaluation task: one scale per task for ``si``); ``keep``:
+    ``[B]`` bool, the examples that may enter the loss (the others are left out of it and of its mean)."""
     if rank_terms not in RANK_TERMS:
         raise ValueError(f"loss.rank_terms must be one of {', '.join(RANK_TERMS)}, got {rank_terms!r}")
     mask = _check(s0, si, mask)
@@ -260,6 +266,8 @@ def spearman_rank_loss(
         value = torch.where(broken, float("nan"), 0.5 * (diff ** 2).sum(1))
         per_example = per_example.index_put((rows,), torch.where(ok, value, 0.0))
         valid = valid.index_put((rows,), ok)
+    if keep is not None:
+        valid = valid & keep
     return _reduce(per_example, valid, reduction, all_reduce, weight)
 
 
@@ -273,9 +281,10 @@ def hinge_rank_loss(
     weight: torch.Tensor | None = None,
     scale: str = "row",
     tasks=None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Symmetric pairwise margin-ranking loss between the two tasks' orderings of rank-scaled scores
-    (``scale``, ``tasks``: as for :func:`spearman_rank_loss`)."""
+    (``scale``, ``tasks``, ``keep``: as for :func:`spearman_rank_loss`)."""
     mask = _check(s0, si, mask)
     scale0, scalei = _scales(s0, si, mask, scale, tasks)
     B, K = s0.shape
@@ -294,7 +303,8 @@ def hinge_rank_loss(
     counted = pair & ((sign0 != 0) | (signi != 0))
     n_pairs = counted.sum((1, 2))
     per_example = (term * counted).sum((1, 2)) / n_pairs.clamp(min=1)
-    return _reduce(per_example, n_pairs > 0, reduction, all_reduce, weight)
+    valid = n_pairs > 0 if keep is None else (n_pairs > 0) & keep
+    return _reduce(per_example, valid, reduction, all_reduce, weight)
 
 
 def _reduce(per_example: torch.Tensor, valid: torch.Tensor, reduction: str, all_reduce=None,
@@ -334,7 +344,7 @@ def toward_gold(s0: torch.Tensor, si: torch.Tensor, mask: torch.Tensor) -> tuple
     return s0, si
 
 
-DIRECTIONS = ("mutual", "toward_gold")
+DIRECTIONS = ("mutual", "toward_gold", "toward_gold_strict")
 
 
 def consistency_loss(
@@ -354,24 +364,28 @@ def consistency_loss(
     all_reduce=None,
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``) after ``loss.direction``
-    (``mutual`` | ``toward_gold``); ``soft_rank`` and ``rank_terms``: the Spearman loss's ranks and
-    terms; ``rank_scale`` (``row`` | ``batch``) and ``tasks`` (each row's evaluation task): the
-    rank scale of both rank losses; ``all_reduce`` and ``weight`` (``[B]``, e.g. each example's
-    task λ factor): see :func:`_reduce`."""
+    """Dispatch on ``loss.type`` (``spearman`` | ``hinge`` | ``none``) after ``loss.direction`` (``mutual``
+    | ``toward_gold`` | ``toward_gold_strict``); ``soft_rank`` and ``rank_terms``: the Spearman loss's
+    ranks and terms; ``rank_scale`` (``row`` | ``batch``) and ``tasks`` (each row's evaluation task):
+    the rank scale of both rank losses; ``all_reduce`` and ``weight`` (``[B]``, e.g. each example's task
+    λ factor): see :func:`_reduce`."""
     if direction not in DIRECTIONS:
         raise ValueError(f"loss.direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     if rank_scale not in RANK_SCALES:
         raise ValueError(f"loss.rank_scale must be one of {', '.join(RANK_SCALES)}, got {rank_scale!r}")
-    if direction == "toward_gold" and loss_type != "none":
-        s0, si = toward_gold(s0, si, _check(s0, si, mask))
+    keep = None
+    if direction in ("toward_gold", "toward_gold_strict") and loss_type != "none":
+        checked = _check(s0, si, mask)
+        if direction == "toward_gold_strict":
+            keep = gold_first(s0, checked) | gold_first(si, checked)
+        s0, si = toward_gold(s0, si, checked)
     if loss_type == "spearman":
         return spearman_rank_loss(s0, si, mask, regularization, regularization_strength,
                                   all_reduce=all_reduce, soft_rank=soft_rank, weight=weight, rank_terms=rank_terms,
-                                  scale=rank_scale, tasks=tasks)
+                                  scale=rank_scale, tasks=tasks, keep=keep)
     if loss_type == "hinge":
         return hinge_rank_loss(s0, si, mask, margin, all_reduce=all_reduce, weight=weight,
-                               scale=rank_scale, tasks=tasks)
+                               scale=rank_scale, tasks=tasks, keep=keep)
     if loss_type == "none":
         _check(s0, si, mask)
         return s0.new_zeros((), dtype=torch.float32)

@@ -118,7 +118,8 @@ def compare(series: dict, baseline: dict) -> list[dict[str, Any]]:
     logged, the same rows on the samples about it (``<word>/caption``, ``<word>/<task>``)."""
     rows = []
     for task in HEADLINE_TASKS:
-        row = {"task": task, **{m: v for m in ("C_1", "rho", "acc@1") if (v := _last(series, baseline, f"cococon/{task}/{m}"))}}
+        row = {"task": task, **{m: v for m in ("C_1", "rho", "acc@1")
+                                if (v := _last(series, baseline, f"cococon/{task}/{m}"))}}
         if "C_1" in row and "rho" in row:
             rows.append(row)
     if rows and (caption := _last(series, baseline, "cococon/caption/acc@1")):
