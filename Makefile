@@ -55,9 +55,9 @@ test: $(DEV_STAMP) $(DS_STAMP)
 # end (`unicon report ... --baseline`, also at the top of M's report.html).
 DEMO_BASE_MODEL := checkpoints/shapes_capgap_base
 demo: $(STAMP)
-	@t0=$$(date +%s); test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes --workers 2 && \
-	  test -f data/shapes_capgap/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes_capgap \
-	    --caption-gap purple --caption-gap-keep 0 --workers 2 && \
+	@t0=$$(date +%s); { test -f data/shapes/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes --workers 2; } && \
+	  { test -f data/shapes_capgap/world.json || $(VENV)/bin/unicon build-data shapes --out data/shapes_capgap \
+	    --caption-gap purple --caption-gap-keep 0 --workers 2; } && \
 	  echo "demo: worlds ready ($$(( $$(date +%s) - t0 )) s)"
 	@test -f $(DEMO_BASE_MODEL)/model.safetensors || { echo "demo: $(DEMO_BASE_MODEL) is missing: unicon train experiment=shapes_capgap_base rebuilds it (checkpoints/README.md)"; exit 2; }
 	@t0=$$(date +%s); echo "$(VENV)/bin/unicon train experiment=shapes_demo_control overwrite=true $(ARGS)"; \
