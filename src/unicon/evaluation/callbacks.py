@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from unicon.evaluation import preemption
-from unicon.evaluation.framework import EvalRun
+from unicon.evaluation.framework import EvalRun, eval_mode
 from unicon.evaluation.logs import log_metrics
 
 log = logging.getLogger(__name__)
@@ -91,17 +91,14 @@ class SuiteCallback(Callback):
         if trainer.sanity_checking:
             return
         model = getattr(pl_module, "model", pl_module)
-        was_training = model.training
-        model.eval()
         start = time.perf_counter()
-        try:
-            with torch.no_grad(), preemption.watch_signals(), gathered_parameters(trainer, model):
+        try:  # eval_mode restores the model's training mode before any handler below runs
+            with eval_mode(model), preemption.watch_signals(), gathered_parameters(trainer, model):
                 metrics = dict(self.evaluate(trainer, model))
             metrics[f"{self.name}/failed"] = 0.0
         except preemption.Preempted as e:
             # the epoch's training is complete: save it, so that a resumed run starts the next epoch
             # (this evaluation is not redone), and end the run
-            model.train(was_training)
             e.checkpoint = str(Path(trainer.default_root_dir) / "last.ckpt")
             log.warning("%s evaluation preempted (%s) at epoch %d; writing %s", self.name, e,
                         trainer.current_epoch, e.checkpoint)
@@ -112,8 +109,6 @@ class SuiteCallback(Callback):
                 raise
             log.exception("%s evaluation failed at epoch %d; training continues", self.name, trainer.current_epoch)
             metrics = {f"{self.name}/failed": 1.0}
-        finally:
-            model.train(was_training)
         metrics[f"{self.name}/seconds"] = time.perf_counter() - start
         self.last_metrics = metrics
         log_metrics(trainer.loggers, metrics, step=trainer.global_step)

@@ -145,7 +145,7 @@ def resume_checkpoint(cfg: DictConfig, reads: CheckpointReads) -> dict:
     resumed = reads.read(cfg.resume, allow_pickle)  # readable, ours
     if cfg.resume_older:
         return resumed
-    step = int(resumed.get("global_step", -1))
+    step = reads.step(cfg.resume, allow_pickle)  # from the read above
     resume = Path(cfg.resume)
     newest, newest_step = None, step
     for path in folder_checkpoints(resume.parent):

@@ -110,29 +110,27 @@ def _last(series: dict, baseline: dict, key: str) -> dict[str, float] | None:
     return {"run": mine[-1][1], "baseline": base[-1][1], "difference": mine[-1][1] - base[-1][1]}
 
 
+def _row(label: str, prefix: str, series: dict, baseline: dict) -> dict[str, Any]:
+    """``{"task": label, metric: _last(...)}`` for each of ``C_1``, ``rho``, ``acc@1`` logged under
+    ``<prefix>/<metric>`` by both runs."""
+    return {"task": label, **{m: v for m in ("C_1", "rho", "acc@1") if (v := _last(series, baseline, f"{prefix}/{m}"))}}
+
+
 def compare(series: dict, baseline: dict) -> list[dict[str, Any]]:
     """Per CocoCon task, ``C_1``, ``rho`` and ``acc@1`` at the last epoch-end evaluation of a run (e.g.
     the consistency-trained row M) and of a baseline run (e.g. its control K, the same data, seed and
     steps), with their difference ``run - baseline``; tasks whose ``C_1`` and ``rho`` both runs logged.
     Then captioning's ``acc@1`` and, for each probed word (``eval.cococon.probe_words``) both runs
     logged, the same rows on the samples about it (``<word>/caption``, ``<word>/<task>``)."""
-    rows = []
-    for task in HEADLINE_TASKS:
-        row = {"task": task, **{m: v for m in ("C_1", "rho", "acc@1")
-                                if (v := _last(series, baseline, f"cococon/{task}/{m}"))}}
-        if "C_1" in row and "rho" in row:
-            rows.append(row)
-    if rows and (caption := _last(series, baseline, "cococon/caption/acc@1")):
-        rows.append({"task": "caption", "acc@1": caption})
+    rows = [row for task in HEADLINE_TASKS
+            if {"C_1", "rho"} <= (row := _row(task, f"cococon/{task}", series, baseline)).keys()]
+    if not rows:
+        return rows
     words = sorted({k.split("/")[2] for k in series if k.startswith("cococon/probe/") and k.endswith("/caption/acc@1")
                     and k.count("/") == 4})
-    for word in words if rows else ():
-        for task in ("caption", *HEADLINE_TASKS):
-            row = {"task": f"{word}/{task}", **{m: v for m in ("C_1", "rho", "acc@1")
-                                                if (v := _last(series, baseline, f"cococon/probe/{word}/{task}/{m}"))}}
-            if len(row) > 1:
-                rows.append(row)
-    return rows
+    labelled = [("caption", "cococon/caption")] + [(f"{w}/{t}", f"cococon/probe/{w}/{t}")
+                                                    for w in words for t in ("caption", *HEADLINE_TASKS)]
+    return rows + [row for label, prefix in labelled if len(row := _row(label, prefix, series, baseline)) > 1]
 
 
 def comparison_text(rows: list[dict[str, Any]], run: str, baseline: str) -> str:
