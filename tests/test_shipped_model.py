@@ -74,7 +74,7 @@ def test_live_evaluation_finds_the_provenance_numbers(pretrained_shapes, tmp_pat
 
 def test_make_demo_refuses_without_its_shipped_model_with_the_rebuild_command(tmp_path):
     """Without checkpoints/shapes_capgap_base (the demo's start), `make demo` stops at once and names the
-    command that trains it."""
+    command that makes it."""
     proj = tmp_path / "p"
     for world in ("shapes", "shapes_capgap"):
         (proj / "data" / world).mkdir(parents=True)
@@ -84,7 +84,7 @@ def test_make_demo_refuses_without_its_shipped_model_with_the_rebuild_command(tm
     proc = subprocess.run(["make", "-o", str(venv / ".unicon-installed"), "demo", f"VENV={venv}"], cwd=proj,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "unicon train experiment=shapes_capgap_base" in proc.stdout + proc.stderr
+    assert "make pretrained BASE=shapes_capgap_base" in proc.stdout + proc.stderr
 
 
 # -- checkpoints/shapes_capgap_base: the base model of the caption-gap world, the start of `make demo` --------
@@ -127,6 +127,29 @@ def test_the_demo_world_is_rebuilt_bit_for_bit(capgap_world):
     assert load_world(capgap_world).fingerprint() == json.loads(CAPGAP_PROVENANCE.read_text())["world"]["fingerprint"], (
         "the recorded `unicon build-data shapes --caption-gap ...` no longer builds the world "
         f"{DEMO_BASE_MODEL} was trained on; retrain it (checkpoints/README.md)")
+
+
+def test_ship_script_knows_each_shipped_model_its_experiment_and_world(tmp_path):
+    """Every model `make pretrained BASE=...` ships has its experiment config, trains on its own world, and the
+    world options the script builds it with are the ones its tracked provenance records."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import ship_base_model
+    from unicon.config import compose
+
+    assert set(ship_base_model.MODELS) == {"shapes_base", "shapes_capgap_base"}
+    for name, spec in ship_base_model.MODELS.items():
+        cfg = compose([f"experiment={name}"])
+        assert cfg.data.root == str(spec.world), name
+        world = tmp_path / name
+        world.mkdir()
+        (world / "world.json").write_text("{}")  # present: build_world only returns its command
+        command = ship_base_model.build_world(world, spec.world_options)
+        recorded = json.loads((REPO / "checkpoints" / name / "provenance.json").read_text())["world"]
+        if "build_command" in recorded:
+            options = recorded["build_command"].split()
+            assert command[command.index("--out") + 2:] == options[options.index("--out") + 2:], name
+        else:
+            assert not spec.world_options, name
 
 
 def test_ship_script_help():
