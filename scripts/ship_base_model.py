@@ -225,7 +225,7 @@ def evaluate(args: argparse.Namespace) -> int:
     for path in sorted((run_dir / "export").iterdir()):
         if path.is_file():
             shutil.copy2(path, out / path.name)
-    fill = {"model": str(out), "world": str(world), "out": str(run_dir / "ship_eval")}
+    fill = {"model": str(out), "world": str(world), "out": f"runs/{args.experiment}/ship_eval"}
     extra: dict[str, Any] = {}
     named = " ".join(a for _, argv, _ in spec.evaluations for a in argv)
     if "{other_world}" in named:
@@ -243,7 +243,7 @@ def evaluate(args: argparse.Namespace) -> int:
     evaluations: dict[str, Any] = {}
     for name, argv, summary in spec.evaluations:
         argv = [a.format(**fill) for a in argv]
-        folder = Path(argv[argv.index("--out") + 1])
+        folder = REPO / argv[argv.index("--out") + 1]
         if folder.exists():
             shutil.rmtree(folder)
         t0 = time.monotonic()
