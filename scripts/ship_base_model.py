@@ -220,6 +220,9 @@ def evaluate(args: argparse.Namespace) -> int:
     world = args.world or spec.world
     run_dir = REPO / "runs" / args.experiment
     ship = json.loads((run_dir / "ship.json").read_text())
+    # before the export is copied over the tracked model: whether the code that evaluates differs from its commit
+    evaluated_at = {"git_commit": git("rev-parse", "HEAD"),
+                    "tracked_files_changed": bool(git("status", "--porcelain", "--untracked-files=no"))}
     out = Path(args.out or f"checkpoints/{args.experiment}")
     out.mkdir(parents=True, exist_ok=True)
     for path in sorted((run_dir / "export").iterdir()):
@@ -260,8 +263,7 @@ def evaluate(args: argparse.Namespace) -> int:
         table.append({"name": target_name, "evaluation": evaluation, "value": value, "target": target,
                       "met": None if target is None or value is None else value >= target})
     provenance = {"model": str(out), "experiment": args.experiment, **ship, **extra,
-                  "evaluated_at": {"git_commit": git("rev-parse", "HEAD"),
-                                   "tracked_files_changed": bool(git("status", "--porcelain", "--untracked-files=no"))},
+                  "evaluated_at": evaluated_at,
                   "evaluations": evaluations, "table": table}
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2, allow_nan=False) + "\n")
     width = max(len(r["name"]) for r in table)

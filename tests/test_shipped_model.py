@@ -110,7 +110,7 @@ def test_demo_base_model_loads_and_its_provenance_names_command_commit_world_and
 
     load_model(DEMO_BASE_MODEL)
     p = json.loads(CAPGAP_PROVENANCE.read_text())
-    assert p["command"].startswith("unicon train experiment=shapes_pretrain") and "data.root=data/shapes_capgap" in p["command"]
+    assert p["command"].startswith("unicon train experiment=shapes_capgap_base data.root=data/shapes_capgap")
     assert "--caption-gap purple --caption-gap-keep 0" in p["world"]["build_command"]
     assert len(p["git_commit"]) == 40 and len(p["world"]["fingerprint"]) == 64 and p["wall_time_s"] > 0
     test = p["evaluations"]["cococon_test"]
