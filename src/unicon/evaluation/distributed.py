@@ -64,12 +64,18 @@ def shard_indices(n: int, rank: int | None = None, world_size: int | None = None
     if (resolved := _this_rank(rank, world_size)) is None:
         return []
     rank, world_size = resolved
-    if world_size == 1:
-        return list(range(n))
-    if n == 0:
+    return list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=False))
+
+
+def owned_indices(n: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
+    """This rank's :func:`shard_indices` without its padding repeats: every index of ``range(n)`` is
+    owned by exactly one rank (the one whose record :func:`gather_records` keeps). The sampler deals
+    position ``p`` of ``range(n)`` followed by its padding to rank ``p % world_size``, so a rank owns
+    ``range(rank, n, world_size)``."""
+    if (resolved := _this_rank(rank, world_size)) is None:
         return []
-    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=False)
-    return list(sampler)
+    rank, world_size = resolved
+    return list(range(rank, n, world_size))
 
 
 def padding_repeats(n: int, rank: int | None = None, world_size: int | None = None) -> set[int]:
@@ -78,19 +84,7 @@ def padding_repeats(n: int, rank: int | None = None, world_size: int | None = No
     per-sample states (counts, FID features) leaves them out."""
     if (resolved := _this_rank(rank, world_size)) is None:
         return set()
-    rank, world_size = resolved
-    lower = {i for r in range(rank) for i in shard_indices(n, r, world_size)}
-    return lower & set(shard_indices(n, rank, world_size))
-
-
-def owned_indices(n: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
-    """This rank's :func:`shard_indices` without its padding repeats: every index of ``range(n)`` is
-    owned by exactly one rank (the one whose record :func:`gather_records` keeps)."""
-    if (resolved := _this_rank(rank, world_size)) is None:
-        return []
-    rank, world_size = resolved
-    repeats = padding_repeats(n, rank, world_size)
-    return [i for i in dict.fromkeys(shard_indices(n, rank, world_size)) if i not in repeats]
+    return set(shard_indices(n, *resolved)) - set(owned_indices(n, *resolved))
 
 
 def gather_objects(obj: T) -> list[T]:
