@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import fcntl
 import json
-import os
 import shutil
 import tempfile
 import typing
@@ -78,26 +77,27 @@ def _base_type(hint) -> tuple[type, bool]:
     raise TypeError(f"no command-line form for a field of type {hint!r}")
 
 
-def config_fields(cls: type, skip: Sequence[str] = ()) -> list[dataclasses.Field]:
-    """The fields of eval section ``cls`` that get a flag (``skip`` and :data:`EPOCH_END_ONLY` left out)."""
-    return [f for f in dataclasses.fields(cls) if f.name not in (*EPOCH_END_ONLY, *skip)]
-
-
-def add_config_args(p: argparse.ArgumentParser, cls: type, flags: Mapping[str, Flag] | None = None,
-                    skip: Sequence[str] = ()) -> None:
-    """One flag per field of the eval dataclass ``cls`` (see the module docstring)."""
+def _flag_fields(cls: type, flags: Mapping[str, Flag] | None, skip: Sequence[str]) -> Iterator[tuple]:
+    """``(field, its Flag, its flag names, element type, is_list)`` of each field of eval section ``cls``
+    that gets a flag (``skip`` and :data:`EPOCH_END_ONLY` left out)."""
     flags = dict(flags or {})
     unknown = set(flags) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise TypeError(f"flags for fields {sorted(unknown)} that {cls.__name__} does not have")
     hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in (*EPOCH_END_ONLY, *skip):
+            spec = flags.get(f.name, Flag())
+            yield f, spec, spec.names or (f"--{f.name.replace('_', '-')}",), *_base_type(hints[f.name])
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, flags: Mapping[str, Flag] | None = None,
+                    skip: Sequence[str] = ()) -> None:
+    """One flag per field of the eval dataclass ``cls`` (see the module docstring)."""
     g = p.add_argument_group(f"settings shared with the run config ({cls.__name__})")
-    for f in config_fields(cls, skip):
-        spec = flags.get(f.name, Flag())
-        kind, is_list = _base_type(hints[f.name])
+    for f, spec, names, kind, is_list in _flag_fields(cls, flags, skip):
         default = spec.default if spec.default != "<config>" else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-        names = spec.names or (f"--{f.name.replace('_', '-')}",)
         kw: dict[str, Any] = {"dest": spec.dest or f.name, "help": spec.help}
         choices = f.metadata.get("choices")
         choices = None if callable(choices) else choices
@@ -122,20 +122,17 @@ def config_from_args(args: argparse.Namespace, cls: type, flags: Mapping[str, Fl
     """The eval section ``cls`` with the values of the flags :func:`add_config_args` made (fields
     without a flag keep the config's default); a value its field does not allow is a
     :class:`UserError` naming the flag."""
-    flags = dict(flags or {})
     values = {}
-    for f in config_fields(cls, skip):
-        spec = flags.get(f.name, Flag())
+    for f, spec, names, _, _ in _flag_fields(cls, flags, skip):
         value = getattr(args, spec.dest or f.name)
         if spec.comma and isinstance(value, str):
             value = [v for v in value.split(",") if v]
         problem = None if spec.comma and value == [] else field_problem(f, value)  # a comma flag: '' = none
         if problem is not None:
             bad, what = problem
-            flag = (spec.names or (f"--{f.name.replace('_', '-')}",))[0]
             if what.startswith("is out of range: "):
-                raise UserError(f"{flag} {what[len('is out of range: '):]}, got {bad}")
-            raise UserError(f"{flag} {bad!r} {what}")
+                raise UserError(f"{names[0]} {what[len('is out of range: '):]}, got {bad}")
+            raise UserError(f"{names[0]} {bad!r} {what}")
         values[f.name] = value
     return cls(**values)
 
@@ -176,8 +173,6 @@ def add_image_generation_args(p: argparse.ArgumentParser) -> None:
 def image_generation_config(model, args: argparse.Namespace):
     """The model's ``image_generation_config`` with the flags of :func:`add_image_generation_args`
     that were given; a value out of range is a one-line error naming the flag."""
-    import dataclasses
-
     checks = {"temperature": (lambda v: v > 0, "> 0"), "top_k": (lambda v: v >= 0, ">= 0"),
               "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "num_candidates": (lambda v: v >= 1, ">= 1")}
     for name, (ok, what) in checks.items():
@@ -196,20 +191,18 @@ def image_generation_config(model, args: argparse.Namespace):
     return config
 
 
-def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), minimum: dict | None = None) -> Path:
+def check_common_args(args: argparse.Namespace, counts: Sequence[str] = ()) -> Path:
     """Validate the shared arguments (an unset ``--device`` becomes cuda when available, else cpu),
-    ``--shard`` and the count flags ``counts`` (>= 1, or ``minimum[name]``); then create ``--out``
-    and claim it for this run (:func:`claim_out`). Returns the output directory."""
+    ``--shard`` and the count flags ``counts`` (>= 1); then create ``--out`` and claim it for this run
+    (:func:`claim_out`). Returns the output directory."""
     import torch  # heavy: imported when the command runs, not for --help
 
     from unicon.evaluation.distributed import Shard
 
-    minimum = minimum or {}
     for name in counts:
         value = getattr(args, name)
-        low = minimum.get(name, 1)
-        if value is not None and value < low:
-            raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = str(args.device)
@@ -217,7 +210,6 @@ def check_common_args(args: argparse.Namespace, counts: Sequence[str] = (), mini
         raise UserError(f"--device {device}: CUDA is not available on this machine (torch.cuda.is_available() "
                         "is False); use --device cpu")
     if getattr(args, "shard", None):  # a bad --shard i/n fails before --out is created
-
         Shard.parse(args.shard)
     out = prepare_out(args.out)
     claim_out_weights(args, out, None)  # the settings now, the weights once the model is loaded
@@ -235,8 +227,6 @@ def prepare_out(out: str | Path) -> Path:
             pass
     except OSError as e:
         raise UserError(f"--out {out}: cannot write there ({e.strerror})") from None
-    if not os.access(out, os.W_OK):  # pragma: no cover - covered by the write test above on POSIX
-        raise UserError(f"--out {out}: not writable")
     return out
 
 
@@ -371,14 +361,9 @@ def config_argv(section: Mapping[str, Any], cls: type, flags: Mapping[str, Flag]
     """The arguments that give the flags of :func:`add_config_args` the values of ``section`` (an
     eval section of a composed run config): what ``unicon evaluate all`` passes each suite. A
     ``None`` value leaves the flag at its default (the standalone meaning of "unset")."""
-    flags = dict(flags or {})
-    hints = typing.get_type_hints(cls)
     argv: list[str] = []
-    for f in config_fields(cls, skip):
-        spec = flags.get(f.name, Flag())
-        name = (spec.names or (f"--{f.name.replace('_', '-')}",))[0]
+    for f, spec, (name, *_), kind, is_list in _flag_fields(cls, flags, skip):
         value = section[f.name]
-        kind, is_list = _base_type(hints[f.name])
         if value is None:
             continue
         if kind is bool:
