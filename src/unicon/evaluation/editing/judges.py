@@ -120,14 +120,12 @@ def describe(spec: str) -> dict[str, str]:
             "prompt": PAIR_PROMPT if pair else EDITED_ONLY_PROMPT, "scale": "0, 0.3, 0.6, 1.0 (parse_rating, strict)"}
 
 
-def build_judge(spec: str | None, model=None, device: str = "cpu", dtype: str = "float32",
-                trust_remote_code: bool = False, max_new_tokens: int = 16, batch_size: int = 4):
-    """The judge of ``spec`` (None without one); ``model``: the evaluated model (``spec == "model"``)."""
+def build_judge(spec: str | None, model=None, max_new_tokens: int = 16, **kw):
+    """The judge of ``spec`` (None without one); ``model``: the evaluated model (``spec == "model"``);
+    ``kw``: the other settings of :meth:`VLMJudge.from_pretrained`."""
     check_judge(spec)
     if not spec:
         return None
     if spec == "model":
         return ModelEditJudge(model)
-    return EditVLMJudge.from_pretrained(spec[len("vlm:"):], device=device, dtype=dtype,
-                                        trust_remote_code=trust_remote_code, max_new_tokens=max_new_tokens,
-                                        batch_size=batch_size)
+    return EditVLMJudge.from_pretrained(spec[len("vlm:"):], max_new_tokens=max_new_tokens, **kw)

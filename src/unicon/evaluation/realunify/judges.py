@@ -58,10 +58,9 @@ from typing import Sequence
 from PIL import Image
 
 from unicon.errors import UserError
-from unicon.evaluation import preemption
 from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance
 from unicon.evaluation.realunify.prompts import polling_prompt
-from unicon.evaluation.ureason.judges import JUDGE_MAX_NEW_TOKENS, VLMJudge, _generate_replies, check_judge_spec
+from unicon.evaluation.ureason.judges import VLMJudge, check_judge_spec
 from unicon.worlds.shapes import NotAShapesWorldImage, Scene, WorldConfig, load_world, parse
 from unicon.worlds.shapes_realunify import answer_poll
 
@@ -192,16 +191,10 @@ class PollingVLMJudge(VLMJudge):
                else PollVerdict([""] * len(inst.questions), [""] * len(inst.questions))
                for inst, im in zip(instances, images)]
         pairs = [(i, k) for i, im in enumerate(images) if im is not None for k in range(len(instances[i].questions))]
-        for start in range(0, len(pairs), self.batch_size):
-            preemption.check()
-            chunk = pairs[start:start + self.batch_size]
-            texts = [self.build_text(instances[i].questions[k]["question"]) for i, k in chunk]
-            inputs = self.processor(text=texts, images=[images[i].convert("RGB") for i, _ in chunk],
-                                    return_tensors="pt", padding=True)
-            for (i, k), (reply, _) in zip(chunk, _generate_replies(self.model, self.tokenizer, inputs,
-                                                                    self.max_new_tokens)):
-                reply = reply[: self.max_reply_chars]
-                out[i].statuses[k], out[i].replies[k] = parse_yes_no(reply), reply
+        replies = self.replies([self.build_text(instances[i].questions[k]["question"]) for i, k in pairs],
+                               [[images[i]] for i, _ in pairs])
+        for (i, k), reply in zip(pairs, replies):
+            out[i].statuses[k], out[i].replies[k] = parse_yes_no(reply), reply
         return out
 
     def judge_images(self, instances, images):
@@ -219,16 +212,13 @@ def check_judge_fits(spec: str, instances: Sequence[Instance]) -> None:
                             "judge real UEG prompts with --judge vlm:<model path>")
 
 
-def build_judge(spec: str, world_root: str | None = None, device: str = "cpu", dtype: str = "float32",
-                trust_remote_code: bool = False, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
-                batch_size: int = 4) -> PollingJudge | PollingVLMJudge:
-    """``exact`` (ShapesWorld, configured by ``world_root``'s ``world.json``) or ``vlm:<local dir>``."""
+def build_judge(spec: str, world_root: str | None = None, **kw) -> PollingJudge | PollingVLMJudge:
+    """``exact`` (ShapesWorld, configured by ``world_root``'s ``world.json``) or ``vlm:<local dir>``
+    (``kw``: the settings of :meth:`~unicon.evaluation.ureason.judges.VLMJudge.from_pretrained`)."""
     check_judge_spec(spec)
     if spec == "exact":
         return ExactPollJudge.from_world(world_root)
-    return PollingVLMJudge.from_pretrained(spec[len("vlm:"):], device=device, dtype=dtype,
-                                           trust_remote_code=trust_remote_code, max_new_tokens=max_new_tokens,
-                                           batch_size=batch_size)
+    return PollingVLMJudge.from_pretrained(spec[len("vlm:"):], **kw)
 
 
 class RecordedJudge:

@@ -223,19 +223,20 @@ def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:
 class _TransformersJudge(Judge):
     """What the transformers-backed judges share: a model and its tokenizer (left padding for
     batched decoder-only generation), greedy replies turned into verdicts batch by batch, and
-    loading with a one-line error. Subclasses say how a batch of items is tokenised."""
+    loading with a one-line error. Subclasses say how a batch of items is tokenised, and declare
+    their default ``prompt``."""
 
-    #: how error messages name the judge
-    what = "judge"
+    prompt: str = ""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
-                 batch_size: int = 4, prompt: str = ""):
+                 batch_size: int = 4, prompt: str | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.tokenizer.padding_side = "left"  # decoder-only batched generation
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.max_new_tokens, self.max_reply_chars = max_new_tokens, max_reply_chars
-        self.batch_size, self.prompt = batch_size, prompt
+        self.max_new_tokens, self.max_reply_chars, self.batch_size = max_new_tokens, max_reply_chars, batch_size
+        if prompt is not None:
+            self.prompt = prompt
 
     @staticmethod
     def _load(what: str, path: str, model_class: str, preprocessor_class: str, dtype: str, trust_remote_code: bool):
@@ -249,22 +250,24 @@ class _TransformersJudge(Judge):
             raise UserError(f"cannot load {what} from {path}: {str(e).splitlines()[0]}") from None
         return model, pre
 
+    def _replies(self, count: int, encode) -> list[tuple[str, bool]]:
+        """The greedy replies to ``count`` items, ``batch_size`` at a time (the model inputs of a batch:
+        ``encode(its item indices)``), with whether each hit ``max_new_tokens`` without an EOS token."""
+        replies = []
+        for start in range(0, count, self.batch_size):
+            preemption.check()
+            inputs = encode(list(range(start, min(start + self.batch_size, count))))
+            replies += _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)
+        return replies
+
     def _verdicts(self, items: Sequence, empty: str, encode) -> list[Verdict]:
         """One verdict per item: ``Verdict("no_input", empty)`` where the item is None or blank text,
-        else the reply to the model inputs ``encode(indices of a batch)``."""
-        verdicts: list[Verdict | None] = [None] * len(items)
-        todo = []
-        for i, item in enumerate(items):
-            if item is None or (isinstance(item, str) and not item.strip()):
-                verdicts[i] = Verdict("no_input", empty)
-            else:
-                todo.append(i)
-        for s in range(0, len(todo), self.batch_size):
-            preemption.check()
-            idx = todo[s : s + self.batch_size]
-            inputs = encode(idx)
-            for i, (reply, hit) in zip(idx, _generate_replies(self.model, self.tokenizer, inputs, self.max_new_tokens)):
-                verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
+        else the reply to the model inputs ``encode(indices of the items)``."""
+        verdicts = [Verdict("no_input", empty) if item is None or (isinstance(item, str) and not item.strip())
+                    else None for item in items]
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        for i, (reply, hit) in zip(todo, self._replies(len(todo), lambda idx: encode([todo[k] for k in idx]))):
+            verdicts[i] = verdict_from_reply(reply, hit, self.max_reply_chars)
         return verdicts  # type: ignore[return-value]
 
 
@@ -276,13 +279,14 @@ class VLMJudge(_TransformersJudge):
     """
 
     name = "vlm"
+    prompt = VISUAL_VERIFICATION_PROMPT
 
-    def __init__(self, model, processor, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
-                 batch_size: int = 4, prompt: str = VISUAL_VERIFICATION_PROMPT):
+    def __init__(self, model, processor, **kwargs):
+        """``kwargs``: ``max_new_tokens``, ``max_reply_chars``, ``batch_size``, ``prompt``."""
         if getattr(processor, "chat_template", None) is None:
             raise UserError("the VLM judge's processor has no chat template; it decides where the image goes")
         self.processor = processor
-        super().__init__(model, processor.tokenizer, max_new_tokens, max_reply_chars, batch_size, prompt)
+        super().__init__(model, processor.tokenizer, **kwargs)
 
     @classmethod
     def from_pretrained(
@@ -301,16 +305,22 @@ class VLMJudge(_TransformersJudge):
     def build_text(self, criterion: str) -> str:
         return self.chat(fill_prompt(self.prompt, description=criterion))
 
+    def _encode(self, texts: Sequence[str], images: Sequence[Sequence[Image.Image]]):
+        """The model inputs of the chat texts ``texts[i]``, each shown the images ``images[i]`` (in order)."""
+        return self.processor(text=list(texts), images=[im.convert("RGB") for row in images for im in row],
+                              return_tensors="pt", padding=True)
+
+    def replies(self, texts: Sequence[str], images: Sequence[Sequence[Image.Image]]) -> list[str]:
+        """The greedy reply to each chat text ``texts[i]`` shown the images ``images[i]`` (in order), cut
+        to ``max_reply_chars``."""
+        replies = self._replies(len(texts), lambda idx: self._encode([texts[i] for i in idx], [images[i] for i in idx]))
+        return [reply[: self.max_reply_chars] for reply, _ in replies]
+
     def judge_images(self, instances, images):
         if len(instances) != len(images):
             raise ValueError(f"{len(instances)} instances but {len(images)} images")
-
-        def encode(idx):
-            texts = [self.build_text(instances[i].expect_en) for i in idx]
-            ims = [images[i].convert("RGB") for i in idx]
-            return self.processor(text=texts, images=ims, return_tensors="pt", padding=True)
-
-        return self._verdicts(images, "no image was generated", encode)
+        return self._verdicts(images, "no image was generated", lambda idx: self._encode(
+            [self.build_text(instances[i].expect_en) for i in idx], [[images[i]] for i in idx]))
 
 
 class ReasoningChainJudge(_TransformersJudge):
@@ -321,10 +331,7 @@ class ReasoningChainJudge(_TransformersJudge):
 
     name = "chain-llm"
     judges_reasoning = True
-
-    def __init__(self, model, tokenizer, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
-                 batch_size: int = 4, prompt: str = REASONING_CHAIN_PROMPT):
-        super().__init__(model, tokenizer, max_new_tokens, max_reply_chars, batch_size, prompt)
+    prompt = REASONING_CHAIN_PROMPT
 
     @classmethod
     def from_pretrained(
@@ -477,24 +484,15 @@ def check_judge_fits(spec: "str | Judge", instances: Sequence[UReasonInstance]) 
             )
 
 
-def build_judge(
-    spec: str,
-    chain: str | None = None,
-    world_root: str | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    max_new_tokens: int = JUDGE_MAX_NEW_TOKENS,
-    batch_size: int = 4,
-) -> Judge:
+def build_judge(spec: str, chain: str | None = None, world_root: str | None = None, **kw) -> Judge:
     """``spec``: ``exact`` (ShapesWorld) or ``vlm:<local directory>`` (VLM judge).
 
     ``chain``: optional causal-LM path for the reasoning-chain judge (``exact`` judges chains
     itself unless ``chain`` is given). ``world_root``: the ShapesWorld root whose ``world.json``
-    configures the exact judge.
+    configures the exact judge. ``kw``: the judge models' loading and generation settings
+    (``device``, ``dtype``, ``trust_remote_code``, ``max_new_tokens``, ``batch_size`` of
+    :meth:`VLMJudge.from_pretrained`).
     """
-    kw = dict(device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-              max_new_tokens=max_new_tokens, batch_size=batch_size)
     check_judge_spec(spec, chain)
     if spec == "exact":
         image_judge: Judge = ShapesJudge.from_world(world_root)
