@@ -28,9 +28,9 @@ FIGURES = ("consistency_by_k", "consistency_vs_accuracy")
 HEADLINE_TASKS = ("vqa", "localization", "t2i")
 
 
-def _evaluation(label: str, out: Path, tables_dir: Path, step: int | None) -> str:
+def _evaluation(label: str, out: Path) -> str:
     res = h.read_json(out / FILE) or {}
-    tasks = [t for t in ("vqa", "localization", "t2i") if isinstance(res.get(t), dict)]
+    tasks = [t for t in HEADLINE_TASKS if isinstance(res.get(t), dict)]
     max_k = int(res.get("max_k") or max((len(res[t].get("C_k", {})) for t in tasks), default=0))
     ks = [str(k) for k in range(1, max_k + 1)]
     rows = []
@@ -65,15 +65,11 @@ def _samples(tables_dir: Path) -> str:
 
 def section(run_dir: Path) -> str:
     """The section's HTML for the run (or standalone output) folder ``run_dir``."""
-    evals = h.suite_outputs(run_dir, "cococon", FILE)
-    if not evals:
+    if not h.suite_outputs(run_dir, "cococon", FILE):
         return h.not_evaluated("cococon", FILE)
-    tasks = ("vqa", "localization", "t2i")
-    columns = {**{f"{t} C_1": (lambda res, t=t: (res.get(t) or {}).get("C_k", {}).get("1")) for t in tasks},
-               **{f"{t} rho": (lambda res, t=t: (res.get(t) or {}).get("rho")) for t in tasks}}
-    html_ = h.trend(evals, FILE, columns, "cococon-trend")
-    html_ += h.earlier(evals, lambda label, out: _evaluation(label, out, run_dir / "tables", None))
-    return html_ + _samples(run_dir / "tables")
+    columns = {**{f"{t} C_1": (lambda res, t=t: (res.get(t) or {}).get("C_k", {}).get("1")) for t in HEADLINE_TASKS},
+               **{f"{t} rho": (lambda res, t=t: (res.get(t) or {}).get("rho")) for t in HEADLINE_TASKS}}
+    return h.section(run_dir, "cococon", FILE, _evaluation, columns) + _samples(run_dir / "tables")
 
 
 def headline_table(series: dict[str, list[tuple[int, float]]]) -> str | None:
