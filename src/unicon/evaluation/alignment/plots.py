@@ -9,9 +9,6 @@ from typing import Sequence
 
 from matplotlib.figure import Figure
 
-#: the plots of :func:`plot_results`, logged as ``alignment/fig/<name>`` (``log_figures``)
-FIGURES = ("metrics_vs_rating",)
-
 
 def scatter_figure(records: Sequence[dict], names: Sequence[str]) -> Figure:
     """One panel per metric: its score (y) against the human rating (x), a little horizontal jitter-free

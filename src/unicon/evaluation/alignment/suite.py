@@ -86,7 +86,7 @@ class AlignmentSuite(EvalSuite):
     out_help = "output folder (alignment.json, samples.jsonl, table.md, metrics_vs_rating.png)"
     draws_images = False
     counts = ("judge_max_new_tokens",)
-    figures = "unicon.evaluation.alignment.plots:FIGURES"
+    figures = "unicon.evaluation.alignment.report:FIGURES"
     report = "unicon.evaluation.alignment.report:section"
     title = "Image-text alignment"
 

@@ -12,8 +12,6 @@ from matplotlib.figure import Figure
 
 from unicon.evaluation.cococon.metrics import evaluated_tasks
 
-#: the plots of :func:`plot_results`, logged as ``cococon/fig/<name>`` (``log_figures``)
-FIGURES = ("consistency_by_k", "consistency_vs_accuracy")
 COLORS = {"vqa": "tab:blue", "localization": "tab:red", "t2i": "tab:green"}
 
 

@@ -63,7 +63,7 @@ class CocoConSuite(EvalSuite):
     flags = FLAGS
     out_help = "output folder (results.json, per_sample.jsonl, plots)"
     counts = ("max_k",)
-    figures = "unicon.evaluation.cococon.plots:FIGURES"
+    figures = "unicon.evaluation.cococon.report:FIGURES"
     report = "unicon.evaluation.cococon.report:section"
     title = "CocoCon"
     headline = ("cococon/vqa/C_1", "cococon/localization/C_1", "cococon/t2i/C_1", "cococon/vqa/rho")

@@ -3,5 +3,5 @@ by MCD (embedding similarity to the chain's input) and MGG (GenEval over generat
 
 The modules are the rooms of every suite (docs/layout.md) plus :mod:`.geneval` (the GenEval and
 Telephone-Game MGG rules, and their detectors); each imports only the ones before it in the order
-geneval, metrics, plots, runner, suite.
+geneval, metrics, report, plots, runner, suite.
 """

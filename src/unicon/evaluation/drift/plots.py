@@ -17,12 +17,10 @@ import numpy as np
 from PIL import Image
 
 from unicon.evaluation.drift.metrics import MAPPINGS
+from unicon.evaluation.drift.report import FIGURES
 from unicon.evaluation.logs import log_figures, log_table, log_wandb
 from unicon.loggers import is_wandb
 
-#: the figures written by :func:`unicon.evaluation.drift.runner.evaluate_drift`, logged as
-#: ``<prefix>/fig/<name>`` (those that exist)
-FIGURES = ("drift_curves", "mgg_heatmap", "strips")
 #: columns of the chain-strip table
 STRIP_COLUMNS = ["chain", "id", "images", "captions"]
 

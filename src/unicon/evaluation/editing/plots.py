@@ -11,9 +11,6 @@ from matplotlib.figure import Figure
 
 from unicon.evaluation.editing.metrics import CORRELATED
 
-#: the plots of :func:`plot_results`, logged as ``editing/fig/<name>``
-FIGURES = ("tau_by_variant", "score_vs_rating")
-
 
 def tau_figure(results: dict) -> Figure:
     """Grouped bars: Kendall tau_b of the score, each ablation and each component, per criterion."""

@@ -79,7 +79,7 @@ class EditingSuite(EvalSuite):
     flags = FLAGS
     out_help = "output folder (editing.json, samples.jsonl, table.md, figures)"
     counts = ("judge_max_new_tokens",)
-    figures = "unicon.evaluation.editing.plots:FIGURES"
+    figures = "unicon.evaluation.editing.report:FIGURES"
     report = "unicon.evaluation.editing.report:section"
     title = "EditingScore"
 
