@@ -7,6 +7,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from unicon.evaluation.ureason.plots import accuracy_bars
+
 #: the plots of :func:`plot_results`, logged as ``realunify/fig/<name>`` (``log_figures``)
 FIGURES = ("settings_by_category",)
 SETTINGS = (("direct", "Direct"), ("stepwise", "Stepwise"))
@@ -22,19 +24,9 @@ def groups(metrics: dict) -> list[str]:
 def settings_figure(metrics: dict) -> Figure:
     """Grouped bars: per category, axis and overall, the accuracy of the direct and stepwise settings in %."""
     names = groups(metrics)
-    fig = Figure(figsize=(0.9 * len(names) + 2.0, 3.0))
-    ax = fig.subplots()
-    width = 0.8 / len(SETTINGS)
-    for j, (k, label) in enumerate(SETTINGS):
-        values = [metrics.get(f"acc_{k}/{g}" if g != "overall" else f"acc_{k}") or 0.0 for g in names]
-        ax.bar([i + (j - (len(SETTINGS) - 1) / 2) * width for i in range(len(names))], values, width, label=label)
-    ax.set_xticks(range(len(names)), [g.replace("_", "\n") for g in names], fontsize=7)
-    ax.set_ylabel("accuracy %", fontsize=8)
-    ax.set_ylim(0, 100)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return fig
+    bars = {label: [metrics.get(f"acc_{k}/{g}" if g != "overall" else f"acc_{k}") or 0.0 for g in names]
+            for k, label in SETTINGS}
+    return accuracy_bars(names, bars, (0.9 * len(names) + 2.0, 3.0), 7, [g.replace("_", "\n") for g in names])
 
 
 def plot_results(metrics: dict, out_dir: Path) -> None:

@@ -8,6 +8,7 @@ caller's matplotlib backend is left alone.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
 
@@ -22,23 +23,30 @@ def categories(metrics: dict) -> list[str]:
     return [k.split("/", 1)[1] for k in metrics if k.startswith("acc_s1/")]
 
 
-def settings_figure(metrics: dict) -> Figure:
-    """Grouped bars: per category (and overall), the image accuracy of settings 1-3 in %."""
-    groups = [*categories(metrics), "overall"]
-    fig = Figure(figsize=(1.3 * len(groups) + 2.0, 2.8))
+def accuracy_bars(groups: Sequence[str], bars: Mapping[str, Sequence[float]], figsize: tuple[float, float],
+                  fontsize: int = 8, tick_labels: Sequence[str] | None = None) -> Figure:
+    """Grouped bars from 0 to 100 %: per group, one bar of each entry of ``bars`` (its label: the
+    group's accuracies), the legend right of the plot (RealUnify's settings figure draws with it too)."""
+    fig = Figure(figsize=figsize)
     ax = fig.subplots()
-    width = 0.8 / len(SETTINGS)
-    for j, (k, name) in enumerate(SETTINGS):
-        values = [metrics.get(f"acc_s{k}/{c}" if c != "overall" else f"acc_s{k}") or 0.0 for c in groups]
-        ax.bar([i + (j - (len(SETTINGS) - 1) / 2) * width for i in range(len(groups))], values, width,
-               label=f"{k} {name}")
-    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    width = 0.8 / len(bars)
+    for j, (label, values) in enumerate(bars.items()):
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in range(len(groups))], values, width, label=label)
+    ax.set_xticks(range(len(groups)), tick_labels or groups, fontsize=fontsize)
     ax.set_ylabel("accuracy %", fontsize=8)
     ax.set_ylim(0, 100)
-    ax.tick_params(labelsize=8)
+    ax.tick_params(labelsize=fontsize)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
+
+
+def settings_figure(metrics: dict) -> Figure:
+    """Grouped bars: per category (and overall), the image accuracy of settings 1-3 in %."""
+    groups = [*categories(metrics), "overall"]
+    bars = {f"{k} {name}": [metrics.get(f"acc_s{k}/{c}" if c != "overall" else f"acc_s{k}") or 0.0 for c in groups]
+            for k, name in SETTINGS}
+    return accuracy_bars(groups, bars, (1.3 * len(groups) + 2.0, 2.8))
 
 
 def plot_results(metrics: dict, out_dir: Path) -> None:
