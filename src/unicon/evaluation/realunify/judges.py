@@ -221,19 +221,6 @@ def build_judge(spec: str, world_root: str | None = None, **kw) -> PollingJudge 
     return PollingVLMJudge.from_pretrained(spec[len("vlm:"):], **kw)
 
 
-class RecordedJudge:
-    """The judge a run needs no model for: its name only (a standalone run without UEG instances, and a
-    merge, whose shards judged every instance); it judges nothing."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def judge(self, instances, images):
-        if instances:
-            raise RuntimeError("a merge of shards judges no image")
-        return []
-
-
 def edit_matches(image: Image.Image | None, target_scene: dict, cfg: WorldConfig) -> bool:
     """Stepwise edit accuracy of one GEU row: the edited image parses into exactly ``target_scene``
     (an image that does not parse, or no image, is a miss)."""

@@ -104,7 +104,8 @@ class RealUnifySuite(EvalSuite):
     def judge(self, run: EvalRun):
         """The UEG judge: at epoch end built once (kept across epoch ends); standalone built only for UEG
         instances (else its name); a merge's stand-in names the shards' judge."""
-        from unicon.evaluation.realunify.judges import RecordedJudge, build_judge
+        from unicon.evaluation.realunify.judges import build_judge
+        from unicon.evaluation.ureason.judges import RecordedJudge
 
         c, args, inputs = run.config, run.args, run.inputs
         if run.merging:  # no judge model is loaded: the shards judged every instance

@@ -171,16 +171,19 @@ class JudgePanel(Judge):
 
 
 class RecordedJudge(Judge):
-    """The merge's stand-in for the shards' judge: its name and abilities; it judges nothing (a
-    merge has no instance of its own)."""
+    """The judge a run needs no model for: its name and abilities; it judges nothing. A merge's
+    stand-in for the shards' judge (a merge has no instance of its own), and RealUnify's judge of a
+    standalone run without UEG instances (:meth:`judge` is its polling interface)."""
 
-    def __init__(self, name: str, judges_reasoning: bool):
+    def __init__(self, name: str, judges_reasoning: bool = False):
         self.name, self.judges_reasoning = name, judges_reasoning
 
     def judge_images(self, instances, images):
         if instances:
             raise RuntimeError("a merge of shards judges no image")
         return []
+
+    judge = judge_images
 
     def judge_reasoning(self, instances, traces, refined_prompts):
         return self.judge_images(instances, [])
