@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -94,7 +94,6 @@ class GEUInstance:
     #: ``stepwise_input="auto"`` is resolved by (:func:`~.runner.resolve_stepwise_input`)
     from_world: bool = False
     axis: str = "geu"
-    _image: Any = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
