@@ -279,17 +279,15 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
     """Run the settings for every instance (GEU answers scored; UEG images not yet judged);
     ``stepwise_input`` resolved (:func:`resolve_stepwise_input`)."""
     samples = [Sample(inst) for inst in instances]
-    for axis, run in (("ueg", _run_ueg), ("geu", _run_geu)):
+    runs = {"ueg": lambda batch: _run_ueg(model, batch, settings, max_new_tokens, image_config),
+            "geu": lambda batch: _run_geu(model, batch, settings, image_config, edit_prompt_source, world_cfg,
+                                          answer_mode, letter_parse, stepwise_input)}
+    for axis, run in runs.items():
         mine = [s for s in samples if s.instance.axis == axis]
         starts = range(0, len(mine), batch_size)
         for start in track(starts, f"realunify: {axis.upper()} ({', '.join(settings)})", len(starts), unit="batches"):
             preemption.check()
-            batch = mine[start:start + batch_size]
-            if axis == "ueg":
-                run(model, batch, settings, max_new_tokens, image_config)
-            else:
-                run(model, batch, settings, image_config, edit_prompt_source, world_cfg, answer_mode, letter_parse,
-                    stepwise_input)
+            run(mine[start:start + batch_size])
     return samples
 
 
