@@ -1,7 +1,7 @@
 """Scoring a failed image instead of crashing on it: :func:`images_by_row` calls a batched image
 method (``generate_image``, ``edit_image``) and, when the batch fails, each row on its own, so one
 bad row costs only itself and comes back as ``None`` with its error text, which the suites count as
-a failed sample."""
+a failed sample; :func:`draw_images` draws the images of a batch of samples that way."""
 
 from __future__ import annotations
 
@@ -42,3 +42,25 @@ def images_by_row(call: Callable[[list[int]], Sequence], rows: Sequence[int],
         images += im
         errors += err
     return images, errors
+
+
+def draw_images(model, samples: Sequence, key, prompts: Sequence[str], image_config, context: Sequence | None = None,
+                empty: str | None = None) -> None:
+    """Set each sample's ``images[key]`` and ``errors[key]`` to ``model.generate_image`` of its prompt (and
+    its ``context``) under ``image_config``, through :func:`images_by_row`. With ``empty``, a sample whose
+    prompt is empty draws nothing and gets the error ``empty``."""
+    rows = []
+    for r, (s, prompt) in enumerate(zip(samples, prompts)):
+        if empty is not None and not prompt:
+            s.images[key], s.errors[key] = None, empty
+        else:
+            rows.append(r)
+    if not rows:
+        return
+
+    def call(rows):
+        extra = {} if context is None else {"context": [context[r] for r in rows]}
+        return model.generate_image([prompts[r] for r in rows], config=image_config, **extra)
+
+    for r, im, err in zip(rows, *images_by_row(call, rows, "generate_image")):
+        samples[r].images[key], samples[r].errors[key] = im, err

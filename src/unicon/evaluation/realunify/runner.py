@@ -85,7 +85,7 @@ from unicon.evaluation.realunify.prompts import (
     refine_prompt,
     two_image_prompt,
 )
-from unicon.evaluation.retry import images_by_row
+from unicon.evaluation.retry import draw_images, images_by_row
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
 from unicon.progress import track
 from unicon.worlds.shapes import WorldConfig
@@ -184,25 +184,14 @@ def _clean_refined(text: str) -> str:
 def _run_ueg(model, batch: list[Sample], settings, max_new_tokens: int, image_config) -> None:
     insts = [s.instance for s in batch]
     if "direct" in settings:
-        ims, errs = images_by_row(lambda rows: model.generate_image([insts[r].prompt for r in rows], config=image_config),
-                                  range(len(batch)), "generate_image")
-        for s, im, err in zip(batch, ims, errs):
-            s.images["direct"], s.errors["direct"] = im, err
+        draw_images(model, batch, "direct", [i.prompt for i in insts], image_config)
     if "stepwise" in settings:
         gens = model.reason([refine_prompt(i.prompt) for i in insts], max_new_tokens=max_new_tokens)
         if len(gens) != len(batch):
             raise RuntimeError(f"reason returned {len(gens)} texts for {len(batch)} prompts")
         for s, g in zip(batch, gens):
             s.refined, s.refined_truncated = _clean_refined(g.text), bool(g.truncated)
-        todo = [k for k, s in enumerate(batch) if s.refined]
-        for s in batch:
-            if not s.refined:
-                s.images["stepwise"], s.errors["stepwise"] = None, "empty refined prompt"
-        if todo:
-            ims, errs = images_by_row(lambda rows: model.generate_image([batch[r].refined for r in rows], config=image_config),
-                                      todo, "generate_image")
-            for k, im, err in zip(todo, ims, errs):
-                batch[k].images["stepwise"], batch[k].errors["stepwise"] = im, err
+        draw_images(model, batch, "stepwise", [s.refined for s in batch], image_config, empty="empty refined prompt")
 
 
 def answer_choices(model: UnifiedModel, images: list, insts: Sequence[GEUInstance], answer_mode: str,

@@ -49,7 +49,7 @@ from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
 from unicon.evaluation.framework import eval_mode, write_images, write_results
-from unicon.evaluation.retry import images_by_row
+from unicon.evaluation.retry import draw_images
 from unicon.evaluation.ureason.judges import Judge, Verdict
 from unicon.evaluation.ureason.metrics import (
     EMPTY_RULE,
@@ -160,12 +160,7 @@ def generate_samples(
     for start in track(range(0, len(samples), batch_size), "ureason: generation (settings 1-3)", unit="batches"):
         preemption.check()
         batch = samples[start : start + batch_size]
-        # setting 1
-        direct = [s.instance.direct_prompt for s in batch]
-        ims, errs = images_by_row(lambda rows: model.generate_image([direct[r] for r in rows], config=image_config),
-                                  range(len(batch)), "generate_image")
-        for s, im, err in zip(batch, ims, errs):
-            s.images[1], s.errors[1] = im, err
+        draw_images(model, batch, 1, [s.instance.direct_prompt for s in batch], image_config)  # setting 1
         # reasoning trace R (shared by settings 2 and 3)
         gens = model.reason([s.instance.prompt for s in batch], max_new_tokens=max_new_tokens)
         if len(gens) != len(batch):
@@ -178,23 +173,9 @@ def generate_samples(
         contexts, cut = model.fit_context(prompts2, [s.trace for s in batch])
         for s, n in zip(batch, cut):
             s.context_words_cut = int(n)
-        ims, errs = images_by_row(lambda rows: model.generate_image([prompts2[r] for r in rows],
-                                                                    context=[contexts[r] for r in rows],
-                                                                    config=image_config),
-                                  range(len(batch)), "generate_image")
-        for s, im, err in zip(batch, ims, errs):
-            s.images[2], s.errors[2] = im, err
+        draw_images(model, batch, 2, prompts2, image_config, context=contexts)
         # setting 3: R_p alone (no image for an empty R_p)
-        todo = [s for s in batch if s.refined.text]
-        for s in batch:
-            if not s.refined.text:
-                s.images[3], s.errors[3] = None, "empty refined prompt"
-        if todo:
-            refined = [s.refined.text for s in todo]
-            ims, errs = images_by_row(lambda rows: model.generate_image([refined[r] for r in rows], config=image_config),
-                                      range(len(todo)), "generate_image")
-            for s, im, err in zip(todo, ims, errs):
-                s.images[3], s.errors[3] = im, err
+        draw_images(model, batch, 3, [s.refined.text for s in batch], image_config, empty="empty refined prompt")
     return samples
 
 
