@@ -625,12 +625,9 @@ def evaluate_drift(
         if embedders:
             mcd = metrics.mcd([r["similarity"] for r in records.values()], generations)
             report["mcd"] = mcd
-            report["MCD_avg"], report["MCD"] = mcd["MCD_avg"], mcd["MCD"]
-            report["SDR"], report["SDR_avg"] = mcd["SDR"], mcd["SDR_avg"]
-            report["SDR_abc_mean"] = mcd["SDR_abc_mean"]  # the reference code's printed "SDR"
-            for key in ("MCD_avg_reason", "SDR_avg_reason"):
-                if key in mcd:
-                    report[key] = mcd[key]
+            # SDR_abc_mean: the reference code's printed "SDR"; the reasons only where a value is None
+            report.update({key: mcd[key] for key in ("MCD_avg", "MCD", "SDR", "SDR_avg", "SDR_abc_mean",
+                                                     "MCD_avg_reason", "SDR_avg_reason") if key in mcd})
         trails = [(c, seeds[k].id, r["trail"][c]) for c in chains for k, r in records.items() if r["trail"]]
     if geneval_seeds:
         index = shard_indices(len(geneval_seeds))
