@@ -50,20 +50,12 @@ VALUES = (0.0, 0.3, 0.6, 1.0)
 #: spells them ("0, 0.3, 0.6, or 1.0")
 ANSWERS = ("0", "0.3", "0.6", "1.0")
 
-#: the 1-4 form of the prompt for Flickr8K-Expert (our adaptation: module docstring)
+#: the 1-4 form of the prompt for Flickr8K-Expert (our adaptation: module docstring): the Flickr8K-CF
+#: prompt with the values 1-4 in place of 0.0-1.0
 BAGELSCORE_PROMPT_EXPERT = (
-    'Analyze how accurately this image matches the caption: "{caption}"\n'
-    "Evaluate the match on a precise scale with only these four possible values:\n\n"
-    "- 1: No match The caption is completely unrelated to the image.\n"
-    "- 2: Poor match The caption has minimal relevance with major inaccuracies.\n"
-    "- 3: Good match The caption is mostly accurate with only minor omissions or imprecisions.\n"
-    "- 4: Perfect match The caption perfectly describes all important aspects of the image.\n\n"
-    "Consider:\n\n"
-    "- Factual accuracy (are all statements true about the image?)\n"
-    "- Completeness (does the caption cover the main elements?)\n"
-    "- Precision (does the caption avoid vague descriptions?)\n"
-    "- Relevance (does the caption focus on important aspects?)\n\n"
-    "Provide ONLY a single integer rating (1, 2, 3, or 4) without explanation:"
+    BAGELSCORE_PROMPT.replace("- 0.0:", "- 1:").replace("- 0.3:", "- 2:").replace("- 0.6:", "- 3:")
+    .replace("- 1.0:", "- 4:")
+    .replace("single decimal rating (0, 0.3, 0.6, or 1.0)", "single integer rating (1, 2, 3, or 4)")
 )
 
 
