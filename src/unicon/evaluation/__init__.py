@@ -1,1 +1,1 @@
-"""Evaluation suites (one module each: cococon, drift, ureason) and their epoch-end callbacks."""
+"""The evaluation suites (one package each) and the framework they share (framework.py, suites.py)."""

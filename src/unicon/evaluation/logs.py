@@ -1,17 +1,7 @@
 """Logging of evaluation results to a run's loggers: scalars, tables, figures, W&B values, the config.
 
-Used by the epoch-end callbacks (:mod:`unicon.evaluation.callbacks`, the suites' ``callback`` modules)
-and by ``unicon evaluate ...``:
-
-* :func:`log_metrics` -- scalars to every logger;
-* :func:`log_table` -- a table whose cells may be PIL images: a ``wandb.Table`` on W&B,
-  ``<dir>/tables/<key>.jsonl`` (+ PNGs) for the CSV/JSONL loggers;
-* :func:`log_figures` -- the PNG plots a suite wrote, as ``wandb.Image`` under stable keys
-  ``<suite>/fig/<file stem>`` (e.g. ``cococon/fig/consistency_by_k``); other loggers already have
-  the files in the suite's output folder;
-* :func:`log_wandb` -- any other W&B value (custom charts); the path the two above take to W&B;
-* :func:`log_eval_config` -- a standalone evaluation's arguments, weights fingerprint and
-  environment as the run config (training runs: :func:`unicon.loggers.log_run_config`).
+Used by the epoch-end callback (:mod:`unicon.evaluation.callbacks`) and by ``unicon evaluate ...``
+(:meth:`unicon.evaluation.framework.EvalSuite.log_media`, the same keys for both).
 
 Everything for W&B goes through ``WandbLogger.log_metrics(values, step)``: a new history row with
 ``trainer/global_step = step``, W&B numbering its own step. Never ``wandb.log(..., step=...)``:
@@ -63,7 +53,8 @@ def log_wandb(loggers: Sequence[Any], values: Mapping[str, Any], step: int | Non
 def log_figures(loggers: Sequence[Any], suite: str, out_dir: str | Path, names: Sequence[str],
                 step: int | None = None) -> dict[str, Path]:
     """Log the figures ``<out_dir>/<name>.png`` that exist as ``wandb.Image`` under
-    ``<suite>/fig/<name>``, in one history row. Returns ``{key: path}`` of those logged."""
+    ``<suite>/fig/<name>``, in one history row (other loggers have the files in the suite's output
+    folder). Returns ``{key: path}`` of those logged."""
     figures = {f"{suite}/fig/{name}": Path(out_dir) / f"{name}.png" for name in names}
     figures = {key: path for key, path in figures.items() if path.is_file()}
     if figures and any(is_wandb(lg) for lg in loggers):
@@ -76,7 +67,8 @@ def log_figures(loggers: Sequence[Any], suite: str, out_dir: str | Path, names: 
 @on_rank_zero
 def log_eval_config(loggers: Sequence[Any], args: argparse.Namespace, fingerprint: str | None) -> None:
     """The config of a standalone ``unicon evaluate`` run: its arguments (``args.<name>``), the
-    weights fingerprint (``weights.fingerprint``) and the environment (git commit, versions)."""
+    weights fingerprint (``weights.fingerprint``) and the environment (git commit, versions); a
+    training run's is :func:`unicon.loggers.log_run_config`."""
     params = {**flatten_config({"args": vars(args)}), **environment_info()}
     if fingerprint:
         params["weights.fingerprint"] = fingerprint
