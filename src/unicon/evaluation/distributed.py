@@ -193,10 +193,13 @@ def _merging() -> bool:
     return _VIRTUAL is not None and _VIRTUAL.shard is None
 
 
-def _check_no_process_group() -> None:
+def _check_can_start() -> None:
+    """A sharded run or a merge runs alone: no process group, no other sharded run around it."""
     if dist.is_available() and dist.is_initialized():
         raise UserError("--shard / --merge run as separate jobs; they cannot be combined with a process group "
                          "(torchrun / srun with several tasks)")
+    if _VIRTUAL is not None:
+        raise RuntimeError("sharded runs do not nest")
 
 
 @contextmanager
@@ -205,9 +208,7 @@ def sharded_run(root: str | Path, shard: Shard, key: Mapping[str, Any]) -> Itera
     settings every shard and the merge must share (checked by :func:`merged_run`). Yields a dict
     whose content is stored in ``done.json`` under ``"extra"`` when the block finishes."""
     global _VIRTUAL
-    _check_no_process_group()
-    if _VIRTUAL is not None:
-        raise RuntimeError("sharded runs do not nest")
+    _check_can_start()
     folder = shard.folder(root)
     if folder.exists():  # a rerun of this shard: its previous parts are replaced
         shutil.rmtree(folder)
@@ -273,9 +274,7 @@ def merged_run(root: str | Path, key: Mapping[str, Any]) -> Iterator[list[dict]]
     yields their ``done.json`` contents. The block must make the shards' collective calls, no more,
     no fewer."""
     global _VIRTUAL
-    _check_no_process_group()
-    if _VIRTUAL is not None:
-        raise RuntimeError("sharded runs do not nest")
+    _check_can_start()
     done = finished_shards(root, key)
     count = len(done)
     _VIRTUAL = _Virtual(folder=Path(root), world=count,
