@@ -336,15 +336,10 @@ def claim_out_weights(args: argparse.Namespace, out: Path, fingerprint: str | No
     ``fingerprint`` (None before): ``--out`` must not hold the outputs of other weights (the checkpoint
     file may have changed since the outputs were written). Call it before writing."""
     ckpt = getattr(args, "ckpt", None)
-    claim_out(out, getattr(args, "suite_command", None), _owner_settings(args),
+    settings = {k: v for k, v in settings_key(args).items() if k != "ckpt"}  # the weights stand for the model
+    claim_out(out, getattr(args, "suite_command", None), settings,
               overwrite=getattr(args, "overwrite", False), keep=("shards",) if getattr(args, "merge", False) else (),
               fingerprint=fingerprint, checkpoint=str(Path(ckpt).resolve()) if ckpt else None)
-
-
-def _owner_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings :func:`claim_out` compares: :func:`settings_key` but the checkpoint's path (the
-    weights fingerprint stands for the model)."""
-    return {k: v for k, v in settings_key(args).items() if k != "ckpt"}
 
 
 def load_model_for(args: argparse.Namespace):
