@@ -49,7 +49,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterable, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 import torch
@@ -318,8 +318,7 @@ class CocoConEvaluator:
         return row
 
 
-def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16, progress: bool = True,
-                   **evaluator_kwargs) -> CocoConResult:
+def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16, **evaluator_kwargs) -> CocoConResult:
     """Evaluate ``samples`` with this rank's :func:`shard_indices` (all of them without a process
     group) and return the metrics over every sample, the same on every rank."""
     if not samples:
@@ -329,8 +328,7 @@ def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16
     shard = [samples[i] for i in shard_indices(len(samples))]
     repeats = {samples[i].index for i in padding_repeats(len(samples))}
     batches = [shard[i: i + batch_size] for i in range(0, len(shard), batch_size)]
-    iterator: Iterable = track(batches, "cococon: scoring", unit="batches") if progress else batches
-    for batch in iterator:
+    for batch in track(batches, "cococon: scoring", unit="batches"):
         preemption.check()
         ev.update(model, batch, repeats)
     return ev.compute()

@@ -106,7 +106,7 @@ class CocoConSuite(EvalSuite):
             settings.update(max_k=args.max_k, fid_weights=args.fid_weights, cider_tokenizer=args.cider_tokenizer,
                             image_config=run.image_config())
         start = time.perf_counter()
-        result = evaluate_model(run.model, data.samples, c.batch_size, progress=True, **settings)
+        result = evaluate_model(run.model, data.samples, c.batch_size, **settings)
         seconds = time.perf_counter() - start
         if run.shards is not None:
             run.shards.extra["seconds"] = seconds
