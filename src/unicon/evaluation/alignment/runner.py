@@ -163,13 +163,6 @@ def sample_record(pair: Pair, scored: dict[str, Any]) -> dict[str, Any]:
             "rating": pair.rating, "references": list(pair.references), **scored}
 
 
-def write_outputs(out_dir: Path, records: Sequence[dict], results: dict[str, Any]) -> None:
-    write_results(out_dir, "alignment.json", results, records, markdown_table(
-        results["metrics"], results["n_pairs"], results["skipped"], results.get("not_run"),
-        results.get("bertscore_model")))
-    plot_results(records, list(results["metrics"]), out_dir)
-
-
 TABLE_FIXED = ["id", "image", "caption", "rating"]
 
 
@@ -256,5 +249,7 @@ def evaluate_alignment(
     out = Path(out_dir) if out_dir is not None else None
     if out is not None and writes_outputs():
         out.mkdir(parents=True, exist_ok=True)
-        write_outputs(out, gathered, results)
+        write_results(out, "alignment.json", results, gathered, markdown_table(
+            results["metrics"], results["n_pairs"], results["skipped"], results["not_run"], results["bertscore_model"]))
+        plot_results(gathered, list(results["metrics"]), out)
     return results, gathered

@@ -261,15 +261,6 @@ def table3_lines(table3: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_outputs(out: Path, records: list[dict], results: dict, info: dict, own: list[dict] | None,
-                  own_summary: dict | None) -> None:
-    if own is not None:
-        write_jsonl(out / "own_edits.jsonl", own)
-    payload = {"results": results, **({"own_edits": own_summary} if own_summary is not None else {}), **info}
-    write_results(out, "editing.json", payload, records, markdown_table(results))
-    plot_results(records, results, out)
-
-
 def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir: str | Path | None = None,
                      batch_size: int = BATCH_SIZE, eps: float = EPS, info: dict | None = None,
                      own_edits: int = 0, world_root: str | Path | None = None,
@@ -309,7 +300,12 @@ def evaluate_editing(model: UnifiedModel, samples: Sequence[EditSample], out_dir
             own_summary = own_edit_summary(own_records) if own_records else None
     results = summarize(gathered, skipped_counts(samples), judge_info)
     if out is not None and writes_outputs():
-        write_outputs(out, gathered, results, {"eps": eps, **(info or {})}, own_records, own_summary)
+        if own_records is not None:
+            write_jsonl(out / "own_edits.jsonl", own_records)
+        own = {"own_edits": own_summary} if own_summary is not None else {}
+        write_results(out, "editing.json", {"results": results, **own, "eps": eps, **(info or {})}, gathered,
+                      markdown_table(results))
+        plot_results(gathered, results, out)
     if own_summary is not None:
         results["own_edits"] = own_summary
     return results, gathered

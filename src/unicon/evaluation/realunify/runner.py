@@ -333,13 +333,6 @@ def save_images(out_dir: Path, s: Sample) -> dict[str, str | None]:
     return write_images(out_dir, shown, s.instance.key)
 
 
-def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
-    """``samples.jsonl``, ``realunify.json`` (``{"metrics": ..., **info}``), ``table.md`` and
-    ``settings_by_category.png``."""
-    write_results(out_dir, "realunify.json", {"metrics": metrics, **info}, records, markdown_table(metrics))
-    plot_results(metrics, out_dir)
-
-
 TABLE_COLUMNS = ["id", "axis", "category", "text", "direct_image", "direct_output", "direct_correct",
                  "stepwise_image", "stepwise_output", "stepwise_correct"]
 
@@ -423,7 +416,8 @@ def evaluate_realunify(
     metrics = metric.compute()
     gathered = gather_records(records)
     if out is not None and writes_outputs():
-        write_summary(out, list(gathered.values()), metrics,
-                      {"judge": getattr(judge, "name", str(judge)), "settings": settings,
-                       "letter_parse": letter_parse, "stepwise_input": stepwise_input, **(info or {})})
+        summary = {"metrics": metrics, "judge": getattr(judge, "name", str(judge)), "settings": settings,
+                   "letter_parse": letter_parse, "stepwise_input": stepwise_input, **(info or {})}
+        write_results(out, "realunify.json", summary, list(gathered.values()), markdown_table(metrics))
+        plot_results(metrics, out)
     return metrics, samples

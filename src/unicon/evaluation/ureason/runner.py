@@ -235,14 +235,6 @@ def save_images(out_dir: Path, s: Sample) -> dict[int, str | None]:
     return {k: paths[f"s{k}"] for k in SETTINGS}
 
 
-def write_summary(out_dir: Path, records: Sequence[dict], metrics: dict[str, float], info: dict) -> None:
-    """``samples.jsonl``, ``ureason.json`` (``{"metrics": ..., **info}``), ``table.md`` and the
-    figures of :mod:`.plots` (``settings_by_category.png``)."""
-    write_results(out_dir, "ureason.json", {"metrics": metrics, **info}, records,
-                  markdown_table(metrics, metric_categories(metrics)))
-    plot_results(metrics, out_dir)
-
-
 TABLE_COLUMNS = [
     "id", "category", "expect_en", "direct_prompt", "trace", "refined_prompt", "extraction_rule",
     "image_s1", "verdict_s1", "image_s2", "verdict_s2", "image_s3", "verdict_s3", "chain_verdict",
@@ -297,6 +289,8 @@ def evaluate_ureason(
     metric.update(records.values())
     metrics = metric.compute()
     gathered = gather_records(records)
-    if out is not None and writes_outputs():
-        write_summary(out, list(gathered.values()), metrics, {"judge": judge.name, **(info or {})})
+    if out is not None and writes_outputs():  # and settings_by_category.png (:mod:`.plots`)
+        write_results(out, "ureason.json", {"metrics": metrics, "judge": judge.name, **(info or {})},
+                      list(gathered.values()), markdown_table(metrics, metric_categories(metrics)))
+        plot_results(metrics, out)
     return metrics, samples
