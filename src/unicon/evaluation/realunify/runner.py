@@ -47,7 +47,7 @@ the shuffled image ..."). The values:
 A GEU stepwise run on a model whose ``supports_editing`` is False, and an ``"original+edited"`` one on
 a model whose ``supports_multi_image`` is False or with ``answer_mode="likelihood"``, are refused with a
 :class:`UserError` naming the backend (or the answer mode) and the value, before any generation
-(:func:`check_editing`, :func:`check_stepwise_input`). A failed ``generate_image`` /
+(:func:`check_can_run`). A failed ``generate_image`` /
 ``edit_image`` batch is retried row by row; a row that still fails has no image (a failure counted
 in ``missing_<setting>``). Images are drawn with ``image_config`` (its ``seed`` included).
 
@@ -99,23 +99,6 @@ def check_settings(settings: Sequence[str]) -> list[str]:
     return [s for s in SETTINGS if s in settings]
 
 
-def check_editing(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
-                  edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt) -> None:
-    """Refuse, before any generation, a GEU stepwise run that cannot happen: a model without image
-    editing (``supports_editing`` False), or ``edit_prompt="row"`` on rows without ``edit_instruction``."""
-    geu = [i for i in instances if isinstance(i, GEUInstance)]
-    if "stepwise" not in settings or not geu:
-        return
-    if not getattr(model, "supports_editing", False):
-        raise UserError(f"RealUnify GEU stepwise edits the image first, and backend '{model.backend}' does not edit "
-                        "images (supports_editing is False); run --settings direct, or a backend that edits")
-    if edit_prompt_source == "row":
-        bare = [i.source for i in geu if not i.edit_instruction]
-        if bare:
-            raise UserError(f"--edit-prompt row: {bare[0]} has no 'edit_instruction' ({len(bare)} rows lack it); "
-                            "use --edit-prompt paper (Tables 10-13)")
-
-
 def resolve_stepwise_input(value: str, instances: Sequence[Instance]) -> str | None:
     """``value``, with ``"auto"`` resolved (module docstring): ``"edited"`` when every GEU instance comes
     from a ShapesWorld root, ``"original+edited"`` when any comes from the release's files, None when
@@ -132,15 +115,25 @@ def resolve_stepwise_input(value: str, instances: Sequence[Instance]) -> str | N
     return "edited" if all(i.from_world for i in geu) else "original+edited"
 
 
-def check_stepwise_input(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
-                         stepwise_input: str | None,
-                         answer_mode: str = RealUnifyEvalConfig.answer_mode) -> None:
-    """Refuse, before any generation, a GEU stepwise run on the original and the edited image that
-    cannot happen: ``answer_mode="likelihood"`` (one image per scored question), or a model that
-    takes one image per question (``supports_multi_image`` False). ``stepwise_input``: resolved
-    (:func:`resolve_stepwise_input`)."""
-    if "stepwise" not in settings or not any(isinstance(i, GEUInstance) for i in instances):
+def check_can_run(model: UnifiedModel, instances: Sequence[Instance], settings: Sequence[str],
+                  stepwise_input: str | None, edit_prompt_source: str = RealUnifyEvalConfig.edit_prompt,
+                  answer_mode: str = RealUnifyEvalConfig.answer_mode) -> None:
+    """Refuse, before any generation, a GEU stepwise run that cannot happen: a model without image
+    editing (``supports_editing`` False), ``edit_prompt="row"`` on rows without ``edit_instruction``,
+    and, answering on the original and the edited image (``stepwise_input``, resolved:
+    :func:`resolve_stepwise_input`), ``answer_mode="likelihood"`` (one image per scored question) or a
+    model that takes one image per question (``supports_multi_image`` False)."""
+    geu = [i for i in instances if isinstance(i, GEUInstance)]
+    if "stepwise" not in settings or not geu:
         return
+    if not getattr(model, "supports_editing", False):
+        raise UserError(f"RealUnify GEU stepwise edits the image first, and backend '{model.backend}' does not edit "
+                        "images (supports_editing is False); run --settings direct, or a backend that edits")
+    if edit_prompt_source == "row":
+        bare = [i.source for i in geu if not i.edit_instruction]
+        if bare:
+            raise UserError(f"--edit-prompt row: {bare[0]} has no 'edit_instruction' ({len(bare)} rows lack it); "
+                            "use --edit-prompt paper (Tables 10-13)")
     if stepwise_input != "original+edited":
         return
     if answer_mode != "generate":
@@ -384,8 +377,7 @@ def evaluate_realunify(
     Two instances of a category with one id are refused (:func:`~.data.check_unique`): their images
     would overwrite each other. ``stepwise_input`` ``"auto"`` is resolved here
     (:func:`resolve_stepwise_input`) and the resolved value written to ``realunify.json``.
-    ``check_model`` False skips :func:`check_editing` and :func:`check_stepwise_input` (a merge: the
-    shards checked their model)."""
+    ``check_model`` False skips :func:`check_can_run` (a merge: the shards checked their model)."""
     if not instances:
         raise UserError("RealUnify: no instances to evaluate")
     check_unique(instances)  # one image file per instance and setting
@@ -396,8 +388,7 @@ def evaluate_realunify(
         raise UserError(f"eval.realunify.letter_parse must be 'strict' or 'lenient', got {letter_parse!r}")
     stepwise_input = resolve_stepwise_input(stepwise_input, instances)
     if check_model:
-        check_editing(model, instances, settings, edit_prompt_source)
-        check_stepwise_input(model, instances, settings, stepwise_input, answer_mode)
+        check_can_run(model, instances, settings, stepwise_input, edit_prompt_source, answer_mode)
     mine = shard_indices(len(instances))
     with eval_mode(model):
         samples = generate_samples(model, [instances[i] for i in mine], settings, max_new_tokens, batch_size,

@@ -96,10 +96,10 @@ class RealUnifySuite(EvalSuite):
     def check_model(self, model, inputs, config) -> None:
         """Refuse a GEU stepwise setting the model cannot run (no image editing; one image per question
         for ``original+edited``), before training."""
-        from unicon.evaluation.realunify.runner import check_editing, check_stepwise_input
+        from unicon.evaluation.realunify.runner import check_can_run
 
-        check_editing(model, inputs.instances, inputs.settings, config.edit_prompt)
-        check_stepwise_input(model, inputs.instances, inputs.settings, inputs.stepwise_input, config.answer_mode)
+        check_can_run(model, inputs.instances, inputs.settings, inputs.stepwise_input, config.edit_prompt,
+                      config.answer_mode)
 
     def judge(self, run: EvalRun):
         """The UEG judge: at epoch end built once (kept across epoch ends); standalone built only for UEG
