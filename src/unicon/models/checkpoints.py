@@ -1,4 +1,4 @@
-"""Every model file in and out: checkpoints, exports and LoRA adapters, and what a run starts from.
+"""Every model file in and out: what a checkpoint says to build, the two loads built on that, and exports.
 
 The calls:
 
@@ -12,6 +12,11 @@ The calls:
 * :func:`export_model` / :func:`export_checkpoint` -- a model / a ``.ckpt`` -> a ``save_pretrained``
   directory, LoRA adapters merged or dropped and also saved in PEFT's format
   (:func:`save_lora_adapter`), with the run's config as ``training_config.json``.
+
+Both loads read first and build second: :func:`checkpoint_plan` (any checkpoint) and
+:func:`training_plan` (what a run starts from) read what a checkpoint says to build, a
+:class:`~unicon.models.factory.ModelPlan` (the backend, the model section, the vocabulary, the LoRA
+adapters and weights of a training checkpoint), and :func:`unicon.models.factory.build` builds it.
 
 A Lightning ``.ckpt`` written by ``unicon train`` holds ``checkpoint["unicon_config"]`` (the
 resolved RunConfig) and the ConsistencyModule's ``state_dict`` whose keys are ``model.<...>``.
@@ -31,19 +36,20 @@ their weights (resume, ``init_from``, ``unicon evaluate --ckpt``) checks them fi
 directory's ``model.safetensors`` has no checksum: its header and tensor sizes are checked as it
 loads (a truncated file is refused), its bytes are not.
 
-It may import :mod:`unicon.models.factory` (to build the network a checkpoint describes),
-:mod:`unicon.models.lora` (PEFT mechanics), :mod:`unicon.models.registry`, ``unicon.core``,
-``unicon.config`` and ``unicon.data.jsonl``; never a backend module or a world (a saved model's
-image tokenizer is rebuilt through the registry of :mod:`unicon.core`), and nothing of training.
+It may import :mod:`unicon.models.factory` (the plan, and building it), :mod:`unicon.models.lora`
+(PEFT mechanics), :mod:`unicon.models.registry`, ``unicon.core``, ``unicon.config`` and
+``unicon.data.jsonl``; never a backend module or a world (a saved model's image tokenizer is
+rebuilt through the registry of :mod:`unicon.core`), and nothing of training.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import tempfile
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,25 +57,25 @@ from unicon.config import ConfigError, from_container
 from unicon.core import config_dict
 from unicon.data.jsonl import read_json
 from unicon.errors import UserError
-from unicon.models import factory
 from unicon.models.base import UnifiedModel
-from unicon.models.lora import _TUNER_ATTRIBUTE, apply_lora, has_lora, merge_lora
-from unicon.models.registry import backend_class, backend_for_model_type
+from unicon.models.factory import ModelPlan, build
+from unicon.models.lora import _TUNER_ATTRIBUTE, has_lora, merge_lora
+from unicon.models.registry import backend_for_model_type
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ADAPTER_DIR", "ARCHITECTURE_KEYS", "DEEPSPEED_COMPLETE_FILE", "DEEPSPEED_TAG_FILE", "PICKLE_OPT_IN",
            "TRAINING_CONFIG_NAME", "check_archive", "check_same_architecture", "checkpoint_config",
-           "checkpoint_network",
-           "deepspeed_checkpoint_step", "deepspeed_client_state", "export_checkpoint", "export_model",
-           "is_deepspeed_checkpoint", "load_for_training", "load_lightning_checkpoint", "load_model",
+           "checkpoint_plan", "deepspeed_checkpoint_step", "deepspeed_client_state", "export_checkpoint",
+           "export_model", "is_deepspeed_checkpoint", "load_for_training", "load_lightning_checkpoint", "load_model",
            "read_deepspeed_checkpoint", "read_training_checkpoint", "recorded_model_section",
-           "resumable_deepspeed_state", "save_lora_adapter"]
+           "resumable_deepspeed_state", "save_lora_adapter", "training_plan"]
 
 
 # ---- the calls -----------------------------------------------------------------------------------
 def load_model(path: str | Path, **kwargs) -> UnifiedModel:
-    """Any unicon/OFA checkpoint -> a ready :class:`UnifiedModel` (eval mode).
+    """Any unicon/OFA checkpoint -> a ready :class:`UnifiedModel` (eval mode): what
+    :func:`checkpoint_plan` reads, built.
 
     ``path`` is a ``save_pretrained`` directory (``unicon_model.json`` names the backend), an
     OFA-Sys checkpoint directory (``config.json`` with ``model_type: ofa`` + BPE files), a
@@ -81,77 +87,79 @@ def load_model(path: str | Path, **kwargs) -> UnifiedModel:
     run's ``data.root``), ``map_location``, and
     for directories the backend's ``from_pretrained`` options (e.g. ``allow_pickle``).
     """
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"checkpoint {p} does not exist")
-    if p.is_file():
-        if p.suffix != ".ckpt":
-            raise UserError(f"{p}: expected a Lightning .ckpt file or a save_pretrained directory")
-        model = load_lightning_checkpoint(p, **kwargs)[0]
-    elif is_deepspeed_checkpoint(p):
-        model = load_lightning_checkpoint(p, **kwargs)[0]
-    else:
-        model = _load_directory(p, **kwargs)
-    return model.eval()
+    plan = checkpoint_plan(path, **kwargs)
+    return build(plan).eval()
 
 
 def load_for_training(cfg: Any, resumed: dict | None = None) -> UnifiedModel:
     """The UnifiedModel a run of ``cfg`` (a RunConfig: its ``model``, ``data.root``, ``resume`` and
-    ``init_from``) starts from, with the config's model options (dtype, freezing), gradient
-    checkpointing and LoRA applied. ``resumed``: the dict of ``cfg.resume`` when the caller has read
-    it already (:func:`read_training_checkpoint`, memory-mapped): the network and its weights come
-    from it, with the archive checked (:func:`check_archive`), instead of from a second read.
+    ``init_from``) starts from: what :func:`training_plan` reads, built, with the config's model
+    options (dtype, freezing), gradient checkpointing and LoRA applied. ``resumed``: the dict of
+    ``cfg.resume`` when the caller has read it already (:func:`read_training_checkpoint`,
+    memory-mapped), instead of a second read."""
+    plan = training_plan(cfg, resumed)
+    return build(plan)
 
-    * ``resume``: the network the checkpoint holds (a ``.ckpt``'s weights are loaded, and restored
-      by Lightning afterwards; a DeepSpeed folder's are not gathered: DeepSpeed's engine loads
-      every rank's partition itself);
+
+def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
+                              allow_pickle: bool = False):
+    """A ``unicon train`` ``.ckpt`` (or DeepSpeed checkpoint folder) -> ``(model, run config)``; LoRA
+    adapters are re-applied, unmerged."""
+    plan = _read_training_plan(p, world_root, map_location, allow_pickle)
+    return build(plan), plan.run_config
+
+
+# ---- what a checkpoint says to build -------------------------------------------------------------
+TRAINING_CONFIG_NAME = "training_config.json"  # written into exports by export_model
+ARCHITECTURE_KEYS = ("backend", "preset", "pretrained", "arch")  # the model section's keys that fix the network
+
+
+def checkpoint_plan(path: str | Path, world_root: str | Path | None = None, map_location: str | None = None,
+                    **options) -> ModelPlan:
+    """What any checkpoint :func:`load_model` takes says to build (its ``kwargs``)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {p} does not exist")
+    if p.is_file() and p.suffix != ".ckpt":
+        raise UserError(f"{p}: expected a Lightning .ckpt file or a save_pretrained directory")
+    if p.is_file() or is_deepspeed_checkpoint(p):
+        return _read_training_plan(p, world_root, map_location or "cpu", bool(options.get("allow_pickle")))
+    return _directory_plan(p, map_location, options)
+
+
+def training_plan(cfg: Any, resumed: dict | None = None) -> ModelPlan:
+    """What a run of ``cfg`` starts from, with the run's ``model:`` section to apply
+    (``ModelPlan.training``), which is checked once against the network the checkpoint recorded
+    (:func:`check_same_architecture`; a directory that recorded none, for its backend) before its
+    weights load:
+
+    * ``resume``: the network and weights of that checkpoint (``resumed``: its dict, already read;
+      a memory-mapped read is checked here with :func:`check_archive`). A DeepSpeed folder's weights
+      are not gathered: DeepSpeed's engine loads every rank's partition itself (Lightning restores a
+      ``.ckpt``'s again afterwards);
     * ``init_from``: a ``.ckpt``, a DeepSpeed folder or a ``save_pretrained`` / OFA-Sys directory,
-      loaded with the vocabulary of ``data.root``;
-    * neither: :func:`unicon.models.factory.build_model` of the ``model:`` section.
-
-    A checkpoint whose recorded model section describes another network than ``cfg.model`` is
-    refused (:func:`check_same_architecture`, run once, before the weights load; a directory that
-    recorded none is checked for its backend once loaded).
+      with the vocabulary of ``data.root``;
+    * neither: the ``model:`` section, with the vocabulary of ``data.root``.
     """
-    model_cfg, allow_pickle = cfg.model, bool(cfg.model.allow_pickle)
-    if cfg.resume or cfg.init_from:
-        if cfg.resume:
-            model = _resumed_network(cfg.resume, model_cfg, allow_pickle, resumed)
-        else:
-            model = _initial_model(cfg.init_from, model_cfg, cfg.data.root, allow_pickle)
-        model = factory.apply_model_options(model, model_cfg).train()
+    allow_pickle = bool(cfg.model.allow_pickle)
+    if cfg.resume:
+        path = Path(cfg.resume)
+        ckpt = resumed if resumed is not None else read_training_checkpoint(path, allow_pickle=allow_pickle, mmap=True)
+        deepspeed = is_deepspeed_checkpoint(path)
+        for archive in sorted(_deepspeed_tag_dir(path).glob("*.pt")) if deepspeed else [path]:
+            check_archive(archive)  # a memory-mapped read checks no CRC
+        plan = _training_checkpoint_plan(ckpt, path, weights=None if deepspeed else partial(_model_weights, ckpt))
+    elif cfg.init_from:
+        plan = checkpoint_plan(_init_from(cfg.init_from), world_root=cfg.data.root, allow_pickle=allow_pickle)
     else:
-        model = factory.build_model(model_cfg, cfg.data.root)
-    if model_cfg.gradient_checkpointing:
-        factory.enable_gradient_checkpointing(model)
-    if model_cfg.lora.enabled and not has_lora(model):
-        try:
-            apply_lora(model, model_cfg.lora)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-    return model
+        plan = ModelPlan(backend=cfg.model.backend, model=cfg.model, world_root=cfg.data.root)
+    if plan.source is not None:
+        check_same_architecture(cfg.model, plan.model, plan.source, backend=plan.backend)
+    return replace(plan, training=cfg.model)
 
 
-def _resumed_network(path: str | Path, model_cfg: Any, allow_pickle: bool, ckpt: dict | None = None) -> UnifiedModel:
-    """The network a checkpoint to resume from holds, its stored model section checked against
-    ``model_cfg``; ``ckpt``: its dict, already read (:func:`load_for_training`)."""
-    if is_deepspeed_checkpoint(path):
-        # the network the folder's stored config and vocabulary describe; DeepSpeed's engine loads
-        # every rank's partition of the weights itself, so none is gathered here
-        state = ckpt if ckpt is not None else resumable_deepspeed_state(path, allow_pickle)
-        for f in sorted(_deepspeed_tag_dir(Path(path)).glob("*.pt")):
-            check_archive(f)
-        return checkpoint_network(state, path, expected_model=model_cfg)[0]
-    # the network the checkpoint holds (its weights are restored by Lightning afterwards)
-    if ckpt is None:
-        return load_lightning_checkpoint(path, allow_pickle=allow_pickle, expected_model=model_cfg)[0]
-    check_archive(path)  # a memory-mapped read checks no CRC
-    return _checkpoint_model(ckpt, Path(path), expected_model=model_cfg)[0]
-
-
-def _initial_model(init_from: str | Path, model_cfg: Any, world_root: str | Path | None,
-                   allow_pickle: bool) -> UnifiedModel:
-    """The model of ``init_from``, its recorded model section checked against ``model_cfg`` once."""
+def _init_from(init_from: str | Path) -> Path:
+    """``init_from``, refused unless it is a checkpoint: a ``.ckpt`` file or a folder."""
     source = Path(init_from)
     if not source.exists():
         raise UserError(f"init_from: {init_from} does not exist")
@@ -160,18 +168,117 @@ def _initial_model(init_from: str | Path, model_cfg: Any, world_root: str | Path
                        if (source.parent / name).is_file()), "")
         raise UserError(f"init_from: {source} is not a checkpoint; expected a Lightning .ckpt written by unicon train, "
                         f"a DeepSpeed checkpoint folder or a model directory (save_pretrained or OFA-Sys){inside}")
-    if source.is_file():  # a .ckpt: its stored config is checked before the network is built
-        return load_lightning_checkpoint(source, world_root=world_root, allow_pickle=allow_pickle,
-                                         expected_model=model_cfg)[0]
-    recorded = recorded_model_section(source, allow_pickle=allow_pickle)
-    if recorded is not None:
-        check_same_architecture(model_cfg, recorded, source)  # before the (possibly large) load
-    model = load_model(source, world_root=world_root, allow_pickle=allow_pickle)
-    if recorded is None:  # nothing recorded (an OFA-Sys directory, an older export): the backend at least
-        check_same_architecture(model_cfg, None, source, backend=getattr(model, "backend", None))
-    return model
+    return source
 
 
+def _read_training_plan(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
+                       allow_pickle: bool = False) -> ModelPlan:
+    """What a ``unicon train`` ``.ckpt`` or DeepSpeed checkpoint folder says to build. A folder's
+    config is its client state (:func:`deepspeed_client_state`); its weights are gathered from every
+    rank (:func:`read_deepspeed_checkpoint`) only when the plan is built."""
+    p = Path(p)
+    if is_deepspeed_checkpoint(p):
+        ckpt = deepspeed_client_state(p, allow_pickle)
+        weights = partial(_gathered_weights, p, allow_pickle)
+    else:
+        ckpt = read_training_checkpoint(p, map_location, allow_pickle)
+        weights = partial(_model_weights, ckpt)
+    return _training_checkpoint_plan(ckpt, p, world_root, weights)
+
+
+def _training_checkpoint_plan(ckpt: dict, p: Path, world_root: str | Path | None = None,
+                              weights: Callable[[], dict] | None = None) -> ModelPlan:
+    """What a training checkpoint's dict says to build: the network of its stored model section (a
+    ``pretrained`` directory is read for its config and tokenizer), with the vocabulary of
+    ``world_root``, else the world files stored in it, else its run's ``data.root``; its LoRA
+    adapters, unmerged; ``weights``: where the weights come from (None: none loaded)."""
+    cfg = checkpoint_config(ckpt, p)
+    return ModelPlan(backend=cfg.model.backend, model=cfg.model, source=p,
+                     world_root=world_root or cfg.data.root,
+                     world_files=dict(ckpt.get("unicon_world_files") or {}) if world_root is None else {},
+                     lora=cfg.model.lora if cfg.model.lora.enabled else None, weights=weights, run_config=cfg)
+
+
+def _model_weights(ckpt: dict) -> dict:
+    """The model's entries of a training checkpoint's ``state_dict`` (the ``model.`` prefix dropped)."""
+    return {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+
+
+def _gathered_weights(p: Path, allow_pickle: bool) -> dict:
+    """The model's weights of a DeepSpeed checkpoint folder, gathered from every rank."""
+    return _model_weights(read_deepspeed_checkpoint(p, allow_pickle))
+
+
+def _directory_plan(p: Path, map_location: str | None, options: dict) -> ModelPlan:
+    """What a ``save_pretrained`` or OFA-Sys directory says to build: the backend its
+    ``unicon_model.json`` names (or that reads its ``config.json``'s ``model_type``), loading it
+    whole with ``options``; the model section its ``training_config.json`` recorded, if any."""
+    meta = p / "unicon_model.json"
+    if meta.is_file():
+        backend = _json_object(meta).get("backend", "ofa")
+    elif (p / "config.json").is_file():
+        model_type = _json_object(p / "config.json").get("model_type")
+        backend = backend_for_model_type(model_type)
+        if backend is None:
+            raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
+                            f"model_type is {model_type!r})")
+    else:
+        raise UserError(f"{p}: not a unicon model directory (no unicon_model.json or config.json)")
+    # a saved directory holds its own vocabulary and image tokenizer spec: no world_root
+    return ModelPlan(backend=backend, model=recorded_model_section(p), source=p, directory=True,
+                     pretrained_options={**options, "map_location": map_location})
+
+
+def recorded_model_section(path: str | Path, allow_pickle: bool = False) -> dict | None:
+    """The ``model:`` section of the run that produced a checkpoint: a ``.ckpt``'s stored config (a
+    DeepSpeed folder's is in its client state: no conversion needed), or an export's
+    ``training_config.json``; ``None`` for directories without one (OFA-Sys, older exports)."""
+    p = Path(path)
+    if p.is_file():
+        ckpt = read_training_checkpoint(p, allow_pickle=allow_pickle)
+    elif is_deepspeed_checkpoint(p):
+        ckpt = deepspeed_client_state(p, allow_pickle)
+    else:
+        record = p / TRAINING_CONFIG_NAME
+        section = _json_object(record).get("model") if record.is_file() else None
+        return section if isinstance(section, dict) else None
+    section = checkpoint_config(ckpt, p).model
+    return config_dict(section)
+
+
+def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str | Path, backend: str | None = None) -> None:
+    """Refuse a ``model:`` config section that describes another network than checkpoint ``source``
+    holds (``recorded``: its model section, see :func:`recorded_model_section`; ``backend``: its
+    backend, checked when nothing was recorded)."""
+    mine = config_dict(model_cfg)
+    recorded = None if recorded is None else config_dict(recorded)
+    if recorded is None:
+        if backend is not None and mine.get("backend") != backend:
+            raise UserError(f"model.backend={mine.get('backend')!r} but init_from {source} holds a {backend!r} model; "
+                            f"choose the matching model= group or drop init_from")
+        return
+    def flat(section: dict) -> dict:
+        out = {k: section.get(k) or None for k in ARCHITECTURE_KEYS if k != "arch"}
+        out.update({f"arch.{k}": v for k, v in (section.get("arch") or {}).items()})
+        return out
+
+    a, b = flat(mine), flat(recorded)
+    diffs = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b), key=lambda k: (k.startswith("arch."), k))
+             if a.get(k) != b.get(k)]
+    if diffs:
+        diffs = diffs[:4] + ([f"{len(diffs) - 4} more"] if len(diffs) > 4 else [])
+        raise UserError(f"the model section differs from the init_from checkpoint {source} ({'; '.join(diffs)}; "
+                        "config vs checkpoint): drop the model= choice / model.* overrides, or init_from")
+
+
+def _json_object(path: Path) -> dict:
+    data = read_json(path, what="model metadata")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+# ---- exports -------------------------------------------------------------------------------------
 def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True,
                  run_config: dict | None = None) -> Path:
     """``model.save_pretrained(out_dir)`` with LoRA adapters merged (``merge``) -- in place.
@@ -200,76 +307,6 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
 
     model, cfg = load_lightning_checkpoint(ckpt_path, **kw)
     return export_model(model, out_dir, merge=merge, run_config=OmegaConf.to_container(cfg, resolve=True))
-
-
-# ---- what a checkpoint says about the model it holds ----------------------------------------------
-TRAINING_CONFIG_NAME = "training_config.json"  # written into exports by export_model
-ARCHITECTURE_KEYS = ("backend", "preset", "pretrained", "arch")  # the model section's keys that fix the network
-
-
-def recorded_model_section(path: str | Path, allow_pickle: bool = False) -> dict | None:
-    """The ``model:`` section of the run that produced a checkpoint: a ``.ckpt``'s stored config, or
-    an export's ``training_config.json``; ``None`` for directories without one (OFA-Sys, older exports)."""
-    p = Path(path)
-    if p.is_file():
-        return config_dict(checkpoint_config(read_training_checkpoint(p, allow_pickle=allow_pickle), p).model)
-    if is_deepspeed_checkpoint(p):  # the config is in the client state: no conversion needed
-        return config_dict(checkpoint_config(deepspeed_client_state(p), p).model)
-    record = p / TRAINING_CONFIG_NAME
-    if record.is_file():
-        section = _json_object(record).get("model")
-        return section if isinstance(section, dict) else None
-    return None
-
-
-def check_same_architecture(model_cfg: Any, recorded: dict | None, source: str | Path, backend: str | None = None) -> None:
-    """Refuse a ``model:`` config section that describes another network than checkpoint ``source``
-    holds (``recorded``: its model section, see :func:`recorded_model_section`; ``backend``: the
-    loaded model's backend, checked when nothing was recorded)."""
-    mine = config_dict(model_cfg)
-    if recorded is None:
-        if backend is not None and mine.get("backend") != backend:
-            raise UserError(f"model.backend={mine.get('backend')!r} but init_from {source} holds a {backend!r} model; "
-                            f"choose the matching model= group or drop init_from")
-        return
-    def flat(section: dict) -> dict:
-        out = {k: section.get(k) or None for k in ARCHITECTURE_KEYS if k != "arch"}
-        out.update({f"arch.{k}": v for k, v in (section.get("arch") or {}).items()})
-        return out
-
-    a, b = flat(mine), flat(recorded)
-    diffs = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b), key=lambda k: (k.startswith("arch."), k))
-             if a.get(k) != b.get(k)]
-    if diffs:
-        diffs = diffs[:4] + ([f"{len(diffs) - 4} more"] if len(diffs) > 4 else [])
-        raise UserError(f"the model section differs from the init_from checkpoint {source} ({'; '.join(diffs)}; "
-                        "config vs checkpoint): drop the model= choice / model.* overrides, or init_from")
-
-
-# ---- save_pretrained and OFA-Sys directories -------------------------------------------------------
-def _load_directory(p: Path, **kwargs) -> UnifiedModel:
-    meta = p / "unicon_model.json"
-    if meta.is_file():
-        backend = _json_object(meta).get("backend", "ofa")
-    elif (p / "config.json").is_file():
-        model_type = _json_object(p / "config.json").get("model_type")
-        backend = backend_for_model_type(model_type)
-        if backend is None:
-            raise UserError(f"{p}: not a unicon model directory (no unicon_model.json, and config.json "
-                            f"model_type is {model_type!r})")
-    else:
-        raise UserError(f"{p}: not a unicon model directory (no unicon_model.json or config.json)")
-    kwargs.pop("world_root", None)  # a saved directory holds its own vocabulary and image tokenizer spec
-    map_location = kwargs.pop("map_location", None)
-    model = backend_class(backend).from_pretrained(str(p), **kwargs)
-    return model.to(map_location) if map_location else model
-
-
-def _json_object(path: Path) -> dict:
-    data = read_json(path, what="model metadata")
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
 
 
 # ---- Lightning .ckpt files ----------------------------------------------------------------------
@@ -359,63 +396,6 @@ def checkpoint_config(ckpt: dict, p: str | Path):
         return from_container(ckpt["unicon_config"], source=f"{p} (stored config)")
     except ConfigError as e:
         raise UserError(f"{p}: stored config is invalid: {e}") from None
-
-
-def load_lightning_checkpoint(p: str | Path, world_root: str | Path | None = None, map_location: str = "cpu",
-                              allow_pickle: bool = False, expected_model: Any = None, **kwargs):
-    """A ``unicon train`` ``.ckpt`` (or DeepSpeed checkpoint folder) -> ``(model, run config)``; LoRA
-    adapters are re-applied, unmerged. ``expected_model``: see :func:`checkpoint_network`."""
-    p = Path(p)
-    if is_deepspeed_checkpoint(p):
-        ckpt = read_deepspeed_checkpoint(p, allow_pickle)
-    else:
-        ckpt = read_training_checkpoint(p, map_location, allow_pickle)
-    return _checkpoint_model(ckpt, p, world_root, expected_model=expected_model)
-
-
-def _checkpoint_model(ckpt: dict, p: Path, world_root: str | Path | None = None, expected_model: Any = None):
-    """``(model, run config)`` of a training checkpoint's dict: :func:`checkpoint_network` with the
-    ``model.``-prefixed weights of its ``state_dict`` loaded."""
-    model, cfg = checkpoint_network(ckpt, p, world_root, expected_model=expected_model)
-    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # size mismatches
-        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
-        raise UserError(f"{p}: weights do not fit the model its config describes ({detail}); "
-                        "was it trained on another world's vocabulary? pass that world") from None
-    if missing or unexpected:
-        raise UserError(f"{p}: weights do not match the model; first missing: {missing[:1]}, "
-                        f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")
-    return model, cfg
-
-
-def checkpoint_network(ckpt: dict, p: str | Path, world_root: str | Path | None = None, expected_model: Any = None):
-    """``(model, run config)``: the network a training checkpoint's dict describes, with freshly
-    initialised weights (LoRA adapters applied, unmerged). The architecture comes from the run's
-    model section (a ``pretrained`` directory is read for its config and tokenizer, a world's
-    vocabulary from the copy stored in the checkpoint, unless ``world_root`` names one).
-
-    ``expected_model``: a ``model:`` section that must describe the same network as the stored one
-    (:func:`check_same_architecture`), checked before anything is built; None: no check."""
-    cfg = checkpoint_config(ckpt, p)
-    if expected_model is not None:
-        check_same_architecture(expected_model, config_dict(cfg.model), p)
-    stored = ckpt.get("unicon_world_files") or {}
-    if world_root is None and stored:
-        known = getattr(backend_class(cfg.model.backend), "world_vocabulary_files", ())
-        unknown = sorted(set(stored) - set(known))
-        if unknown:
-            raise UserError(f"{p}: unexpected stored world files {unknown}")
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, text in stored.items():
-                (Path(tmp) / name).write_text(text)
-            model = factory.build_model(cfg.model, world_root=tmp)
-    else:
-        model = factory.build_model(cfg.model, world_root=world_root or cfg.data.root)
-    if cfg.model.lora.enabled:
-        apply_lora(model, cfg.model.lora)
-    return model, cfg
 
 
 # ---- DeepSpeed checkpoint folders ---------------------------------------------------------------

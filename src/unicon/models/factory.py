@@ -1,17 +1,25 @@
-"""A model from a ``model:`` config section: the registered backend builds it, the section's options apply.
+"""Every model is built here: from a :class:`ModelPlan`, what a checkpoint or a run's config says to build.
 
-* :func:`build_model` -- a fresh (or ``pretrained``) model, built by the class registered for the
-  section's ``backend`` (:mod:`unicon.models.registry`), with :func:`apply_model_options`.
+* :class:`ModelPlan` -- what to build: a ``save_pretrained`` / OFA-Sys directory, or a ``model:``
+  section with the vocabulary it uses, and the LoRA adapters and weights of a training checkpoint.
+  :mod:`unicon.models.checkpoints` reads one out of any checkpoint (and out of a run's config);
+* :func:`build` -- the model of a plan: the registered backend's ``from_pretrained`` or
+  :func:`build_model`, then the adapters, then the weights, then what a training run adds (its
+  options over a checkpoint's, gradient checkpointing, LoRA);
+* :func:`build_model` -- the model of a ``model:`` section: the class registered for its
+  ``backend`` (:mod:`unicon.models.registry`) builds it, :func:`apply_model_options` follows;
 * :func:`apply_model_options` -- ``dtype``, ``freeze_batchnorm`` and ``freeze``, also applied to a
-  model loaded from a checkpoint (:func:`unicon.models.checkpoints.load_for_training`).
-* :func:`enable_gradient_checkpointing` -- ``model.gradient_checkpointing`` of a training run.
+  model a run starts from a checkpoint with (:func:`build` of its plan);
+* :func:`enable_gradient_checkpointing` -- ``model.gradient_checkpointing`` of a training run;
 * :func:`world_vocabulary` -- the world files a from-scratch model's vocabulary comes from (stored
   in every training checkpoint).
 
-Reading and writing model files (checkpoints, exports, adapters) is :mod:`unicon.models.checkpoints`'
-business, never this module's. It may import :mod:`unicon.models.base`, :mod:`unicon.models.registry`,
-``unicon.core``, ``unicon.errors`` and torch; it knows no backend by name (they register themselves on import of
-``unicon.models``).
+Reading and writing model files (checkpoints, exports) is :mod:`unicon.models.checkpoints`' business,
+never this module's: a plan arrives with what was read (a training checkpoint's weights as a function
+that returns them).
+It may import :mod:`unicon.models.base`, :mod:`unicon.models.registry`, :mod:`unicon.models.lora`,
+``unicon.core``, ``unicon.errors`` and torch; it knows no backend by name (they register
+themselves on import of ``unicon.models``).
 
 OFA model configs (``configs/model/ofa_*.yaml``)::
 
@@ -32,22 +40,124 @@ ShapesWorld world's ``tokenizer.json`` under ``world_root`` and the image codes 
 from __future__ import annotations
 
 import inspect
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from unicon.core import config_dict, torch_dtype
 from unicon.errors import UserError
 from unicon.models.base import UnifiedModel
+from unicon.models.lora import apply_lora, has_lora
 from unicon.models.registry import backend_class
 
-__all__ = ["apply_model_options", "build_model", "enable_gradient_checkpointing", "world_vocabulary"]
+__all__ = ["ModelPlan", "apply_model_options", "build", "build_model", "enable_gradient_checkpointing",
+           "world_vocabulary"]
+
+
+@dataclass
+class ModelPlan:
+    """What to build, as a checkpoint (or a run's config) describes it; :func:`build` builds it.
+
+    ``model`` is the ``model:`` section that describes the network: a training checkpoint's stored
+    one, an export's recorded one (``training_config.json``), a run's own; None when nothing
+    recorded it (an OFA-Sys directory, an older export). A run's architecture check compares its
+    own section with it (:func:`unicon.models.checkpoints.check_same_architecture`)."""
+
+    backend: str  # the registered backend that builds it
+    model: Any = None
+    source: Path | None = None  # the checkpoint it was read from (named in messages); None: a run's config
+    #: ``source`` is a ``save_pretrained`` / OFA-Sys directory, which the backend's ``from_pretrained``
+    #: loads whole with ``pretrained_options`` (e.g. ``allow_pickle``; ``map_location``: where the
+    #: loaded model is moved); otherwise :func:`build_model` builds ``model``
+    directory: bool = False
+    pretrained_options: dict = field(default_factory=dict)
+    #: the vocabulary a ``model`` built from scratch uses: the world at ``world_root``, or the world
+    #: files a training checkpoint stored (``{name: text}``, written to a temporary folder)
+    world_root: str | Path | None = None
+    world_files: dict[str, str] = field(default_factory=dict)
+    lora: Any = None  # the LoRA section of the adapters ``weights`` hold (applied unmerged, before them)
+    weights: Callable[[], dict] | None = None  # reads the state dict the built model loads, every key matched
+    run_config: Any = None  # the run config a training checkpoint stored
+    #: for a model a run trains, the run's ``model:`` section: its options over those of a checkpoint
+    #: (the model then in training mode), its gradient checkpointing, and its LoRA adapters unless the
+    #: checkpoint brought some
+    training: Any = None
+
+
+def build(plan: ModelPlan) -> UnifiedModel:
+    """The model a plan describes, the one way a model is made from a checkpoint or a run's config:
+    the registered backend's ``from_pretrained`` of a directory; otherwise :func:`build_model` of
+    ``plan.model`` with its vocabulary, then the LoRA adapters, then the weights (refused, naming
+    ``plan.source``, when they do not fit); then what a run adds (``plan.training``)."""
+    cls = backend_class(plan.backend)
+    if plan.directory:
+        options = dict(plan.pretrained_options)
+        device = options.pop("map_location", None)
+        model = cls.from_pretrained(str(plan.source), **options)
+        model = model.to(device) if device else model
+    else:
+        with _vocabulary(plan, cls) as world_root:
+            model = build_model(plan.model, world_root)
+        if plan.lora is not None:
+            apply_lora(model, plan.lora)
+        if plan.weights is not None:
+            _load_weights(model, plan.weights(), plan.source)
+    if plan.training is not None:
+        model = _for_training(model, plan.training, from_checkpoint=plan.source is not None)
+    return model
+
+
+def _for_training(model: UnifiedModel, model_cfg: Any, from_checkpoint: bool) -> UnifiedModel:
+    """A run's ``model:`` section applied to the model it starts from: its options (a built model
+    has them already), gradient checkpointing and LoRA (a LoRA run's checkpoint holds its adapters)."""
+    if from_checkpoint:
+        model = apply_model_options(model, model_cfg).train()
+    if model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if model_cfg.lora.enabled and not has_lora(model):
+        try:
+            apply_lora(model, model_cfg.lora)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    return model
+
+
+@contextmanager
+def _vocabulary(plan: ModelPlan, cls: type[UnifiedModel]) -> Iterator[str | Path | None]:
+    """The world root a plan's ``model`` is built with: ``world_root``, or a temporary folder holding
+    the stored ``world_files`` (only names the backend reads: nothing is written elsewhere)."""
+    if not plan.world_files:
+        yield plan.world_root
+        return
+    unknown = sorted(set(plan.world_files) - set(getattr(cls, "world_vocabulary_files", ())))
+    if unknown:
+        raise UserError(f"{plan.source}: unexpected stored world files {unknown}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in plan.world_files.items():
+            (Path(tmp) / name).write_text(text)
+        yield tmp
+
+
+def _load_weights(model: torch.nn.Module, state: dict, source: Path | None) -> None:
+    """``model.load_state_dict(state)``, every key matched; a mismatch is one line naming ``source``."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # size mismatches
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise UserError(f"{source}: weights do not fit the model its config describes ({detail}); "
+                        "was it trained on another world's vocabulary? pass that world") from None
+    if missing or unexpected:
+        raise UserError(f"{source}: weights do not match the model; first missing: {missing[:1]}, "
+                        f"first unexpected: {unexpected[:1]} ({len(missing)} missing, {len(unexpected)} unexpected)")
 
 
 def build_model(model_cfg: Any, world_root: str | Path | None = None) -> UnifiedModel:
     """The model described by a ``model:`` config section (``unicon.config.ModelConfig``), built by
-    the class registered for its ``backend`` (:mod:`unicon.models.registry`)."""
+    the class registered for its ``backend`` (:mod:`unicon.models.registry`), with its options."""
     cfg = config_dict(model_cfg)
     model = backend_class(cfg.get("backend", "ofa")).from_config(cfg, world_root=world_root)
     return apply_model_options(model, cfg)
@@ -55,7 +165,8 @@ def build_model(model_cfg: Any, world_root: str | Path | None = None) -> Unified
 
 def apply_model_options(model: UnifiedModel, model_cfg: Any) -> UnifiedModel:
     """``model.dtype``, ``model.freeze_batchnorm`` and ``model.freeze`` of a config section, applied
-    to a built or loaded model (``build_model`` does it; a run started ``init_from`` a checkpoint too)."""
+    to a built or loaded model (``build_model`` does it; :func:`build` for a run that starts from a
+    checkpoint too)."""
     cfg = config_dict(model_cfg)
     dtype = torch_dtype(cfg.get("dtype", "float32"))
     if dtype != torch.float32:
@@ -95,9 +206,8 @@ def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str,
     ``unicon train`` stores them in every ``.ckpt`` (key ``unicon_world_files``), so a checkpoint
     loads without the world, and rebuilding the world cannot change an old run's vocabulary.
     """
-    cfg = config_dict(model_cfg)
-    if cfg.get("pretrained") or world_root is None:
+    if model_cfg.get("pretrained") or world_root is None:
         return {}
-    names = getattr(backend_class(cfg.get("backend", "ofa")), "world_vocabulary_files", ())
+    names = getattr(backend_class(model_cfg.get("backend", "ofa")), "world_vocabulary_files", ())
     root = Path(world_root)
     return {name: (root / name).read_text() for name in names if (root / name).is_file()}
