@@ -11,7 +11,8 @@ Where things live:
   checkpoint), :func:`load_for_training` (what ``unicon train`` starts from), both a read
   (:func:`checkpoint_plan`, :func:`training_plan`) then :func:`build`; :func:`export_model`, the
   ``.ckpt`` / DeepSpeed / ``save_pretrained`` readers and the architecture check;
-* :mod:`unicon.models.lora` -- PEFT LoRA adapters: placement, merging, :func:`has_lora`;
+* :mod:`unicon.models.lora` -- PEFT LoRA adapters: placement, merging, :func:`has_lora`, saving them in
+  PEFT's format;
 * :mod:`unicon.models.boxes` -- boxes written as text, shared by the backends;
 * the backends: :mod:`unicon.models.ofa`, :mod:`unicon.models.janus`, :mod:`unicon.models.decoupled`,
   and the image tokenizer :mod:`unicon.models.vqgan`. They are imported here so that their

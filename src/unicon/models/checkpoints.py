@@ -11,7 +11,7 @@ The calls:
   (:func:`check_same_architecture`), with the section's options, gradient checkpointing and LoRA.
 * :func:`export_model` / :func:`export_checkpoint` -- a model / a ``.ckpt`` -> a ``save_pretrained``
   directory, LoRA adapters merged or dropped and also saved in PEFT's format
-  (:func:`save_lora_adapter`), with the run's config as ``training_config.json``.
+  (:func:`unicon.models.lora.save_lora_adapter`), with the run's config as ``training_config.json``.
 
 Both loads read first and build second: :func:`checkpoint_plan` (any checkpoint) and
 :func:`training_plan` (what a run starts from) read what a checkpoint says to build, a
@@ -59,7 +59,7 @@ from unicon.data.jsonl import read_json
 from unicon.errors import UserError
 from unicon.models.base import UnifiedModel
 from unicon.models.factory import ModelPlan, build
-from unicon.models.lora import _TUNER_ATTRIBUTE, has_lora, merge_lora
+from unicon.models.lora import has_lora, merge_lora, save_lora_adapter
 from unicon.models.registry import backend_for_model_type
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ __all__ = ["ADAPTER_DIR", "ARCHITECTURE_KEYS", "DEEPSPEED_COMPLETE_FILE", "DEEPS
            "checkpoint_plan", "deepspeed_checkpoint_step", "deepspeed_client_state", "export_checkpoint",
            "export_model", "is_deepspeed_checkpoint", "load_for_training", "load_lightning_checkpoint", "load_model",
            "read_deepspeed_checkpoint", "read_training_checkpoint", "recorded_model_section",
-           "resumable_deepspeed_state", "save_lora_adapter", "training_plan"]
+           "resumable_deepspeed_state", "training_plan"]
 
 
 # ---- the calls -----------------------------------------------------------------------------------
@@ -279,12 +279,15 @@ def _json_object(path: Path) -> dict:
 
 
 # ---- exports -------------------------------------------------------------------------------------
+ADAPTER_DIR = "adapter"  # <export>/adapter: the LoRA adapters in PEFT's format
+
+
 def export_model(model: torch.nn.Module, out_dir: str | Path, merge: bool = True,
                  run_config: dict | None = None) -> Path:
     """``model.save_pretrained(out_dir)`` with LoRA adapters merged (``merge``) -- in place.
 
     The adapters are always also saved, in PEFT's format, to ``<out_dir>/adapter/``
-    (:func:`save_lora_adapter`; ``PeftModel.from_pretrained`` loads them); with ``merge=False``
+    (:func:`~unicon.models.lora.save_lora_adapter`; ``PeftModel.from_pretrained`` loads them); with ``merge=False``
     the exported model is the base model without them. ``run_config`` (the
     resolved config of the run that trained it) is written as ``training_config.json``: a run
     started ``init_from`` this export checks its ``model:`` section against that record.
@@ -560,38 +563,3 @@ def read_deepspeed_checkpoint(path: str | Path, allow_pickle: bool = False) -> d
     if "unicon_config" not in ckpt or "state_dict" not in ckpt:
         raise UserError(f"{p}: not a unicon training checkpoint (missing 'unicon_config' or 'state_dict')")
     return ckpt
-
-
-# ---- LoRA adapters in PEFT's format --------------------------------------------------------------
-ADAPTER_DIR = "adapter"  # <export>/adapter: the LoRA adapters in PEFT's format
-
-
-def save_lora_adapter(model: torch.nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None) -> Path:
-    """The LoRA adapters of :func:`unicon.models.lora.inject_lora` in PEFT's format, as
-    ``PeftModel.save_pretrained`` writes them: ``adapter_model.safetensors`` (PEFT's
-    ``get_peft_model_state_dict``: ``base_model.model.<layer>.lora_A/B.weight``, the adapter name
-    dropped) and ``adapter_config.json`` (the injecting ``LoraConfig``, ``inference_mode`` on).
-    ``PeftModel.from_pretrained(base_model, out_dir)`` loads them onto the unadapted model."""
-    import copy
-
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    tuner = model.__dict__.get(_TUNER_ATTRIBUTE)
-    if tuner is None:
-        raise ValueError(f"{type(model).__name__} has no LoRA adapters injected by unicon.models.lora.inject_lora")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # PEFT selects the adapter entries of the tuner (keys "model.<layer>.lora_A.weight", the tuner holding
-    # our model as .model); a PeftModel holds that tuner as .base_model, hence its keys' "base_model." prefix
-    adapters = get_peft_model_state_dict(tuner, adapter_name="default", save_embedding_layers=False)
-    if not adapters:
-        raise ValueError(f"{type(model).__name__}: PEFT found no adapter weights to save")
-    save_file({f"base_model.{k}": v.detach().cpu().contiguous() for k, v in adapters.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(tuner.peft_config["default"])
-    config.inference_mode = True
-    if base_model_name_or_path:
-        config.base_model_name_or_path = str(base_model_name_or_path)
-    config.save_pretrained(str(out))
-    return out

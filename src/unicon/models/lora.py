@@ -11,14 +11,16 @@ The adapters are injected in place (parameter names stay ``<layer>.base_layer.we
 ``<layer>.lora_A/B.default.weight``, so checkpoints keep their keys). :func:`inject_lora` keeps
 PEFT's ``LoraModel`` tuner that did the injection in the model's ``__dict__`` (not as a submodule,
 so it is no part of ``state_dict``), and :func:`merge_lora` unloads through it with PEFT's own
-``merge_and_unload`` / ``unload``; :func:`has_lora` says whether a model holds adapters.
+``merge_and_unload`` / ``unload``; :func:`has_lora` says whether a model holds adapters;
+:func:`save_lora_adapter` writes them in PEFT's format, as ``PeftModel.save_pretrained`` does.
 
-It may import torch and PEFT, nothing of unicon: writing adapters to disk (PEFT's format) and
-exporting a LoRA model belong to :mod:`unicon.models.checkpoints`.
+It may import torch, PEFT and safetensors, nothing of unicon: exporting a LoRA model (its adapters
+beside it) belongs to :mod:`unicon.models.checkpoints`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,3 +95,34 @@ def has_lora(model: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 
     return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def save_lora_adapter(model: torch.nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None) -> Path:
+    """The LoRA adapters of :func:`inject_lora` in PEFT's format, as
+    ``PeftModel.save_pretrained`` writes them: ``adapter_model.safetensors`` (PEFT's
+    ``get_peft_model_state_dict``: ``base_model.model.<layer>.lora_A/B.weight``, the adapter name
+    dropped) and ``adapter_config.json`` (the injecting ``LoraConfig``, ``inference_mode`` on).
+    ``PeftModel.from_pretrained(base_model, out_dir)`` loads them onto the unadapted model."""
+    import copy
+
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    tuner = model.__dict__.get(_TUNER_ATTRIBUTE)
+    if tuner is None:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters injected by unicon.models.lora.inject_lora")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # PEFT selects the adapter entries of the tuner (keys "model.<layer>.lora_A.weight", the tuner holding
+    # our model as .model); a PeftModel holds that tuner as .base_model, hence its keys' "base_model." prefix
+    adapters = get_peft_model_state_dict(tuner, adapter_name="default", save_embedding_layers=False)
+    if not adapters:
+        raise ValueError(f"{type(model).__name__}: PEFT found no adapter weights to save")
+    save_file({f"base_model.{k}": v.detach().cpu().contiguous() for k, v in adapters.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(tuner.peft_config["default"])
+    config.inference_mode = True
+    if base_model_name_or_path:
+        config.base_model_name_or_path = str(base_model_name_or_path)
+    config.save_pretrained(str(out))
+    return out
