@@ -2,7 +2,8 @@
 the resume checkpoint one time of their own (its stored config, its step for the newest-checkpoint
 check and its weights all come from that read), plus Lightning's load for ``ckpt_path``; the other
 checkpoints of the run folder, which the restart chooses among and the newest check compares, once
-each (:class:`unicon.training.resume.CheckpointReads`).
+each (:class:`unicon.training.resume.CheckpointReads`). ``init_from=CKPT`` and ``load_model(CKPT)`` read
+theirs once: what to build and its weights come from one read (:mod:`unicon.models.checkpoints`).
 
 The runs are tests/test_training.py's: its test double on its synthetic world, two steps, then one
 more from a checkpoint."""
@@ -94,3 +95,20 @@ def test_resuming_a_deepspeed_folder_loads_each_of_its_files_once(tmp_path, load
     assert read_training_checkpoint(folder)["global_step"] == 2
     assert sorted(loads) == [("mp_rank_00_model_states.pt", True), ("zero_pp_rank_0_mp_rank_00_optim_states.pt", True),
                              ("zero_pp_rank_1_mp_rank_00_optim_states.pt", True)], loads
+
+
+def test_an_init_from_start_reads_its_checkpoint_once(first_run, loads, tmp_path):
+    """``init_from=CKPT``: the one read of the checkpoint (its archive checked, not memory-mapped) gives
+    the architecture check its stored config and the model its weights; Lightning restores nothing."""
+    args, run_dir = first_run
+    train(compose([*args[:-2], "name=from_init", "trainer.max_steps=1", f"init_from={run_dir / 'last.ckpt'}"]))
+    assert loads == [("last.ckpt", False)], loads
+
+
+def test_load_model_reads_a_checkpoint_once(first_run, loads):
+    """``unicon evaluate --ckpt CKPT`` (:func:`unicon.models.load_model`): one read for the model and its weights."""
+    from unicon.models import load_model
+
+    args, run_dir = first_run
+    load_model(run_dir / "last.ckpt")
+    assert loads == [("last.ckpt", False)], loads
