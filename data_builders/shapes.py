@@ -151,12 +151,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "while the other tasks and every split's contrast sets keep it)")
     g.add_argument("--caption-gap", default=None, metavar="CONCEPT",
                    help="a colour or shape of the world that the train split's caption rows rarely name; "
-                        "VQA, grounding and text-to-image rows keep it (default: no gap)")
+                        "VQA, grounding and text-to-image rows keep it (None: no gap)")
     g.add_argument("--caption-gap-keep", type=float, default=0.05,
                    help="fraction of the train caption rows naming --caption-gap that are kept")
     for task, rows in TASK_GAP_ROWS.items():
         g.add_argument(f"--{task}-gap", default=None, metavar="CONCEPT",
-                       help=f"a colour or shape that no train {rows} names (default: no gap)")
+                       help=f"a colour or shape that no train {rows} names (None: no gap)")
     t.add_argument("--num-ureason", type=int, default=50, help="UReason items per category")
     t.add_argument("--edits-per-scene", type=float, default=EDITS_PER_SCENE,
                    help="image-edit rows (edit_<split>.jsonl) per scene of every split, on average (0.5: every "
