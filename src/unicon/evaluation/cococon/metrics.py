@@ -46,6 +46,14 @@ Where the paper and the public reference code (``adymaharana/cococon``,
 * the reference lower-cases the contrast captions but not the gold one before scoring, which
   biases the comparison (:func:`unicon.evaluation.cococon.runner.normalize_text` treats both alike).
 
+Where the paper is silent we follow the reference: ``s`` is the per-token mean NLL
+(``Scores.nll``; the reference's ``average_loss=True``), where Eq. 1 writes the likelihood
+``f_θ(y|x)`` without saying whether it is normalised by length. The two differ only where a sample's
+candidates differ in length: then the mean favours the longer candidate when its extra tokens are
+easy. ShapesWorld's location contrasts are such a case ("above" is one token, "to the left of"
+four): there the mean ranks the gold caption first less often than the sum does (25.7% against
+37.1%, one validation-split run; docs/notebook/2026-12-03-where-t2i-loses-consistency.md).
+
 Generative accuracies: corpus CIDEr-D of the generated captions (:func:`cider_score`), VQA exact
 match and VQAv2 soft accuracy after :func:`normalize_answer`, localization accuracy at IoU >= 0.5
 (:func:`box_iou`), T2I scene match (ShapesWorld) and FID (torchmetrics, in the runner).
