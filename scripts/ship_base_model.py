@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+from unicon import jsonsafe  # noqa: E402 - the project's strict JSON, from this checkout
 #: steps of the world's CLIP trained for CLIP-S when --clip names no model (the alignment results' setting)
 CLIP_STEPS = 500
 #: the world with another seed, for the generalisation table
@@ -165,23 +167,25 @@ def unicon(*args: str) -> list[str]:
 
 def world_info(world: Path, options: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The world's seed and fingerprint, and (``options``) the command that builds it."""
-    sys.path.insert(0, str(REPO / "src"))
     from unicon.worlds.shapes import load_world
 
     w = load_world(world)
     info = {"root": str(world), "seed": w.info.get("seed"), "fingerprint": w.fingerprint(),
             "fingerprint_files": list(w.FINGERPRINT_FILES)}
     if options is not None:
-        info["build_command"] = " ".join(["unicon", *build_world(world, options)[1:]])
+        info["build_command"] = " ".join(["unicon", *build_command(world, options)[1:]])
     return info
 
 
-def build_world(world: Path, options: tuple[str, ...]) -> list[str]:
-    """The ``unicon build-data shapes`` command of ``world``; run it when the world is missing."""
-    command = unicon("build-data", "shapes", "--out", str(world), *options, "--workers", "2")
+def build_command(world: Path, options: tuple[str, ...]) -> list[str]:
+    """The ``unicon build-data shapes`` command that builds ``world`` with ``options``."""
+    return unicon("build-data", "shapes", "--out", str(world), *options, "--workers", "2")
+
+
+def build_world(world: Path, options: tuple[str, ...]) -> None:
+    """Build ``world`` (:func:`build_command`) when it is missing."""
     if not (REPO / world / "world.json").is_file():
-        subprocess.run(command, check=True, cwd=REPO)
-    return command
+        subprocess.run(build_command(world, options), check=True, cwd=REPO)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -205,7 +209,7 @@ def train(args: argparse.Namespace) -> int:
     if proc.returncode:
         return proc.returncode
     record["wall_time_s"] = round(time.monotonic() - t0, 1)
-    (run_dir / "ship.json").write_text(json.dumps(record, indent=2) + "\n")
+    (run_dir / "ship.json").write_text(jsonsafe.dumps(record, indent=2) + "\n")
     print(f"ship_base_model: trained in {record['wall_time_s']} s; {run_dir / 'ship.json'}")
     return 0
 
@@ -265,7 +269,7 @@ def evaluate(args: argparse.Namespace) -> int:
     provenance = {"model": str(out), "experiment": args.experiment, **ship, **extra,
                   "evaluated_at": evaluated_at,
                   "evaluations": evaluations, "table": table}
-    (out / "provenance.json").write_text(json.dumps(provenance, indent=2, allow_nan=False) + "\n")
+    (out / "provenance.json").write_text(jsonsafe.dumps(provenance, indent=2) + "\n")
     width = max(len(r["name"]) for r in table)
     for r in table:
         value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
