@@ -58,9 +58,9 @@ def draw_images(model, samples: Sequence, key, prompts: Sequence[str], image_con
     if not rows:
         return
 
-    def call(rows):
-        extra = {} if context is None else {"context": [context[r] for r in rows]}
-        return model.generate_image([prompts[r] for r in rows], config=image_config, **extra)
+    def call(batch):  # the rows of one generate_image call: all of them, or one on a retry
+        extra = {} if context is None else {"context": [context[r] for r in batch]}
+        return model.generate_image([prompts[r] for r in batch], config=image_config, **extra)
 
     for r, im, err in zip(rows, *images_by_row(call, rows, "generate_image")):
         samples[r].images[key], samples[r].errors[key] = im, err
