@@ -279,7 +279,7 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/ship_base_model.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="step", required=True)
     t = sub.add_parser("train", help="build the world when missing, train experiment=NAME and record how")
@@ -295,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"a world built with --seed {OTHER_SEED} (built when missing)")
     e.add_argument("--clip", default="checkpoints/shapes_clip",
                    help="the world's CLIP for CLIP-S (trained by python -m unicon.embedders.clip when missing)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return train(args) if args.step == "train" else evaluate(args)
 
 

@@ -150,6 +150,26 @@ def test_ship_script_knows_each_shipped_model_its_experiment_and_world(tmp_path)
             assert not spec.world_options, name
 
 
+@pytest.mark.parametrize("base", [None, "shapes_capgap_base"])
+def test_make_pretrained_recipe_passes_the_ship_script_arguments_it_takes(base):
+    """`make pretrained` and `make pretrained BASE=shapes_capgap_base`, as the README writes them: each step of
+    the recipe (`make -n`, nothing run) is a ship_base_model.py call whose arguments its parser takes, for that
+    model."""
+    import shlex
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import ship_base_model
+
+    venv = REPO / ".venv"
+    argv = ["make", "-n", "-o", str(venv / ".unicon-installed"), "pretrained", *([f"BASE={base}"] if base else [])]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    calls = [shlex.split(line) for line in proc.stdout.splitlines() if "ship_base_model.py" in line]
+    assert [c[c.index("scripts/ship_base_model.py") + 1] for c in calls] == ["train", "evaluate"], proc.stdout
+    for call in calls:
+        args = ship_base_model.parse_args(call[call.index("scripts/ship_base_model.py") + 1:])
+        assert args.experiment == (base or "shapes_base")
+
+
 def test_ship_script_help():
     """`scripts/ship_base_model.py --help` runs (the rebuild command's entry point)."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "ship_base_model.py"), "--help"],
