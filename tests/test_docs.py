@@ -64,3 +64,14 @@ def test_relative_links_resolve():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert not broken, broken
+
+
+def test_training_page_names_row_m_settings():
+    """docs/training.md names the soft ranks and the direction that row M's experiment sets (a
+    changed row M must change the page that explains it)."""
+    row_m = yaml.safe_load((REPO / "configs/experiment/shapes_consistency.yaml").read_text())["loss"]
+    text = (REPO / "docs/training.md").read_text()
+    sentence = text[text.index("Row M of the ShapesWorld experiments"):]
+    sentence = sentence[: sentence.index("The paper's form")]
+    for key in ("soft_rank", "direction"):
+        assert f"`{row_m[key]}`" in sentence, f"docs/training.md's row M sentence does not name loss.{key}={row_m[key]}"

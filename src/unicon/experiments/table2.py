@@ -7,7 +7,7 @@ shared by the methods), then its last epoch-end CocoCon evaluation is read from 
 
 * ``K``       -- "+ Cont. Pretrain": ``experiment=shapes_consistency_control`` (``loss.type=none``, λ = 0);
 * ``M``       -- soft-rank Spearman (Eq. 3) as ``experiment=shapes_consistency`` configures it, with
-  the settings chosen on the validation split (sigmoid soft ranks, ``loss.direction=toward_gold``,
+  the settings chosen on the validation split (sigmoid soft ranks, ``loss.direction=toward_gold_strict``,
   the gold candidate's place alone at λ = 4: the ``spearman_gold`` loss group; the files say why);
 * ``M_paper`` -- Eq. 3 as the paper writes it: torchsort's soft ranks, both tasks moving, one λ;
 * ``hinge``   -- "+ Hinge Loss": ``experiment=shapes_consistency loss=hinge``.
