@@ -217,19 +217,15 @@ def _generate_replies(model, tokenizer, inputs: dict, max_new_tokens: int) -> li
     return [(text.strip(), not any(int(t) in eos for t in row)) for text, row in zip(texts, new)]
 
 
-def _load_kwargs(dtype: str, trust_remote_code: bool) -> dict:
-    if dtype not in JUDGE_DTYPES:
-        raise UserError(f"judge dtype must be one of {', '.join(JUDGE_DTYPES)}, got {dtype!r}")
-    return {"dtype": dtype if dtype == "auto" else torch_dtype(dtype), "trust_remote_code": trust_remote_code}
-
-
 class _TransformersJudge(Judge):
     """What the transformers-backed judges share: a model and its tokenizer (left padding for
     batched decoder-only generation), greedy replies turned into verdicts batch by batch, and
     loading with a one-line error. Subclasses say how a batch of items is tokenised, and declare
-    their default ``prompt``."""
+    their default ``prompt``, what the loading error calls them and the ``transformers`` Auto classes
+    they load with."""
 
     prompt: str = ""
+    what, model_class, preprocessor_class = "judge", "", ""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, max_reply_chars: int = 8000,
                  batch_size: int = 4, prompt: str | None = None):
@@ -241,17 +237,22 @@ class _TransformersJudge(Judge):
         if prompt is not None:
             self.prompt = prompt
 
-    @staticmethod
-    def _load(what: str, path: str, model_class: str, preprocessor_class: str, dtype: str, trust_remote_code: bool):
-        """``(model, preprocessor)`` from ``path`` through the named ``transformers`` Auto classes."""
+    @classmethod
+    def from_pretrained(cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,
+                        **kwargs):
+        """The judge of the local model directory ``path``; ``kwargs``: ``max_new_tokens``,
+        ``max_reply_chars``, ``batch_size``, ``prompt``."""
         import transformers
 
+        if dtype not in JUDGE_DTYPES:
+            raise UserError(f"judge dtype must be one of {', '.join(JUDGE_DTYPES)}, got {dtype!r}")
         try:
-            pre = getattr(transformers, preprocessor_class).from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = getattr(transformers, model_class).from_pretrained(path, **_load_kwargs(dtype, trust_remote_code))
+            pre = getattr(transformers, cls.preprocessor_class).from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = getattr(transformers, cls.model_class).from_pretrained(
+                path, dtype=dtype if dtype == "auto" else torch_dtype(dtype), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot load {what} from {path}: {str(e).splitlines()[0]}") from None
-        return model, pre
+            raise UserError(f"cannot load {cls.what} from {path}: {str(e).splitlines()[0]}") from None
+        return cls(model.to(device), pre, **kwargs)
 
     def _replies(self, count: int, encode) -> list[tuple[str, bool]]:
         """The greedy replies to ``count`` items, ``batch_size`` at a time (the model inputs of a batch:
@@ -283,6 +284,7 @@ class VLMJudge(_TransformersJudge):
 
     name = "vlm"
     prompt = VISUAL_VERIFICATION_PROMPT
+    what, model_class, preprocessor_class = "VLM judge", "AutoModelForImageTextToText", "AutoProcessor"
 
     def __init__(self, model, processor, **kwargs):
         """``kwargs``: ``max_new_tokens``, ``max_reply_chars``, ``batch_size``, ``prompt``."""
@@ -290,14 +292,6 @@ class VLMJudge(_TransformersJudge):
             raise UserError("the VLM judge's processor has no chat template; it decides where the image goes")
         self.processor = processor
         super().__init__(model, processor.tokenizer, **kwargs)
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, **kwargs
-    ) -> "VLMJudge":
-        model, processor = cls._load("VLM judge", path, "AutoModelForImageTextToText", "AutoProcessor", dtype,
-                                     trust_remote_code)
-        return cls(model.to(device), processor, **kwargs)
 
     def chat(self, text: str, images: int = 1) -> str:
         """One user turn of ``images`` images, then ``text``, laid out by the processor's chat template."""
@@ -335,14 +329,7 @@ class ReasoningChainJudge(_TransformersJudge):
     name = "chain-llm"
     judges_reasoning = True
     prompt = REASONING_CHAIN_PROMPT
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, **kwargs
-    ) -> "ReasoningChainJudge":
-        model, tokenizer = cls._load("reasoning-chain judge", path, "AutoModelForCausalLM", "AutoTokenizer", dtype,
-                                     trust_remote_code)
-        return cls(model.to(device), tokenizer, **kwargs)
+    what, model_class, preprocessor_class = "reasoning-chain judge", "AutoModelForCausalLM", "AutoTokenizer"
 
     def build_text(self, user_prompt: str, thought: str, criterion: str) -> str:
         text = fill_prompt(self.prompt, user_prompt=user_prompt, model_thought=thought, criteria=criterion)
