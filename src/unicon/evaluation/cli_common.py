@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from unicon.config import LoggerConfig, field_problem
+from unicon.config import JUDGE_DTYPES, LoggerConfig, field_problem
 from unicon.errors import UserError
 
 #: eval-section fields that only the epoch-end callbacks use
@@ -151,6 +151,14 @@ def add_common_args(p: argparse.ArgumentParser, out_help: str = "output director
                         "files), delete them first (default: refuse)")
     p.add_argument("--name", default=None, help="run name for the logger (default: <suite>-<out folder name>)")
     p.set_defaults(suite_command=p.prog)
+
+
+def add_judge_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """``--judge-dtype``, ``--judge-max-new-tokens`` (default ``max_new_tokens``) and ``--trust-remote-code``:
+    how the judge models of a suite load and reply."""
+    p.add_argument("--judge-dtype", default="float32", choices=JUDGE_DTYPES)
+    p.add_argument("--judge-max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of judge models")
 
 
 def add_image_generation_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ What a suite gets without writing it:
 * the command: the common flags (:func:`~unicon.evaluation.cli_common.add_common_args`), one flag
   per field of ``config`` (:func:`~unicon.evaluation.cli_common.add_config_args`, with ``flags``'
   exceptions), ``--shard I/N``/``--merge`` (``shardable``), the image-sampling flags
-  (``draws_images``); the checks of ``--out``, ``--device`` and the count flags before any work; the
+  (``draws_images``), the judge models' flags (``judge_tokens``, :meth:`EvalRun.judge_kwargs`); the checks of ``--out``, ``--device`` and the count flags before any work; the
   model (or, in a merge, :class:`~unicon.evaluation.cli_common.RecordedModel`); SIGTERM/SIGUSR1 stop
   it at the next batch (:mod:`unicon.evaluation.preemption`);
 * the loggers: ``--logger`` (W&B, CSV or none; ``metrics.jsonl`` always), the run's settings, the
@@ -63,6 +63,7 @@ from unicon.evaluation.cli_common import (
     add_common_args,
     add_config_args,
     add_image_generation_args,
+    add_judge_args,
     add_shard_args,
     config_argv,
 )
@@ -128,6 +129,19 @@ class EvalRun:
         return (self.out / "table.md").read_text() + middle + \
             f"wrote {self.out / summary_file} and {self.out / 'samples.jsonl'}"
 
+    def judge_kwargs(self) -> dict[str, Any]:
+        """How a standalone run loads its judge models (:attr:`EvalSuite.judge_tokens`): the device and the
+        judge flags; ``{}`` at epoch end."""
+        args = self.args
+        if args is None:
+            return {}
+        return {"device": args.device, "dtype": args.judge_dtype, "trust_remote_code": args.trust_remote_code,
+                "max_new_tokens": args.judge_max_new_tokens}
+
+    def judge_settings(self, **judges: Any) -> dict[str, Any]:
+        """``judges`` (their specs) with the judge flags a standalone run records."""
+        return {**judges, "dtype": self.args.judge_dtype, "max_new_tokens": self.args.judge_max_new_tokens}
+
     def checkpoint_info(self) -> dict[str, Any]:
         """``ckpt``, ``checkpoint`` (resolved) and ``model_fingerprint`` of a standalone run."""
         return {"ckpt": str(self.args.ckpt), "checkpoint": str(Path(self.args.ckpt).resolve()),
@@ -147,6 +161,7 @@ class EvalSuite:
     out_help: str = "output folder"
     shardable: bool = True  # takes --shard I/N and --merge
     draws_images: bool = True  # takes the image-sampling flags
+    judge_tokens: int | None = None  # loads judge models: takes the judge flags, this the default reply budget
     counts: Sequence[str] = ()  # extra integer flags that must be >= 1
     figures: str | None = None  # "module:NAMES" of the figure files logged as <name>/fig/<file>
     report: str | None = None  # "module:function" rendering its report.html section
@@ -211,6 +226,8 @@ class EvalSuite:
         add_common_args(p, out_help=self.out_help)
         add_config_args(p, self.config, self.flags, self.skip)
         self.add_arguments(p)
+        if self.judge_tokens is not None:
+            add_judge_args(p, self.judge_tokens)
         if self.draws_images:
             add_image_generation_args(p)
         if self.shardable:
@@ -299,7 +316,8 @@ def run_command(suite: EvalSuite, argv: Sequence[str] | None) -> int:
     from unicon.loggers import make_loggers
 
     config = config_from_args(args, suite.config, suite.flags, suite.skip)
-    out = check_common_args(args, suite.counts)
+    counts = suite.counts if suite.judge_tokens is None else (*suite.counts, "judge_max_new_tokens")
+    out = check_common_args(args, counts)
     inputs = suite.load(config, args, None)
     with sharding(args, out) as shards, preemption.watch_signals():  # SIGTERM/SIGUSR1: stop at the next batch
         model, fingerprint = shards.load_model(args, load_model_for)  # a merge: recorded, no weights

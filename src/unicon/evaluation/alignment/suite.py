@@ -18,10 +18,9 @@ merge, over all pairs).
 
 from __future__ import annotations
 
-import argparse
 from typing import NamedTuple
 
-from unicon.config import JUDGE_DTYPES, AlignmentEvalConfig
+from unicon.config import AlignmentEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation.cli_common import Flag
 from unicon.evaluation.framework import EvalRun, EvalSuite, Outcome
@@ -85,15 +84,10 @@ class AlignmentSuite(EvalSuite):
     flags = FLAGS
     out_help = "output folder (alignment.json, samples.jsonl, table.md, metrics_vs_rating.png)"
     draws_images = False
-    counts = ("judge_max_new_tokens",)
+    judge_tokens = 16
     figures = "unicon.evaluation.alignment.report:FIGURES"
     report = "unicon.evaluation.alignment.report:section"
     title = "Image-text alignment"
-
-    def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--judge-dtype", default="float32", choices=JUDGE_DTYPES)
-        p.add_argument("--judge-max-new-tokens", type=int, default=16)
-        p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of judge models")
 
     def load(self, config, args, root):
         from unicon.evaluation.alignment.data import data_file, load_pairs, subset
@@ -116,10 +110,7 @@ class AlignmentSuite(EvalSuite):
         if "clip" not in run.cache:
             run.cache["clip"] = load_clip(run.config.clip, run.device)
         if "judge" not in run.cache:
-            args = run.args
-            extra = {} if args is None else dict(dtype=args.judge_dtype, trust_remote_code=args.trust_remote_code,
-                                                 max_new_tokens=args.judge_max_new_tokens)
-            run.cache["judge"] = build_judge(run.config.judge, device=run.device, **extra)
+            run.cache["judge"] = build_judge(run.config.judge, **{"device": run.device, **run.judge_kwargs()})
         return run.cache["clip"], run.cache["judge"]
 
     def run(self, run: EvalRun) -> Outcome:
@@ -132,13 +123,11 @@ class AlignmentSuite(EvalSuite):
         clip_source = run.record("clip", c.clip)
         clip, judge = self.scorers(run)
         if run.standalone:
-            args = run.args
             info = {
                 **run.checkpoint_info(), "backend": run.record("backend", getattr(run.model, "backend", None)),
                 "data": str(c.data), "images": c.images, "limit": c.max_samples,
                 "ratings": {"min": c.rating_min, "max": c.rating_max},
-                "judge_settings": {"judge": c.judge, "dtype": args.judge_dtype,
-                                   "max_new_tokens": args.judge_max_new_tokens} if c.judge else None,
+                "judge_settings": run.judge_settings(judge=c.judge) if c.judge else None,
                 "environment": environment_info(),
             }
         else:

@@ -26,7 +26,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from unicon.config import EDITING_EPS, JUDGE_DTYPES, EditingEvalConfig
+from unicon.config import EDITING_EPS, EditingEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation.cli_common import Flag
 from unicon.evaluation.framework import EvalRun, EvalSuite, Outcome
@@ -78,7 +78,7 @@ class EditingSuite(EvalSuite):
     config = EditingEvalConfig
     flags = FLAGS
     out_help = "output folder (editing.json, samples.jsonl, table.md, figures)"
-    counts = ("judge_max_new_tokens",)
+    judge_tokens = 16
     figures = "unicon.evaluation.editing.report:FIGURES"
     report = "unicon.evaluation.editing.report:section"
     title = "EditingScore"
@@ -92,9 +92,6 @@ class EditingSuite(EvalSuite):
                        help="Table 3's baseline, a judge rating every edit 0/0.3/0.6/1.0 (the paper's is GPT-based, "
                             "not available offline): 'model' (the evaluated model, shown the edited image) or "
                             "'vlm:<local model directory>' (shown the source and the edited image); default: none")
-        p.add_argument("--judge-dtype", default="float32", choices=JUDGE_DTYPES)
-        p.add_argument("--judge-max-new-tokens", type=int, default=16)
-        p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of judge models")
 
     def default_data(self, run_cfg) -> str:
         return str(default_data(run_cfg.data.root))
@@ -132,17 +129,14 @@ class EditingSuite(EvalSuite):
                 own_edits=c.own_edits, world_root=inputs.world, data_root=data_root)
         else:
             judge_spec = run.record("judge", args.judge)
-            judge = None if run.merging else build_judge(
-                args.judge, run.model, device=args.device, dtype=args.judge_dtype,
-                trust_remote_code=args.trust_remote_code, max_new_tokens=args.judge_max_new_tokens)
+            judge = None if run.merging else build_judge(args.judge, run.model, **run.judge_kwargs())
             image_config = run.image_config()
             info = {
                 **run.checkpoint_info(), "backend": run.record("backend", getattr(run.model, "backend", None)),
                 "data": str(c.data), "limit": c.max_samples, "batch_size": c.batch_size,
                 "own_edits_requested": c.own_edits, "world": str(inputs.world) if inputs.world else None,
                 "image_generation": dataclasses.asdict(image_config) if c.own_edits else None,
-                "judge_settings": {"judge": args.judge, "dtype": args.judge_dtype,
-                                   "max_new_tokens": args.judge_max_new_tokens} if args.judge else None,
+                "judge_settings": run.judge_settings(judge=args.judge) if args.judge else None,
                 "environment": environment_info(),
             }
             results, records = evaluate_editing(

@@ -20,10 +20,9 @@ every instance).
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from unicon.config import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS, RealUnifyEvalConfig
+from unicon.config import JUDGE_MAX_NEW_TOKENS, RealUnifyEvalConfig
 from unicon.evaluation.cli_common import Flag
 from unicon.evaluation.framework import EvalRun, EvalSuite, Outcome
 from unicon.evaluation.suites import register
@@ -67,16 +66,11 @@ class RealUnifySuite(EvalSuite):
     config = RealUnifyEvalConfig
     flags = FLAGS
     out_help = "output folder (realunify.json, samples.jsonl, table.md, images/)"
-    counts = ("judge_max_new_tokens",)
+    judge_tokens = JUDGE_MAX_NEW_TOKENS
     figures = "unicon.evaluation.realunify.plots:FIGURES"
     report = "unicon.evaluation.realunify.report:section"
     title = "RealUnify"
     headline = ("realunify/acc_direct", "realunify/acc_stepwise")
-
-    def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--judge-dtype", default="float32", choices=JUDGE_DTYPES)
-        p.add_argument("--judge-max-new-tokens", type=int, default=JUDGE_MAX_NEW_TOKENS)
-        p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of judge models")
 
     def load(self, config, args, root):
         from unicon.evaluation.realunify.data import load_instances, subset, world_root_of
@@ -115,8 +109,7 @@ class RealUnifySuite(EvalSuite):
                 run.cache["judge"] = build_judge(c.judge, world_root=inputs.world_root)
             return run.cache["judge"]
         if any(i.axis == "ueg" for i in inputs.instances):
-            judge = build_judge(c.judge, world_root=inputs.world_root, device=args.device, dtype=args.judge_dtype,
-                                trust_remote_code=args.trust_remote_code, max_new_tokens=args.judge_max_new_tokens)
+            judge = build_judge(c.judge, world_root=inputs.world_root, **run.judge_kwargs())
         else:
             judge = RecordedJudge(c.judge)
         run.record("judge", judge.name)
@@ -140,8 +133,7 @@ class RealUnifySuite(EvalSuite):
                 "answer_mode": c.answer_mode, "letter_parse": c.letter_parse,
                 "generation": {"max_new_tokens": c.max_new_tokens, "batch_size": c.batch_size,
                                "image": dataclasses.asdict(image_config)},
-                "judge_settings": {"judge": c.judge, "dtype": args.judge_dtype,
-                                   "max_new_tokens": args.judge_max_new_tokens},
+                "judge_settings": run.judge_settings(judge=c.judge),
                 "environment": environment_info(),
             }
         world_cfg = load_world(inputs.world_root).config if inputs.world_root else None

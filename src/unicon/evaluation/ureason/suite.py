@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from unicon.config import JUDGE_DTYPES, JUDGE_MAX_NEW_TOKENS, UReasonEvalConfig
+from unicon.config import JUDGE_MAX_NEW_TOKENS, UReasonEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation.cli_common import Flag
 from unicon.evaluation.framework import EvalRun, EvalSuite, Outcome
@@ -39,7 +39,7 @@ class UReasonSuite(EvalSuite):
     description = "UReason: direct, reasoning-guided and de-contextualized generation, judged."
     config = UReasonEvalConfig
     flags = FLAGS
-    counts = ("judge_max_new_tokens",)
+    judge_tokens = JUDGE_MAX_NEW_TOKENS
     figures = "unicon.evaluation.ureason.plots:FIGURES"
     report = "unicon.evaluation.ureason.report:section"
     title = "UReason"
@@ -51,9 +51,6 @@ class UReasonSuite(EvalSuite):
         p.add_argument("--split", choices=SPLITS, default=None,
                        help="split of the UReason release (a ShapesWorld root has one split)")
         p.add_argument("--categories", nargs="+", default=None)
-        p.add_argument("--judge-dtype", default="float32", choices=JUDGE_DTYPES)
-        p.add_argument("--judge-max-new-tokens", type=int, default=JUDGE_MAX_NEW_TOKENS)
-        p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of judge models")
 
     def load(self, config, args, root):
         from unicon.data.ureason import load_instances, subset, world_root_of
@@ -75,14 +72,12 @@ class UReasonSuite(EvalSuite):
         from unicon.data.ureason import world_root_of
         from unicon.evaluation.ureason.judges import RecordedJudge, build_judge
 
-        c, args = run.config, run.args
+        c = run.config
         if run.merging:  # no judge model is loaded: the shards judged every instance
             return RecordedJudge(**run.record("judge", None))
         if "judge" not in run.cache:
-            extra = {} if args is None else dict(device=args.device, dtype=args.judge_dtype,
-                                                 trust_remote_code=args.trust_remote_code,
-                                                 max_new_tokens=args.judge_max_new_tokens)
-            run.cache["judge"] = build_judge(c.judge, chain=c.chain_judge, world_root=world_root_of(c.data), **extra)
+            run.cache["judge"] = build_judge(c.judge, chain=c.chain_judge, world_root=world_root_of(c.data),
+                                             **run.judge_kwargs())
         judge = run.cache["judge"]
         run.record("judge", {"name": judge.name, "judges_reasoning": judge.judges_reasoning})
         return judge
@@ -104,8 +99,7 @@ class UReasonSuite(EvalSuite):
                 "categories": args.categories, "max_samples": c.max_samples,
                 "generation": {"max_new_tokens": c.max_new_tokens, "batch_size": c.batch_size,
                                "image": dataclasses.asdict(image_config)},
-                "judge_settings": {"judge": c.judge, "chain_judge": c.chain_judge, "dtype": args.judge_dtype,
-                                   "max_new_tokens": args.judge_max_new_tokens},
+                "judge_settings": run.judge_settings(judge=c.judge, chain_judge=c.chain_judge),
                 "environment": environment_info(),
             }
         metrics, samples = evaluate_ureason(run.model, run.inputs, judge, run.out, c.max_new_tokens, c.batch_size,
