@@ -41,7 +41,7 @@ read here: ``category``, ``axis``, ``correct_<s>`` (None when the setting did no
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from unicon.config import REALUNIFY_SETTINGS
 from unicon.evaluation.category_counts import CategoryCounts
@@ -92,15 +92,11 @@ def _pct(num: float, den: float) -> float | None:
 
 
 class RealUnifyMetric(CategoryCounts):
-    """Per-category sums of :data:`COUNTS`; ``compute()`` returns the metrics of the module docstring.
-
-    ``categories`` fixes the state shape, so every rank (and shard) must pass the same list (e.g.
-    :func:`~unicon.evaluation.realunify.data.ordered_categories` of every instance). Under DDP each
-    sample's record must be given to ``update`` on one rank only.
-    """
+    """Per-category sums of :data:`COUNTS`; ``compute()`` returns the metrics of the module docstring."""
 
     COUNTS = COUNTS
     record_counts = staticmethod(record_counts)
+    ordered = staticmethod(ordered_categories)
 
     def compute(self) -> dict[str, float]:
         per_cat = self.per_category()
@@ -146,11 +142,8 @@ class RealUnifyMetric(CategoryCounts):
         return m
 
 
-def compute_metrics(records: Sequence[Mapping[str, Any]], categories: Sequence[str] | None = None) -> dict[str, float]:
-    """:class:`RealUnifyMetric` over ``records`` in one process (categories: those of the records)."""
-    metric = RealUnifyMetric(categories or ordered_categories(r["category"] for r in records))
-    metric.update(records)
-    return metric.compute()
+#: :class:`RealUnifyMetric` over records in one process (categories: those of the records)
+compute_metrics = RealUnifyMetric.of
 
 
 def metric_categories(metrics: Mapping[str, float]) -> list[str]:

@@ -51,9 +51,9 @@ a model whose ``supports_multi_image`` is False or with ``answer_mode="likelihoo
 ``edit_image`` batch is retried row by row; a row that still fails has no image (a failure counted
 in ``missing_<setting>``). Images are drawn with ``image_config`` (its ``seed`` included).
 
-Rank ``r`` evaluates :func:`~unicon.evaluation.distributed.shard_indices` of the instance list (UEG
-then GEU), counts the records it owns in :class:`~.metrics.RealUnifyMetric` (synced over ranks or
-shards), and rank 0 (or the merge) writes ``samples.jsonl`` (one :func:`sample_record` per
+Each rank evaluates its ``shard_indices`` of the instance list (UEG then GEU), and records and counts
+those it owns (:meth:`~unicon.evaluation.category_counts.CategoryCounts.gathered`); rank 0 (or the
+merge) writes ``samples.jsonl`` (one :func:`sample_record` per
 instance), ``realunify.json`` (``{"metrics", "judge", **info}``, strict JSON: :mod:`unicon.jsonsafe`),
 ``table.md`` (:func:`~.metrics.markdown_table`), ``settings_by_category.png`` and
 ``images/<setting>/<category>_<id>.png`` (GEU inputs under ``images/input/``).
@@ -72,9 +72,9 @@ from PIL import Image
 from unicon.config import REALUNIFY_STEPWISE_INPUTS, RealUnifyEvalConfig
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.distributed import shard_indices, writes_outputs
 from unicon.evaluation.framework import eval_mode, write_images, write_results
-from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, check_unique, ordered_categories
+from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance, check_unique
 from unicon.evaluation.realunify.judges import LETTER_PARSERS, PollVerdict, edit_matches, geu_prediction
 from unicon.evaluation.realunify.metrics import SETTINGS, RealUnifyMetric, markdown_table
 from unicon.evaluation.realunify.plots import plot_results
@@ -397,18 +397,10 @@ def evaluate_realunify(
     judge_samples(judge, samples, settings)
 
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    by_index = dict(zip(mine, samples))
-    records = {i: sample_record(by_index[i], save_images(out, by_index[i]) if out is not None else {})
-               for i in owned_indices(len(instances))}
-    metric = RealUnifyMetric(ordered_categories(inst.category for inst in instances), **metric_sync_kwargs()).to(device)
-    metric.update(records.values())
-    metrics = metric.compute()
-    gathered = gather_records(records)
+    metrics, records = RealUnifyMetric.gathered(instances, mine, samples, sample_record, save_images, out, device)
     if out is not None and writes_outputs():
         summary = {"metrics": metrics, "judge": getattr(judge, "name", str(judge)), "settings": settings,
                    "letter_parse": letter_parse, "stepwise_input": stepwise_input, **(info or {})}
-        write_results(out, "realunify.json", summary, list(gathered.values()), markdown_table(metrics))
+        write_results(out, "realunify.json", summary, records, markdown_table(metrics))
         plot_results(metrics, out)
     return metrics, samples

@@ -94,15 +94,11 @@ def _pct(num: float, den: float) -> float:
 
 
 class UReasonMetric(CategoryCounts):
-    """Per-category sums of :data:`COUNTS`; ``compute()`` returns the metrics of the module docstring.
-
-    ``categories`` fixes the state shape (``[len(categories)]`` per count), so every rank must
-    pass the same list (e.g. :func:`ordered_categories` of the whole instance list). Under DDP each
-    sample's record must be given to ``update`` on one rank only.
-    """
+    """Per-category sums of :data:`COUNTS`; ``compute()`` returns the metrics of the module docstring."""
 
     COUNTS = COUNTS
     record_counts = staticmethod(record_counts)
+    ordered = staticmethod(ordered_categories)
 
     def compute(self) -> dict[str, float]:
         per_cat = self.per_category()
@@ -136,11 +132,8 @@ class UReasonMetric(CategoryCounts):
         return m
 
 
-def compute_metrics(records: Sequence[Mapping[str, Any]], categories: Sequence[str] | None = None) -> dict[str, float]:
-    """:class:`UReasonMetric` over ``records`` in one process (categories: those of the records)."""
-    metric = UReasonMetric(categories or ordered_categories(r["category"] for r in records))
-    metric.update(records)
-    return metric.compute()
+#: :class:`UReasonMetric` over records in one process (categories: those of the records)
+compute_metrics = UReasonMetric.of
 
 
 def metric_categories(metrics: Mapping[str, float]) -> list[str]:

@@ -20,11 +20,8 @@ the refined prompt becomes a fragment of commentary; we only accept the three ex
 Without any marker the last paragraph is used and counted as a fallback. The rule that fired is
 stored per sample (``extraction_rule``).
 
-Distribution (:mod:`unicon.evaluation.distributed`): each rank runs the instances of
-``shard_indices``; the repeats the sampler pads with are run (every rank makes the same number of
-model calls) but counted and written only by the lowest rank that has them. The metric
-(:class:`~unicon.evaluation.ureason.metrics.UReasonMetric`) sums its states over ranks; the
-per-sample records are collected with ``gather_records``, and rank 0 writes the files.
+Each rank runs the instances of its ``shard_indices``, and records and counts those it owns
+(:meth:`~unicon.evaluation.category_counts.CategoryCounts.gathered`); rank 0 writes the files.
 
 Files (:func:`evaluate_ureason` with ``out_dir``): ``ureason.json`` (metrics and run info),
 ``samples.jsonl`` (one :func:`sample_record` per instance: prompts, trace, refined prompt, image
@@ -47,7 +44,7 @@ from unicon.config import UReasonEvalConfig
 from unicon.data.ureason import UReasonInstance
 from unicon.errors import UserError
 from unicon.evaluation import preemption
-from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices, writes_outputs
+from unicon.evaluation.distributed import shard_indices, writes_outputs
 from unicon.evaluation.framework import eval_mode, write_images, write_results
 from unicon.evaluation.retry import draw_images
 from unicon.evaluation.ureason.judges import Judge, Verdict
@@ -58,7 +55,6 @@ from unicon.evaluation.ureason.metrics import (
     UReasonMetric,
     markdown_table,
     metric_categories,
-    ordered_categories,
 )
 from unicon.evaluation.ureason.plots import plot_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
@@ -280,17 +276,9 @@ def evaluate_ureason(
     judge_samples(judge, samples)
 
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    by_index = dict(zip(mine, samples))
-    records = {i: sample_record(by_index[i], save_images(out, by_index[i]) if out is not None else {})
-               for i in owned_indices(len(instances))}
-    metric = UReasonMetric(ordered_categories(inst.category for inst in instances), **metric_sync_kwargs()).to(device)
-    metric.update(records.values())
-    metrics = metric.compute()
-    gathered = gather_records(records)
+    metrics, records = UReasonMetric.gathered(instances, mine, samples, sample_record, save_images, out, device)
     if out is not None and writes_outputs():  # and settings_by_category.png (:mod:`.plots`)
         write_results(out, "ureason.json", {"metrics": metrics, "judge": judge.name, **(info or {})},
-                      list(gathered.values()), markdown_table(metrics, metric_categories(metrics)))
+                      records, markdown_table(metrics, metric_categories(metrics)))
         plot_results(metrics, out)
     return metrics, samples
