@@ -1,21 +1,9 @@
 """Task accuracies of a :class:`UnifiedModel` on a ShapesWorld split (the pretraining targets).
 
-Read from ``mixture_<split>.jsonl`` (and, for ``edit``, ``edit_<split>.jsonl``), the first ``limit``
-rows of each task are evaluated with the model's *generation* methods (``answer``, ``caption``,
-``locate``, ``generate_image``, ``edit_image``) and scored by the metrics of
-:mod:`unicon.evaluation.shapes.metrics`, which say what each number is:
-
-* ``vqa_accuracy``: the answer equals the gold word after CocoCon's VQA normalisation;
-* ``caption_match``: the generated caption describes the image's scene exactly;
-* ``loc_iou50``: the predicted box has IoU >= 0.5 with the gold box; ``loc_miou``: the mean IoU;
-* ``t2i_match``: the scene parsed from the generated image satisfies the prompt;
-* ``edit_match`` (only when asked for: ``--tasks ... edit``; the model must edit images): the scene
-  parsed from the edited image is exactly the edit's target, by edit kind (``edit_match/route``);
-* ``edit_pref/unchanged``, ``edit_pref/other`` (with ``edit``): the share of edits whose target is
-  likelier under ``score_edit`` than the unchanged source / another edit's target
-  (:class:`~unicon.evaluation.shapes.metrics.EditPreference`);
-* ``<task>_n``: the number of examples; ``caption_error/*`` and ``t2i_error/*``: the misses by cause,
-  as fractions of all the task's examples (so ``<metric> + sum of <task>_error/* = 1``).
+The first ``limit`` rows of each task of ``mixture_<split>.jsonl`` (``edit``: of ``edit_<split>.jsonl``,
+and only when asked for, of a model that edits images) go through the model's *generation* methods
+(``answer``, ``caption``, ``locate``, ``generate_image``, ``edit_image``) into the metrics of
+:mod:`unicon.evaluation.shapes.metrics`, which say what each number is.
 
 Each accuracy is also reported by slice, as ``<metric>/<slice>`` with its count in
 ``<metric>/<slice>_n`` (:func:`slice_names`): VQA by question type (``vqa_accuracy/relation``: the
@@ -29,15 +17,12 @@ caption, question or prompt), as ``<metric>/held_out`` and ``<metric>/no_held_ou
 skill a missed target lacks (counting, relations, compositional generalisation) without another
 script.
 
-Relation questions are also asked flipped: every yes/no relation question among the evaluated VQA
-rows whose answer the opposite relation reverses ("is the A left of the B?" -> "... right of ...",
-``unicon.worlds.shapes_text.flip_relation_question``; the pairs on one line, where both answers are
-"no", are left out) is asked again with the opposite relation (``vqa_relation_flip/answer_kept``,
-``vqa_relation_flip/both_right``: :class:`~unicon.evaluation.shapes.metrics.RelationFlip`).
+Every yes/no relation question among the evaluated VQA rows whose answer the opposite relation
+reverses (the pairs on one line, where both answers are "no", are left out) is asked again with the
+opposite relation (:func:`_ask_flipped`, :class:`~unicon.evaluation.shapes.metrics.RelationFlip`).
 
-Under a process group (the epoch-end callback under DDP) each rank evaluates its share of every
-task's rows (:func:`unicon.evaluation.distributed.shard_indices`) and counts the rows it owns; the
-metrics' sums are added over the ranks, so every rank returns the numbers of one process.
+Each rank evaluates its share of every task's rows and counts the rows it owns
+(:mod:`unicon.evaluation.distributed`).
 """
 
 from __future__ import annotations
