@@ -1,19 +1,12 @@
 """The alignment suite: ``unicon evaluate alignment`` and ``eval.alignment`` at epoch end, BagelScore of a
-model against human ratings of image-caption pairs, with the baselines of the paper's Table 1 (CLIP-S,
-RefCLIP-S, BLEU-1, BLEU-4, ROUGE-L, METEOR, CIDEr-D, SPICE, BERTScore) and optionally a VLM judge, side by
-side as Kendall τ_b and τ_c (:func:`~unicon.evaluation.alignment.runner.evaluate_alignment`; files:
+model against human ratings of image-caption pairs, with the baselines of the paper's Table 1 and
+optionally a VLM judge, side by side as Kendall τ_b and τ_c
+(:func:`~unicon.evaluation.alignment.runner.evaluate_alignment`; files:
 :mod:`unicon.evaluation.alignment.runner`).
 
-The flags are the fields of :class:`unicon.config.AlignmentEvalConfig`; :data:`FLAGS` lists the
-exceptions: ``--data`` is required (at epoch end it defaults to ``data.root``, a ShapesWorld root with
-``alignment/pairs.jsonl``), the pairs are ``--limit`` (standalone default: all; the config's value is
-the epoch-end subset), ``--bagel-modes`` and ``--baselines`` are comma-separated. Writes
-``alignment.json``, ``samples.jsonl``, ``table.md`` (printed standalone) and ``metrics_vs_rating.png``;
-standalone, ``alignment.json`` also records the checkpoint, the weights fingerprint, the backend, the
-settings, the git commit and the package versions. Scalars: ``alignment/<metric>/{tau_b,tau_c,n}`` and
-the decode failure rate. The CLIP (``clip``) and the VLM judge are loaded once (at the first epoch
-end); a merge loads neither (the shards scored every pair; the reference metrics are computed in the
-merge, over all pairs).
+Scalars: ``alignment/<metric>/{tau_b,tau_c,n}`` and the decode failure rate. The CLIP (``clip``) and
+the VLM judge are loaded once (at the first epoch end); a merge loads neither (the shards scored every
+pair; the reference metrics are computed in the merge, over all pairs).
 """
 
 from __future__ import annotations

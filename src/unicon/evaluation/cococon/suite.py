@@ -1,13 +1,10 @@
 """The CocoCon suite: ``unicon evaluate cococon`` and ``eval.cococon`` at epoch end (C_k, rho, task
 accuracies; :mod:`unicon.evaluation.cococon.metrics`).
 
-The flags are the fields of :class:`unicon.config.CocoConEvalConfig`, with :data:`FLAGS`' exceptions:
-``--data`` is required, ``images_root`` keeps its flag ``--images``, and ``--max-samples`` defaults to
-the whole file (``eval.cococon.max_samples`` is the epoch-end subset; ``data`` defaults there to
-``<data.root>/cococon_test.json``). Writes ``results.json`` (metrics, the data and checkpoint, the
-model's weights fingerprint, the generation settings, git commit and package versions),
-``per_sample.jsonl`` and the plots. A merge of shards equals one run's files, except
-``results.json``'s :data:`TIMING_FIELDS` (the shards' sum).
+Writes ``results.json`` (metrics; standalone also the data and checkpoint, the model's weights
+fingerprint, the generation settings, git commit and package versions), ``per_sample.jsonl`` and the
+plots. A merge of shards equals one run's files, except ``results.json``'s :data:`TIMING_FIELDS` (the
+shards' sum).
 """
 
 from __future__ import annotations

@@ -2,10 +2,7 @@
 a model (alternating I2T and T2I generations), scored by MCD and MGG
 (:func:`~unicon.evaluation.drift.runner.evaluate_drift`; files: :mod:`unicon.evaluation.drift.runner`).
 
-The flags are the fields of :class:`unicon.config.DriftEvalConfig`; :data:`FLAGS` keeps the flag
-names users know (``--geneval`` for ``geneval_prompts``, ``--long`` for ``long_prompts``,
-``--embedders`` as a comma list), ``--num-chains`` defaults to every seed (not the epoch-end subset),
-and ``geneval`` (MGG on/off) has no flag: it is ``--geneval none`` (:data:`SKIP`). The world is
+``eval.drift.geneval`` (MGG on/off) has no flag: it is ``--geneval none`` (:data:`SKIP`). The world is
 ``--world`` (at epoch end ``data.root``); ND400 (``--nocaps``, ``--docci``) replaces ``--seeds``.
 
 Where the world is a ShapesWorld (it holds ``world.json``), its drift seeds, GenEval prompts, scene
@@ -15,13 +12,9 @@ GenEval prompts (standalone default: GenEval-R) and a model detector (``--detect
 The default CLIP is skipped with a warning when it has not been trained. Seeds, embedders and the
 detector are loaded before the model (at epoch end: before training).
 
-The output folder holds the chains (``mcd/``, ``mgg/``; the same command again resumes them), the
-report ``drift.json`` (metrics, and standalone the model fingerprint, image-generation settings, git
-commit and package versions) and the plots. ``--shard I/N`` runs the chains of shard I's seeds into
-``OUT/<set>/rank-<I>``; ``--merge`` writes ``drift.json`` and the plots from the finished shards,
-byte-identical to one run, without loading embedders or detector (the shards recorded their
-descriptions). Scalars: :func:`unicon.evaluation.drift.metrics.drift_metrics`; pictures:
-:func:`unicon.evaluation.drift.plots.log_plots`.
+``--shard I/N`` runs the chains of shard I's seeds into ``OUT/<set>/rank-<I>``; ``--merge`` writes
+``drift.json`` and the plots from the finished shards without loading embedders or detector (the
+shards recorded their descriptions).
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from typing import Any
 
 from unicon.config import DRIFT_CHAINS, DriftEvalConfig
 from unicon.errors import UserError
-from unicon.evaluation.cli_common import Flag, add_config_args, config_argv
+from unicon.evaluation.cli_common import Flag, add_config_args
 from unicon.evaluation.framework import EvalRun, EvalSuite, Outcome
 from unicon.evaluation.suites import register
 

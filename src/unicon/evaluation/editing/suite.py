@@ -1,23 +1,16 @@
 """The EditingScore suite: ``unicon evaluate editing`` and ``eval.editing`` at epoch end, the score of
 (source, edited image, instruction) samples with ratings, its Table 4 ablations and their Kendall
 correlations with the ratings (:func:`~unicon.evaluation.editing.runner.evaluate_editing`; files:
-:mod:`unicon.evaluation.editing.runner`: ``editing.json``, ``samples.jsonl``, ``table.md``, the figures).
+:mod:`unicon.evaluation.editing.runner`).
 
 ``data`` is an Edit-1K-like JSONL file (``docs/editing_score.md``; ShapesWorld writes one with exact
 ratings to ``<world>/editscore/editscore.jsonl``, the epoch-end default). ``own_edits`` N also edits the
 first N test edit rows of a ShapesWorld root with the model itself and reports the score per edit kind
 beside exact match (standalone the root is ``--world``, default: the world the data file lies in, when
 it has a ``world.json`` two folders up; at epoch end ``data.root``). ``--judge`` adds the baseline of
-the paper's Table 3 (a judge's rating of each edit, in place of its GPT-based score: ``model``, the
-evaluated model, or ``vlm:<local directory>``; :mod:`~unicon.evaluation.editing.judges`);
-``editing.json`` and ``table.md`` always hold Table 2 (the Pearson matrix) and Table 3 (without a judge
-its row says why).
-
-The flags are the fields of :class:`unicon.config.EditingEvalConfig`; :data:`FLAGS` lists the
-exceptions: ``--data`` is required and the rows are ``--limit`` (standalone default: all; the config's
-value is the epoch-end subset). Standalone, ``editing.json`` also records the checkpoint, the weights
-fingerprint, the settings and the environment. Scalars: ``editing/<key>`` (Kendall's tau_b of the
-score, its ablations and components against every criterion, ``editing/tau_b/<variant>/<criterion>``).
+the paper's Table 3 (:mod:`~unicon.evaluation.editing.judges`). Scalars: ``editing/<key>`` (Kendall's
+tau_b of the score, its ablations and components against every criterion,
+``editing/tau_b/<variant>/<criterion>``).
 """
 
 from __future__ import annotations

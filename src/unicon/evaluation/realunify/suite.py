@@ -1,21 +1,12 @@
 """The RealUnify suite: ``unicon evaluate realunify`` and ``eval.realunify`` at epoch end, the direct and
 stepwise settings of UEG and GEU, judged (:func:`~unicon.evaluation.realunify.runner.evaluate_realunify`;
-files: :mod:`unicon.evaluation.realunify.runner`: ``realunify.json``, ``samples.jsonl``, ``table.md``,
-``settings_by_category.png``, ``images/``).
+files: :mod:`unicon.evaluation.realunify.runner`).
 
-The flags are the fields of :class:`unicon.config.RealUnifyEvalConfig`; :data:`FLAGS` lists the
-exceptions: ``--data`` is required (at epoch end it defaults to ``data.root``, a ShapesWorld root),
-the instances per category are ``--limit`` (standalone default: all; the config's value is the
-epoch-end subset), and ``--settings`` is comma-separated (``direct,stepwise``). Standalone,
-``realunify.json`` also records the checkpoint, the weights fingerprint, the generation and judge
-settings, the git commit and the package versions. Scalars: ``realunify/<key>``
-(``acc_{direct,stepwise}``, ``delta``, per axis and category, the UEG per-question accuracies, the
-stepwise edit accuracy, the counts). ``stepwise_input="auto"`` is resolved once the data is read
-(:func:`~unicon.evaluation.realunify.runner.resolve_stepwise_input`), before any model is loaded; a
-GEU stepwise setting on a model that does not edit images, or an ``original+edited`` one on a model
-that takes one image per question, is refused before any generation (at epoch end: before training).
-Standalone, a judge model is loaded only for UEG instances; a merge loads none (the shards judged
-every instance).
+Scalars: ``realunify/<key>`` (``acc_{direct,stepwise}``, ``delta``, per axis and category, the UEG
+per-question accuracies, the stepwise edit accuracy, the counts). ``stepwise_input="auto"`` is
+resolved once the data is read, before any model is loaded; a GEU stepwise setting the model cannot
+run is refused before any generation (at epoch end: before training). Standalone, a judge model is
+loaded only for UEG instances; a merge loads none (the shards judged every instance).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The ShapesWorld suite: ``unicon evaluate shapes`` and ``eval.shapes`` at epoch end, the embedded
-world's task accuracies with a picture.
+world's task accuracies (:func:`unicon.evaluation.shapes.runner.shapes_task_accuracies`) with a picture.
 
-Runs :func:`unicon.evaluation.shapes.runner.shapes_task_accuracies` (VQA exact match, caption exact
-scene match, localization IoU >= 0.5 and mean IoU, generated-image scene match; definitions in
-:mod:`unicon.evaluation.shapes.metrics`) on a split of a ShapesWorld world, sharded over the ranks of
-a training run, and writes ``shapes_eval.json`` (the numbers, the split; standalone also the
-checkpoint, its weights fingerprint, the image-generation settings, the git commit and package
-versions) and ``shapes_eval.png``: for each task the first examples, with the input image and
-predicted box (localization, gold box dashed), the generated caption or answer, or the generated
-image, and whether the world's verifier accepted it. Scalars: ``shapes/<task>/<key>``
-(:func:`~unicon.evaluation.shapes.metrics.logged_scalars`).
-
-The flags are the fields of :class:`unicon.config.ShapesEvalConfig`; :data:`FLAGS` lists the
-exceptions: the world is ``--world`` (default ``data/shapes``; at epoch end ``data.root``) and the
-examples per task ``--limit`` (default 200; the epoch-end default is smaller). The metrics are
-torchmetrics states summed over the ranks (or the shards of ``--shard I/N``, which ``--merge``
-reduces), and the picture shows the first rows of each task whichever rank ran them, so two ranks,
-and shards plus their merge, write what one process writes.
+Writes ``shapes_eval.json`` (the numbers, the split; standalone also the checkpoint, its weights
+fingerprint, the image-generation settings, the git commit and package versions) and
+``shapes_eval.png`` (:func:`unicon.evaluation.shapes.plots.plot_examples`). Scalars:
+``shapes/<task>/<key>`` (:func:`~unicon.evaluation.shapes.metrics.logged_scalars`). The picture shows
+the first rows of each task whichever rank ran them, so two ranks, and shards plus their merge, write
+what one process writes.
 """
 
 from __future__ import annotations

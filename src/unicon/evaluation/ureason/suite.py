@@ -2,13 +2,9 @@
 settings (direct, reasoning-guided, de-contextualized) of a model, judged
 (:func:`~unicon.evaluation.ureason.runner.evaluate_ureason`; files: :mod:`unicon.evaluation.ureason.runner`).
 
-The flags are the fields of :class:`unicon.config.UReasonEvalConfig`; :data:`FLAGS` lists the
-exceptions: ``--data`` is required (at epoch end it defaults to ``data.root``), and ``--max-samples``
-defaults to every instance (the config's value is the size of the epoch-end subset). Standalone,
-``ureason.json`` also records the checkpoint, the weights fingerprint, the generation and judge
-settings, the git commit and the package versions. Scalars: ``ureason/<key>`` (``acc_s{1,2,3}``,
-``delta_12``, ``delta_23``, ``chain_acc``, ``fallback_rate``, per category). A judge model is loaded
-only when ``judge`` names one; a merge loads none (the shards judged every instance).
+Scalars: ``ureason/<key>`` (``acc_s{1,2,3}``, ``delta_12``, ``delta_23``, ``chain_acc``,
+``fallback_rate``, per category). A judge model is loaded only when ``judge`` names one; a merge loads
+none (the shards judged every instance).
 """
 
 from __future__ import annotations
