@@ -509,7 +509,7 @@ def test_spice_is_skipped_with_the_reason_without_java_or_corenlp(monkeypatch):
 
 
 def _simple(text):
-    from unicon.evaluation.alignment.metrics import _simple_tokenize
+    from unicon.evaluation.cococon.metrics import _simple_tokenize
 
     return _simple_tokenize(text)
 

@@ -49,7 +49,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from unicon.evaluation.cococon.metrics import _simple_tokenize  # the PTB tokenizer's pure-python stand-in
+from unicon.evaluation.cococon.metrics import tokenize_captions
 from unicon.evaluation.correlation import kendall
 
 #: CLIPScore's rescaling weight w (Hessel et al., 2021)
@@ -142,17 +142,9 @@ def reference_metrics(captions: Sequence[str], references: Sequence[Sequence[str
 
     coco = [n for n in names if n != "bertscore"]
     if coco:
-        java = shutil.which("java") is not None
-        if java:
-            from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
-
-            ptb = PTBTokenizer()
-            gts = ptb.tokenize({i: [{"caption": r} for r in references[i]] for i in keys})
-            res = ptb.tokenize({i: [{"caption": captions[i]}] for i in keys})
-        else:
-            gts = {i: [_simple_tokenize(r) for r in references[i]] for i in keys}
-            res = {i: [_simple_tokenize(captions[i])] for i in keys}
-        notes["tokenizer"] = "ptb" if java else "simple"
+        gts, res, notes["tokenizer"] = tokenize_captions({i: references[i] for i in keys},
+                                                          {i: captions[i] for i in keys})
+        java = notes["tokenizer"] == "ptb"
         # pycocoevalcap iterates over gts.keys(): keep the same order for every scorer
         gts = {i: gts[i] for i in keys}
         res = {i: res[i] if res[i] and res[i][0] else [""] for i in keys}

@@ -68,7 +68,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -161,20 +161,15 @@ def _java_speed_report_dropped():
                 print("\n".join(rest), file=sys.stderr, flush=True)
 
 
-def cider_score(references: dict[int, list[str]], candidates: dict[int, str],
-                tokenizer: str = "auto") -> tuple[float, str]:
-    """Corpus CIDEr-D x 100 (pycocoevalcap's ``Cider``, Vedantam et al.); returns (score, tokenizer used).
-
-    ``tokenizer``: ``ptb`` (Stanford PTB tokenizer, needs ``java``), ``simple`` (pure python:
-    lower case, punctuation dropped) or ``auto`` (PTB when ``java`` is on the PATH).
-    """
-    from pycocoevalcap.cider.cider import Cider
-
-    if not candidates:
-        return float("nan"), tokenizer
+def tokenize_captions(references: Mapping[Any, Sequence[str]], candidates: Mapping[Any, str],
+                      tokenizer: str = "auto") -> tuple[dict, dict, str]:
+    """``(references, candidates, tokenizer used)`` tokenised as pycocoevalcap's scorers take them
+    (``{key: [text, ...]}``, keys in the order of ``candidates``). ``tokenizer``: ``ptb`` (Stanford PTB
+    tokenizer, needs ``java``), ``simple`` (pure python: lower case, punctuation dropped) or ``auto``
+    (PTB when ``java`` is on the PATH)."""
     if tokenizer == "auto":
         tokenizer = "ptb" if shutil.which("java") else "simple"
-    keys = sorted(candidates)
+    keys = list(candidates)
     if tokenizer == "ptb":
         from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
@@ -187,6 +182,18 @@ def cider_score(references: dict[int, list[str]], candidates: dict[int, str],
         res = {k: [_simple_tokenize(candidates[k])] for k in keys}
     else:
         raise ValueError(f"tokenizer must be auto, ptb or simple, got {tokenizer!r}")
+    return gts, res, tokenizer
+
+
+def cider_score(references: dict[int, list[str]], candidates: dict[int, str],
+                tokenizer: str = "auto") -> tuple[float, str]:
+    """Corpus CIDEr-D x 100 (pycocoevalcap's ``Cider``, Vedantam et al.) of the candidates tokenised by
+    :func:`tokenize_captions`; returns (score, tokenizer used)."""
+    from pycocoevalcap.cider.cider import Cider
+
+    if not candidates:
+        return float("nan"), tokenizer
+    gts, res, tokenizer = tokenize_captions(references, {k: candidates[k] for k in sorted(candidates)}, tokenizer)
     score, _ = Cider().compute_score(gts, res)
     return 100.0 * float(score), tokenizer
 
