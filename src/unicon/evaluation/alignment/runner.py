@@ -12,10 +12,9 @@ For every batch of ``batch_size`` pairs of this rank (:func:`~unicon.evaluation.
   ShapesWorld CLIP trained on the world's bare captions);
 * with a judge (``vlm:<dir>``): the VLM asked the same prompt (:mod:`.judges`), parsed like ``decode``.
 
-The records are gathered over ranks (or shards: a merge replays the gathering), then the reference
-metrics BLEU-1, BLEU-4, ROUGE-L, METEOR, CIDEr-D, SPICE and BERTScore are computed over the whole set
-(:func:`~.metrics.reference_metrics`; BERTScore with the bundled all-MiniLM-L6-v2 on the CPU) and every
-metric's Kendall τ_b and τ_c against the ratings (:func:`~.metrics.summarize`).
+The records are gathered over ranks (or shards), then the reference metrics are computed over the
+whole set (:func:`~.metrics.reference_metrics`) and every metric's Kendall τ_b and τ_c against the
+ratings (:func:`~.metrics.summarize`).
 
 Rank 0 (or the merge) writes into ``out_dir``:
 

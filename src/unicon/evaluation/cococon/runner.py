@@ -16,30 +16,16 @@ Scores are the length-normalised NLLs of :class:`~unicon.models.base.Scores` (th
 with the cross-entropy loss, section 6). Gold and contrast texts go through the same
 :func:`normalize_text` before scoring. When a sample has several gold ``boxes`` the first one is
 the fixed localization output (the output must be the same for gold and contrast inputs);
-``locate()`` accuracy accepts any gold box. ``tasks`` restricts the compared tasks (T2I needs an
-image tokenizer that can encode the images, e.g. not the ShapesWorld tokenizer on COCO photos).
-Candidates the model truncated to its maximum length are counted in ``truncated_candidates``:
-truncation can make gold and contrast identical and so produce ties.
+``locate()`` accuracy accepts any gold box. Candidates the model truncated to its maximum length are
+counted in ``truncated_candidates``: truncation can make gold and contrast identical and so produce
+ties. With ``generative`` the model also captions, answers, locates and (with a ShapesWorld root or
+FID weights) draws every sample.
 
-With ``generative`` the model also captions, answers, locates and (with a ShapesWorld root or FID
-weights) draws every sample; :mod:`.metrics` turns those outputs into accuracies.
-
-Probed concepts (``probe_words``, e.g. the concepts that a knowledge-gap world hides from one task
-each): the samples whose gold answer names one of the words (:func:`.metrics.names_any`) are also
-aggregated on their own, under ``results["probe"]`` / ``cococon/probe/...``, and each word's under
-``results["probe"]["by_word"][word]`` / ``cococon/probe/<word>/...``.
-
-Distributed evaluation (:mod:`unicon.evaluation.distributed`): :func:`evaluate_model` takes this
-rank's :func:`shard_indices`; each rank keeps one record per sample (NLL rows, generated caption
-and answer as whole strings, generative outcomes) keyed by the sample's file index;
-:meth:`CocoConEvaluator.compute` merges every rank's records with ``gather_records`` and computes
-the metrics from them, so N ranks give the numbers of one process. Two diagnostics are summed
-over ranks instead: ``truncated_candidates`` counts per scoring call, so it also counts the
-candidates of the up to ``world_size - 1`` padding repeats that ``shard_indices`` adds; FID leaves
-those repeats out.
-
-Files (:func:`write_outputs`): ``results.json``, ``per_sample.jsonl`` and the plots of :mod:`.plots`.
-The sample table (:data:`TABLE_COLUMNS`, :func:`table_rows`) goes to the loggers.
+Each rank keeps one record per sample of its :func:`shard_indices`, keyed by the sample's file index,
+and :meth:`CocoConEvaluator.compute` computes the metrics from every rank's records
+(:mod:`unicon.evaluation.distributed`). Two diagnostics are summed over ranks instead:
+``truncated_candidates`` counts per scoring call, so it also counts the candidates of the up to
+``world_size - 1`` padding repeats; FID leaves those repeats out.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Drift chains: model calls over the seeds, resumable on disk, scored into per-seed records.
 
-This module may call the model, the embedders and the detector, and read and write the chain
-folders; the maths lives in :mod:`.metrics`, the figures in :mod:`.plots`.
-
 **On disk** (:class:`ChainLayout`, the only place that knows it; compatible with the paper's
 public layout: CSV columns ``filename,caption`` where ``filename`` is ``<id>.png``, the image the
 caption belongs to)::
@@ -31,14 +28,12 @@ content differs from the recorded hashes (a sampling model), all later generatio
 invalidated and recomputed. Batches have fixed membership and per-batch seeds, so an interrupted
 run produces the same bytes as an uninterrupted one for any deterministic model.
 
-**Ranks** (:mod:`unicon.evaluation.distributed`). :func:`evaluate_drift` gives each rank its
-``shard_indices`` of the seeds; a rank runs their chains under ``OUT/mcd`` and ``OUT/mgg`` (one
-process) or ``OUT/<set>/rank-<r>`` (several), scores them into one record per seed (cosines per
-embedder and mapping, GenEval verdicts per generation, the strip of the first ``strips`` seeds),
-and the records of all ranks are gathered with ``gather_records``. Metrics, ``drift.json`` and
-the plots come from the gathered list, so they equal a one-process run (bit for bit when the
-embedders and detector give the same numbers for an item in any batch, as the ShapesWorld ones
-do). Every rank holds the same number of seeds, hence makes the same number of model calls.
+**Ranks** (:mod:`unicon.evaluation.distributed`). Each rank runs the chains of its seeds under
+``OUT/mcd`` and ``OUT/mgg`` (one process) or ``OUT/<set>/rank-<r>`` (several) and scores them into one
+record per seed (cosines per embedder and mapping, GenEval verdicts per generation, the strip of the
+first ``strips`` seeds); the metrics come from every rank's records, bit for bit those of one process
+when the embedders and detector give the same numbers for an item in any batch (as the ShapesWorld
+ones do).
 """
 
 from __future__ import annotations
