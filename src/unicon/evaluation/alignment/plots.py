@@ -1,5 +1,4 @@
-"""The alignment figure from per-sample records; writes a PNG, reads nothing. Drawn on a
-:class:`matplotlib.figure.Figure` (no pyplot state)."""
+"""The alignment figure from per-sample records; writes a PNG, reads nothing."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""CocoCon figures (the paper's Fig. 5) from a ``results`` dict; writes PNGs, reads nothing.
-
-Figures are drawn on :class:`matplotlib.figure.Figure` objects and saved directly, so no pyplot
-state and no backend switch are involved (the caller's matplotlib backend is left alone).
-"""
+"""CocoCon figures (the paper's Fig. 5) from a ``results`` dict; writes PNGs, reads nothing."""
 
 from __future__ import annotations
 

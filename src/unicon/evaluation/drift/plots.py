@@ -1,10 +1,8 @@
 """Drift figures and their logging: S_delta(g) curves (paper Fig. 6), the MGG task x generation
 heatmap (Fig. 11), and chain strips (images and captions along a few chains).
 
-Figures are built on :class:`matplotlib.figure.Figure` and written with ``savefig``: no pyplot
-and no backend switch, so the caller's matplotlib backend is left alone. Inputs are the report
-dictionaries of :mod:`.metrics` and the strip *trails* of :mod:`.runner` (``(chain, id, items)``
-with ``items[g]`` a caption or an image); nothing here reads chain folders.
+Inputs are the report dictionaries of :mod:`.metrics` and the strip *trails* of :mod:`.runner`
+(``(chain, id, items)`` with ``items[g]`` a caption or an image); nothing here reads chain folders.
 """
 
 from __future__ import annotations

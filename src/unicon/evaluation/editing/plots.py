@@ -1,5 +1,4 @@
-"""EditingScore figures from the per-sample records and the summary; writes PNGs, reads nothing. Drawn on
-:class:`matplotlib.figure.Figure` objects (no pyplot state)."""
+"""EditingScore figures from the per-sample records and the summary; writes PNGs, reads nothing."""
 
 from __future__ import annotations
 

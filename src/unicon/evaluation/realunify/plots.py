@@ -1,5 +1,5 @@
 """RealUnify figures from a ``metrics`` dict (:mod:`unicon.evaluation.realunify.metrics`' keys);
-writes PNGs, reads nothing. Drawn on :class:`matplotlib.figure.Figure` objects (no pyplot state)."""
+writes PNGs, reads nothing."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The picture of ``unicon evaluate shapes``: per task, the first examples with the input image (or
-the generated image; for edits the source beside the edited image), the predicted box (gold box dashed), the generated caption or answer, and the
-world verifier's verdict. Drawn on a bare ``matplotlib.figure.Figure``: the caller's backend is
-never switched."""
+the generated image; for edits the source beside the edited image), the predicted box (gold box
+dashed), the generated caption or answer, and the world verifier's verdict."""
 
 from __future__ import annotations
 

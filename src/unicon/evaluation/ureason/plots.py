@@ -1,9 +1,5 @@
 """UReason figures from a ``metrics`` dict (:func:`unicon.evaluation.ureason.metrics`' keys);
-writes PNGs, reads nothing.
-
-Drawn on :class:`matplotlib.figure.Figure` objects and saved directly: no pyplot state, and the
-caller's matplotlib backend is left alone.
-"""
+writes PNGs, reads nothing."""
 
 from __future__ import annotations
 
