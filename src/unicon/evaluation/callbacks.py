@@ -2,16 +2,9 @@
 (:mod:`unicon.evaluation.framework`). It decides *when* to run (every ``every_n_epochs`` training
 epochs), puts the model in eval mode under ``torch.no_grad``, times the run, isolates failures (an
 exception is logged and reported as ``<suite>/failed = 1`` unless ``fail_on_error``), and sends the
-scalars to every logger of the trainer (W&B or CSV, and ``metrics.jsonl``) with
-:func:`unicon.evaluation.logs.log_metrics`. A SIGTERM/SIGUSR1 during an evaluation
-(:mod:`unicon.evaluation.preemption`) stops it at the next batch, writes ``<run_dir>/last.ckpt`` and
-ends the run.
-
-The suites log their tables and figures with the helpers of :mod:`unicon.evaluation.logs`, which
-``unicon evaluate ...`` shares without importing Lightning (this module does).
-
-Under DDP every rank calls ``evaluate`` (the suites shard their work and sync metric states);
-the loggers write on rank zero only.
+scalars to every logger of the trainer (W&B or CSV, and ``metrics.jsonl``). A SIGTERM/SIGUSR1 during
+an evaluation (:mod:`unicon.evaluation.preemption`) stops it at the next batch, writes
+``<run_dir>/last.ckpt`` and ends the run.
 """
 
 from __future__ import annotations

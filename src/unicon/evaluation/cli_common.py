@@ -2,11 +2,6 @@
 logger arguments, and their checks, done before any model or data is loaded; the flags generated
 from a suite's eval dataclass (:func:`add_config_args`); ``--shard``/``--merge`` (:func:`sharding`).
 
-* a suite's flags are generated from its section of the run config (``eval.cococon`` ...,
-  :mod:`unicon.config`): one flag per field, with the field's type, default and choices; a
-  ``bounded``/``choice`` value out of range fails with one line naming the flag. A CLI may rename
-  a flag (keeping the names users know) or change a default, and says so in its docstring;
-
 * ``--device cuda`` on a machine without CUDA, an ``--out`` that is a file or cannot be written,
   and a count below its minimum fail with one line naming the flag;
 * one run per ``--out`` (:func:`claim_out`): ``OUT/evaluate-run.json`` records the command, the
@@ -21,13 +16,14 @@ from a suite's eval dataclass (:func:`add_config_args`); ``--shard``/``--merge``
 * commands that draw images expose the sampling recipe (:func:`add_image_generation_args`): each
   flag overrides the model's own ``image_generation_config``, and the result is recorded.
 
-Why :func:`add_config_args` is hand-written rather than jsonargparse (not installed; Lightning
-only needs it for ``LightningCLI``): it is about 80 lines on plain argparse, so the suites keep
-their argparse parsers and ``--help`` text. The flags come from the same eval dataclasses as the run
-config, and a value is checked by the same :func:`unicon.config.field_problem` as at compose time,
-so ``unicon evaluate`` and ``eval.<suite>`` accept the same values and a bad one is one line naming
-the flag; per-field renames, default changes and comma-separated list flags (:class:`Flag`) keep
-the flag names users know. jsonargparse would need custom types for the ``choice``/``bounded``
+A suite's flags are generated from its section of the run config (``eval.cococon`` ...,
+:mod:`unicon.config`): one flag per field, with the field's type, default and choices. Why
+:func:`add_config_args` is hand-written rather than jsonargparse (not installed; Lightning only needs
+it for ``LightningCLI``): it is about 80 lines on plain argparse, so the suites keep their argparse
+parsers and ``--help`` text. A value is checked by the same :func:`unicon.config.field_problem` as at
+compose time, so ``unicon evaluate`` and ``eval.<suite>`` accept the same values and a bad one is one
+line naming the flag; per-field renames, default changes and comma-separated list flags
+(:class:`Flag`) keep the flag names users know. jsonargparse would need custom types for the ``choice``/``bounded``
 metadata and its own error messages for that.
 """
 
