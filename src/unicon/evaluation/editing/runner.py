@@ -38,8 +38,8 @@ from unicon.errors import UserError
 from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
 from unicon.evaluation.editing.data import CRITERIA, EditSample, rating_or_none
-from unicon.evaluation.editing.metrics import (COMPONENTS, CORRELATED, EPS, VARIANTS, editing_components, kendall_row,
-                                               summarize)
+from unicon.evaluation.editing.metrics import (COMPONENTS, CORRELATED, EPS, VARIANTS, editing_components, group_means,
+                                               kendall_row, summarize)
 from unicon.evaluation.editing.plots import plot_results
 from unicon.evaluation.framework import eval_mode, write_jsonl, write_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
@@ -182,14 +182,8 @@ def own_edit_summary(records: Sequence[dict]) -> dict[str, Any]:
     """Per kind (and ``all``): n, exact-match rate, mean components, mean and median raw score; and the
     Kendall tau_b of each variant against exact match (1/0) over all own edits."""
     def block(rs):
-        scores = np.array([r["score"] for r in rs if math.isfinite(r["score"])], dtype=np.float64)
-        out = {"n": len(rs), "exact_match": float(np.mean([r["exact_match"] for r in rs])) if rs else float("nan")}
-        for key in COMPONENTS:
-            v = [r[key] for r in rs if math.isfinite(r[key])]
-            out[f"mean_{key}"] = float(np.mean(v)) if v else float("nan")
-        out["mean_score"] = float(scores.mean()) if scores.size else float("nan")
-        out["median_score"] = float(np.median(scores)) if scores.size else float("nan")
-        return out
+        means = group_means(rs)
+        return {"n": means.pop("n"), "exact_match": float(np.mean([r["exact_match"] for r in rs])), **means}
 
     kinds = sorted({r["kind"] for r in records})
     summary = {"by_kind": {k: block([r for r in records if r["kind"] == k]) for k in kinds}, "all": block(list(records))}
