@@ -137,9 +137,10 @@ class Detection:
 # ---- rules ----------------------------------------------------------------------------------------------
 def keep_detections(
     detections: Sequence[Any], tag: str, threshold: float = THRESHOLD,
-    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
+    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int | None = MAX_OBJECTS,
 ) -> dict[str, list[Detection]]:
-    """Per class: detections scoring > threshold (0.9 for counting), best first, at most ``max_objects``."""
+    """Per class: detections scoring > threshold (0.9 for counting), best first, at most ``max_objects``
+    (None: all)."""
     thr = counting_threshold if tag == "counting" else threshold
     by_class: dict[str, list[Detection]] = defaultdict(list)
     for i, d in enumerate(detections):
@@ -191,11 +192,7 @@ def evaluate_reference(
     """The Telephone-Game protocol on one image (module docstring): ``detections`` are labelled
     with the class of the include clause whose query they answered; ``threshold`` applies to every
     prompt type."""
-    kept: dict[str, list[Detection]] = defaultdict(list)
-    for i, d in enumerate(detections):
-        d = Detection.coerce(d, f"detection {i}")
-        if d.score > threshold:
-            kept[d.label].append(d)
+    kept = keep_detections(detections, prompt.tag, threshold, counting_threshold=threshold, max_objects=None)
     correct, reasons = True, []
     matched: list[list[Detection] | None] = []
     for req in prompt.include:

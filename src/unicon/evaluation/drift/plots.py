@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from unicon.evaluation.drift.metrics import MAPPINGS
+from unicon.evaluation.drift.metrics import MAPPINGS, decay
 from unicon.evaluation.drift.report import FIGURES
 from unicon.evaluation.logs import log_figures, log_table, log_wandb
 from unicon.loggers import is_wandb
@@ -44,7 +44,7 @@ def plot_curves(mcd: dict, path: Path, title: str = "") -> Path:
         fit = mcd["decay"].get(mapping, {})
         if "b" in fit and mapping in mcd["S"]:
             xs = np.linspace(min(mcd["S"][mapping]), max(mcd["S"][mapping]), 50)
-            ax.plot(xs, fit["a"] * np.exp(-fit["b"] * xs) + fit["c"], "k--", lw=1, label=f"fit b={fit['b']:.2f}")
+            ax.plot(xs, decay(xs, fit["a"], fit["b"], fit["c"]), "k--", lw=1, label=f"fit b={fit['b']:.2f}")
         values = [v for line in ax.lines for v in line.get_ydata()]
         ax.set_ylim(min([0.0, *values]) - 0.02, 1.02)
         ax.set_title(f"{chain}: {src} -> {tgt}")
