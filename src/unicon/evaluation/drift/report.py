@@ -39,15 +39,9 @@ def _evaluation(label: str, out: Path) -> str:
 
 def section(run_dir: Path) -> str:
     """The section's HTML for the run (or standalone output) folder ``run_dir``."""
-    evals = h.suite_outputs(run_dir, "drift", FILE)
-    if not evals:
-        return h.not_evaluated("drift", FILE)
-    mappings: list[str] = []
-    reps = [(label, h.read_json(out / FILE) or {}) for label, out in evals]
-    for _, rep in reps:
-        mappings += [m for m in (rep.get("MCD") or {}) if m not in mappings]
-    trend = [[f"<td>{h.esc(label or '-')}</td>", h.td(rep.get("MCD_avg")),
-              *(h.td((rep.get("MCD") or {}).get(m)) for m in mappings), h.td(rep.get("MGG"))] for label, rep in reps]
-    html_ = h.table(["evaluation", "MCD_avg", *(f"MCD_{m}" for m in mappings), "MGG"], trend, "drift-trend")
-    return html_ + h.earlier(evals, _evaluation)
-
+    reports = [h.read_json(out / FILE) or {} for _, out in h.suite_outputs(run_dir, "drift", FILE)]
+    mappings = list(dict.fromkeys(m for rep in reports for m in rep.get("MCD") or {}))
+    columns = {"MCD_avg": lambda rep: rep.get("MCD_avg"),
+               **{f"MCD_{m}": (lambda rep, m=m: (rep.get("MCD") or {}).get(m)) for m in mappings},
+               "MGG": lambda rep: rep.get("MGG")}
+    return h.section(run_dir, "drift", FILE, _evaluation, columns)
