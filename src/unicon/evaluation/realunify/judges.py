@@ -60,8 +60,8 @@ from PIL import Image
 from unicon.errors import UserError
 from unicon.evaluation.realunify.data import GEUInstance, Instance, UEGInstance
 from unicon.evaluation.realunify.prompts import polling_prompt
-from unicon.evaluation.ureason.judges import VLMJudge, check_judge_spec
-from unicon.worlds.shapes import NotAShapesWorldImage, Scene, WorldConfig, load_world, parse
+from unicon.evaluation.ureason.judges import VLMJudge, WorldJudge, check_judge_spec
+from unicon.worlds.shapes import NotAShapesWorldImage, Scene, WorldConfig, parse
 from unicon.worlds.shapes_realunify import answer_poll
 
 #: per-question statuses; a question is right when its status equals its expected answer
@@ -139,17 +139,8 @@ class PollingJudge(abc.ABC):
         return PollVerdict([status] * len(inst.questions), [note] * len(inst.questions))
 
 
-class ExactPollJudge(PollingJudge):
-    """The ShapesWorld judge (module docstring); ``cfg``: the world's ``WorldConfig``."""
-
-    name = "exact"
-
-    def __init__(self, cfg: WorldConfig | None = None):
-        self.cfg = cfg or WorldConfig()
-
-    @classmethod
-    def from_world(cls, root: str | None) -> "ExactPollJudge":
-        return cls(load_world(root).config if root else None)
+class ExactPollJudge(WorldJudge, PollingJudge):
+    """The ShapesWorld judge (module docstring)."""
 
     def judge(self, instances, images):
         if len(instances) != len(images):

@@ -396,25 +396,29 @@ def refined_prompt_implies(text: str, pattern: dict, cfg=None) -> bool:
     return True
 
 
-class ShapesJudge(Judge):
-    """Exact checks for ShapesWorld prompts (no model): needs ``target_scene`` on every instance.
+class WorldJudge:
+    """What the exact ShapesWorld judges (UReason's, RealUnify's) share: no model, and the world's
+    ``WorldConfig`` ``cfg`` (``world.json``; default the built-in world)."""
+
+    name = "exact"
+
+    def __init__(self, cfg: WorldConfig | None = None):
+        self.cfg = cfg or WorldConfig()
+
+    @classmethod
+    def from_world(cls, root: str | None):
+        return cls(load_world(root).config if root else None)
+
+
+class ShapesJudge(WorldJudge, Judge):
+    """Exact checks for ShapesWorld prompts: needs ``target_scene`` on every instance.
 
     * image: ``check_criterion(target_scene, image, cfg)`` from :mod:`unicon.worlds.shapes_verify` (an image
       the parser refuses fails);
     * reasoning chain: :func:`refined_prompt_implies` on the extracted refined prompt.
-
-    ``cfg`` is the world's ``WorldConfig`` (``world.json``); default the built-in world.
     """
 
-    name = "exact"
     judges_reasoning = True
-
-    def __init__(self, cfg=None):
-        self.cfg = cfg or WorldConfig()
-
-    @classmethod
-    def from_world(cls, root: str | None) -> "ShapesJudge":
-        return cls(load_world(root).config if root else None)
 
     @staticmethod
     def _target(inst) -> dict:
