@@ -45,10 +45,6 @@ class BagelResult:
 def expected_scores(model, images: Sequence, captions: Sequence[str],
                     scale: str | RatingScale = "cf") -> list[BagelResult]:
     """``expected`` mode for one batch: one ``score_text`` call with the four answers as candidates."""
-    if len(images) != len(captions):
-        raise ValueError(f"{len(images)} images but {len(captions)} captions")
-    if not captions:
-        return []
     scale = scale_of(scale)
     answers = scale.answers
     scores = model.score_text(list(images), [bagelscore_prompt(c, scale) for c in captions],
@@ -65,10 +61,6 @@ def expected_scores(model, images: Sequence, captions: Sequence[str],
 def decode_scores(model, images: Sequence, captions: Sequence[str], scale: str | RatingScale = "cf",
                   **generate_kwargs) -> list[BagelResult]:
     """``decode`` mode for one batch: one ``answer`` call, each reply parsed strictly."""
-    if len(images) != len(captions):
-        raise ValueError(f"{len(images)} images but {len(captions)} captions")
-    if not captions:
-        return []
     scale = scale_of(scale)
     replies = model.answer(list(images), [bagelscore_prompt(c, scale) for c in captions], **generate_kwargs)
     if len(replies) != len(captions):
@@ -79,8 +71,12 @@ def decode_scores(model, images: Sequence, captions: Sequence[str], scale: str |
 def bagelscore(model, images: Sequence, captions: Sequence[str], mode: str, scale: str | RatingScale = "cf",
                **generate_kwargs) -> list[BagelResult]:
     """BagelScore of a batch of pairs in ``mode`` (``expected`` or ``decode``) on ``scale``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown BagelScore mode {mode!r}; choose from {', '.join(MODES)}")
+    if len(images) != len(captions):
+        raise ValueError(f"{len(images)} images but {len(captions)} captions")
+    if not captions:
+        return []
     if mode == "expected":
         return expected_scores(model, images, captions, scale)
-    if mode == "decode":
-        return decode_scores(model, images, captions, scale, **generate_kwargs)
-    raise ValueError(f"unknown BagelScore mode {mode!r}; choose from {', '.join(MODES)}")
+    return decode_scores(model, images, captions, scale, **generate_kwargs)

@@ -10,19 +10,15 @@ from typing import Sequence
 
 from PIL import Image
 
-from unicon.errors import UserError
 from unicon.evaluation.alignment.bagelscore import BagelResult
 from unicon.evaluation.alignment.prompts import bagelscore_prompt, parse_rating
 from unicon.evaluation.ureason.judges import VLMJudge, check_vlm_spec
 
 
 def check_judge(spec: str | None) -> None:
-    """None (no judge) or ``vlm:<existing local directory>``; anything else is a :class:`UserError`."""
-    if spec is None or spec == "":
-        return
-    if not spec.startswith("vlm:"):
-        raise UserError(f"--judge {spec!r}: use 'vlm:<local model directory>' (or leave it out)")
-    check_vlm_spec(spec, "no judge")
+    """None (no judge) or ``vlm:<existing local directory>``; anything else is a :class:`~unicon.errors.UserError`."""
+    if spec:
+        check_vlm_spec(spec, "no judge (leave --judge out)")
 
 
 def rate_with_vlm(judge: VLMJudge, texts: Sequence[str], images: Sequence[Sequence[Image.Image]],
