@@ -25,9 +25,10 @@ What a suite gets without writing it:
 * the command: the common flags (:func:`~unicon.evaluation.cli_common.add_common_args`), one flag
   per field of ``config`` (:func:`~unicon.evaluation.cli_common.add_config_args`, with ``flags``'
   exceptions), ``--shard I/N``/``--merge`` (``shardable``), the image-sampling flags
-  (``draws_images``), the judge models' flags (``judge_tokens``, :meth:`EvalRun.judge_kwargs`); the checks of ``--out``, ``--device`` and the count flags before any work; the
-  model (or, in a merge, :class:`~unicon.evaluation.cli_common.RecordedModel`); SIGTERM/SIGUSR1 stop
-  it at the next batch (:mod:`unicon.evaluation.preemption`);
+  (``draws_images``), the judge models' flags (``judge_tokens``, :meth:`EvalRun.judge_kwargs`); the
+  checks of ``--out``, ``--device`` and the count flags before any work; the model (or, in a merge,
+  :class:`~unicon.evaluation.cli_common.RecordedModel`); SIGTERM/SIGUSR1 stop it at the next batch
+  (:mod:`unicon.evaluation.preemption`);
 * the loggers: ``--logger`` (W&B, CSV or none; ``metrics.jsonl`` always), the run's settings, the
   metrics at step 0 with ``<name>/seconds`` (the evaluation's time; a merge: the shards' sum), the
   figures of ``figures`` and the sample table ``<name>/samples`` (the same names as at epoch end:

@@ -15,8 +15,11 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence, TypeVar
 
+from unicon.progress import track
+
+T = TypeVar("T")
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -35,6 +38,14 @@ def check() -> None:
     """Raise :class:`Preempted` if a watched signal arrived (call it once per batch)."""
     if _received:
         raise Preempted(_received[0])
+
+
+def batches(items: Sequence[T], size: int, description: str) -> Iterator[Sequence[T]]:
+    """``items`` in batches of ``size``, shown as progress (:func:`unicon.progress.track`), with a
+    :func:`check` before each batch: the batch loop of every evaluation."""
+    for start in track(range(0, len(items), size), description, unit="batches"):
+        check()
+        yield items[start:start + size]
 
 
 @contextmanager

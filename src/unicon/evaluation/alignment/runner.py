@@ -60,7 +60,6 @@ from unicon.evaluation.alignment.plots import plot_results
 from unicon.evaluation.alignment.prompts import SCALES, scale_of
 from unicon.evaluation.distributed import gather_records, owned_indices, shard_indices, writes_outputs
 from unicon.evaluation.framework import eval_mode, write_results
-from unicon.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +215,7 @@ def evaluate_alignment(
     mine = shard_indices(len(pairs))
     scored: dict[int, dict] = {}
     with eval_mode(model) if mine else contextlib.nullcontext():  # a merge's model is a stand-in
-        starts = range(0, len(mine), batch_size)
-        for s in track(starts, "alignment: scoring pairs", unit="batches"):
-            preemption.check()
-            idx = mine[s:s + batch_size]
+        for idx in preemption.batches(mine, batch_size, "alignment: scoring pairs"):
             for i, o in zip(idx, score_batch(model, [pairs[i] for i in idx], bagel_modes, clip, judge, baselines,
                                              scale.name, prefix_text)):
                 scored[i] = o

@@ -59,7 +59,6 @@ from unicon.evaluation.cococon.metrics import (
 )
 from unicon.evaluation.cococon.plots import plot_results
 from unicon.evaluation.distributed import gather_objects, gather_records, metric_sync_kwargs, padding_repeats, shard_indices
-from unicon.progress import track
 from unicon.worlds.shapes import NotAShapesWorldImage, load_world, parse
 from unicon.worlds.shapes_text import caption_matches
 
@@ -313,9 +312,7 @@ def evaluate_model(model, samples: Sequence[CocoConSample], batch_size: int = 16
     ev = CocoConEvaluator(samples, device=device, **evaluator_kwargs)
     shard = [samples[i] for i in shard_indices(len(samples))]
     repeats = {samples[i].index for i in padding_repeats(len(samples))}
-    batches = [shard[i: i + batch_size] for i in range(0, len(shard), batch_size)]
-    for batch in track(batches, "cococon: scoring", unit="batches"):
-        preemption.check()
+    for batch in preemption.batches(shard, batch_size, "cococon: scoring"):
         ev.update(model, batch, repeats)
     return ev.compute()
 

@@ -43,7 +43,6 @@ from unicon.evaluation.editing.metrics import (COMPONENTS, CORRELATED, EPS, VARI
 from unicon.evaluation.editing.plots import plot_results
 from unicon.evaluation.framework import eval_mode, write_jsonl, write_results
 from unicon.models.base import ImageGenerationConfig, UnifiedModel
-from unicon.progress import track
 
 BATCH_SIZE = EditingEvalConfig.batch_size  # samples per model call: the eval section's default
 
@@ -118,10 +117,7 @@ def skipped_counts(samples: Sequence[EditSample]) -> dict[str, dict[str, int]]:
 def _score_samples(model, samples: Sequence[EditSample], indices: list[int], batch_size: int, eps: float,
                    judge=None) -> dict[int, dict]:
     values: dict[int, dict] = {}
-    starts = range(0, len(indices), batch_size)
-    for start in track(starts, "editing: EditingScore", len(starts), unit="batches"):
-        preemption.check()
-        chunk = indices[start:start + batch_size]
+    for chunk in preemption.batches(indices, batch_size, "editing: EditingScore"):
         batch = [samples[i] for i in chunk]
         sources, edited = [s.image("source") for s in batch], [s.image("edited") for s in batch]
         instructions = [s.instruction for s in batch]
@@ -153,10 +149,7 @@ def _own_edits(model, rows: list[dict], world_root: Path, indices: list[int], ba
 
     cfg = load_world(world_root).config
     records: dict[int, dict] = {}
-    starts = range(0, len(indices), batch_size)
-    for start in track(starts, "editing: own edits", len(starts), unit="batches"):
-        preemption.check()
-        chunk = indices[start:start + batch_size]
+    for chunk in preemption.batches(indices, batch_size, "editing: own edits"):
         batch = [rows[i] for i in chunk]
         sources = []
         for r in batch:

@@ -266,10 +266,8 @@ def generate_samples(model: UnifiedModel, instances: Sequence[Instance], setting
                                           answer_mode, letter_parse, stepwise_input)}
     for axis, run in runs.items():
         mine = [s for s in samples if s.instance.axis == axis]
-        starts = range(0, len(mine), batch_size)
-        for start in track(starts, f"realunify: {axis.upper()} ({', '.join(settings)})", len(starts), unit="batches"):
-            preemption.check()
-            run(mine[start:start + batch_size])
+        for batch in preemption.batches(mine, batch_size, f"realunify: {axis.upper()} ({', '.join(settings)})"):
+            run(batch)
     return samples
 
 

@@ -39,7 +39,6 @@ from unicon.evaluation import preemption
 from unicon.evaluation.distributed import gather_records, metric_sync_kwargs, owned_indices, shard_indices
 from unicon.evaluation.framework import eval_mode
 from unicon.evaluation.shapes.metrics import DEFAULT_TASKS, METRICS, TASKS, EditPreference, RelationFlip, report
-from unicon.progress import track
 from unicon.worlds.shapes import Scene, load_world
 from unicon.worlds.shapes_text import (
     CaptionParseError,
@@ -193,9 +192,7 @@ def shapes_task_accuracies(model, world_root: str | Path, split: str = "test", l
             prefs = EditPreference(**metric_sync_kwargs()).to(device) if task == "edit" else None
             mine, owned = shard_indices(len(items)), set(owned_indices(len(items)))
             shown: dict[int, dict] = {}  # this rank's rows among the first num_examples: the picture's
-            batches = [mine[i: i + batch_size] for i in range(0, len(mine), batch_size)]
-            for batch in track(batches, f"shapes: {task}", len(batches), unit="batches"):
-                preemption.check()  # SIGTERM/SIGUSR1 (watched by the caller): stop before the next batch
+            for batch in preemption.batches(mine, batch_size, f"shapes: {task}"):
                 chunk = [items[i] for i in batch]
                 images = [image(r) for r in chunk] if task != "t2i" else []
                 preds, targets = _predict(model, task, chunk, images, image_config)

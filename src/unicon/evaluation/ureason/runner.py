@@ -153,9 +153,7 @@ def generate_samples(
 ) -> list[Sample]:
     """Run settings 1-3 for every instance (no judging)."""
     samples = [Sample(inst) for inst in instances]
-    for start in track(range(0, len(samples), batch_size), "ureason: generation (settings 1-3)", unit="batches"):
-        preemption.check()
-        batch = samples[start : start + batch_size]
+    for batch in preemption.batches(samples, batch_size, "ureason: generation (settings 1-3)"):
         draw_images(model, batch, 1, [s.instance.direct_prompt for s in batch], image_config)  # setting 1
         # reasoning trace R (shared by settings 2 and 3)
         gens = model.reason([s.instance.prompt for s in batch], max_new_tokens=max_new_tokens)
