@@ -387,14 +387,10 @@ class Owlv2Detector(Detector):
     """OWLv2 through transformers (``Owlv2ForObjectDetection``).
 
     ``path`` is a local ``save_pretrained`` directory (model + processor) or a hub id (needs network
-    or a filled HF cache). Boxes are converted from the processor's ``[x0, y0, x1, y1]`` to ``[x, y, w, h]``.
-
-    ``protocol="telephone-game"`` (the default, what ``--detector owlv2:<dir>`` runs) follows the
-    Telephone-Game reference MGG script (module docstring): each image is queried with its own
-    include clauses, colour in the query (:meth:`detect_prompts`), and judged by
-    :func:`evaluate_reference` at ``threshold`` (0.1, :data:`OWLV2_THRESHOLD`) for every prompt
-    type. ``protocol="geneval"`` queries every class name with ``query_template`` (:meth:`detect`)
-    and applies GenEval's rules (counting at 0.9, colours of box crops by ``color_classifier``).
+    or a filled HF cache). ``protocol="telephone-game"`` (the default, what ``--detector owlv2:<dir>``
+    runs) queries each image with its own include clauses (:meth:`detect_prompts`), judged by
+    :func:`evaluate_reference`; ``protocol="geneval"`` queries every class name with ``query_template``
+    (:meth:`detect`), judged by GenEval's rules (the module docstring says both).
     """
 
     name = "owlv2"

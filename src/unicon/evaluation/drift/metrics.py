@@ -130,8 +130,7 @@ def decay(g, a, b, c):
 
 
 def fit_decay(gens: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
-    """Least-squares fit of ``S(g) = a exp(-b g) + c`` as the reference code fits it: scipy
-    ``curve_fit`` from ``p0 = (1, 0.1, 0)``, ``maxfev = 5000``, no bounds (``b`` may be negative).
+    """Least-squares fit of ``S(g) = a exp(-b g) + c`` as the reference code fits it (module docstring).
 
     Returns ``{"a", "b", "c", "rmse"}`` (plus ``"warning"`` when scipy could not estimate the
     covariance), or ``{"error": reason}`` with fewer than 3 points, non-finite values, or when the

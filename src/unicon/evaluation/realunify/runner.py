@@ -44,12 +44,9 @@ the shuffled image ..."). The values:
   the edited image alone), ``"original+edited"`` for the release's rows. ``realunify.json`` records the
   resolved value (``stepwise_input``; null for data without GEU rows).
 
-A GEU stepwise run on a model whose ``supports_editing`` is False, and an ``"original+edited"`` one on
-a model whose ``supports_multi_image`` is False or with ``answer_mode="likelihood"``, are refused with a
-:class:`UserError` naming the backend (or the answer mode) and the value, before any generation
-(:func:`check_can_run`). A failed ``generate_image`` /
-``edit_image`` batch is retried row by row; a row that still fails has no image (a failure counted
-in ``missing_<setting>``). Images are drawn with ``image_config`` (its ``seed`` included).
+A GEU stepwise run the model cannot do is refused before any generation (:func:`check_can_run`). A
+failed ``generate_image`` / ``edit_image`` batch is retried row by row (:mod:`unicon.evaluation.retry`);
+a row that still fails has no image (a failure counted in ``missing_<setting>``).
 
 Each rank evaluates its ``shard_indices`` of the instance list (UEG then GEU), and records and counts
 those it owns (:meth:`~unicon.evaluation.category_counts.CategoryCounts.gathered`); rank 0 (or the

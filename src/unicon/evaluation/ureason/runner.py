@@ -261,10 +261,9 @@ def evaluate_ureason(
 ) -> tuple[dict[str, float], list[Sample]]:
     """Generate, judge and score ``instances`` on every rank of the process group (or alone).
 
-    Returns the metrics (the same on every rank) and this rank's samples, in its shard's order.
-    With ``out_dir`` each rank saves the images it owns and rank 0 writes ``samples.jsonl``,
-    ``ureason.json`` (``{"metrics", "judge", **info}``) and ``table.md``. ``device`` holds the
-    metric states (the process group's device: CUDA under NCCL).
+    Returns the metrics (the same on every rank) and this rank's samples, in its shard's order; with
+    ``out_dir``, the files of the module docstring (``ureason.json``: ``{"metrics", "judge", **info}``).
+    ``device`` holds the metric states (the process group's device: CUDA under NCCL).
     """
     if not instances:
         raise UserError("UReason: no instances to evaluate")
