@@ -115,15 +115,12 @@ class EditingSuite(EvalSuite):
         from unicon.loggers import environment_info
 
         c, args, inputs = run.config, run.args, run.inputs
-        data_root = Path(c.data).resolve().parent
-        if args is None:
-            results, records = evaluate_editing(
-                run.model, inputs.samples, run.out, c.batch_size, info={"epoch": run.epoch, "data": str(Path(c.data))},
-                own_edits=c.own_edits, world_root=inputs.world, data_root=data_root)
-        else:
+        image_config = run.image_config()  # None at epoch end: the model's own
+        judge = judge_spec = None
+        info = {"epoch": run.epoch, "data": str(Path(c.data))}
+        if args is not None:
             judge_spec = run.record("judge", args.judge)
             judge = None if run.merging else build_judge(args.judge, run.model, **run.judge_kwargs())
-            image_config = run.image_config()
             info = {
                 **run.checkpoint_info(), "backend": run.record("backend", getattr(run.model, "backend", None)),
                 "data": str(c.data), "limit": c.max_samples, "batch_size": c.batch_size,
@@ -132,10 +129,10 @@ class EditingSuite(EvalSuite):
                 "judge_settings": run.judge_settings(judge=args.judge) if args.judge else None,
                 "environment": environment_info(),
             }
-            results, records = evaluate_editing(
-                run.model, inputs.samples, run.out, c.batch_size, args.eps, info, own_edits=c.own_edits,
-                world_root=inputs.world, image_config=image_config, check=not run.merging, data_root=data_root,
-                judge=judge, judge_spec=judge_spec)
+        results, records = evaluate_editing(
+            run.model, inputs.samples, run.out, c.batch_size, EDITING_EPS if args is None else args.eps, info,
+            own_edits=c.own_edits, world_root=inputs.world, image_config=image_config, check=not run.merging,
+            data_root=Path(c.data).resolve().parent, judge=judge, judge_spec=judge_spec)
         own = "".join(f"own edits {kind:<10} n={b['n']:<4} exact={b['exact_match']:.2f} "
                       f"median score={b['median_score']:.4g}\n"
                       for kind, b in results.get("own_edits", {"by_kind": {}})["by_kind"].items())
