@@ -9,6 +9,7 @@ an evaluation (:mod:`unicon.evaluation.preemption`) stops it at the next batch, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -27,8 +28,6 @@ def gathered_parameters(trainer: Trainer, model: torch.nn.Module):
     """The context an epoch-end evaluation runs in: the strategy's ``gathered_parameters(model)``
     where it has one (DeepSpeed ZeRO-3, whose partitioned parameters are gathered on every rank
     for the evaluation: :class:`unicon.training.zero.ZeroStrategy`), else nothing."""
-    import contextlib
-
     gather = getattr(getattr(trainer, "strategy", None), "gathered_parameters", None)
     return gather(model) if callable(gather) else contextlib.nullcontext()
 

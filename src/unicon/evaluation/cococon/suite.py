@@ -10,6 +10,8 @@ shards' sum).
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 from pathlib import Path
 
 from unicon.config import COCOCON_MAX_K, CocoConEvalConfig
@@ -74,8 +76,6 @@ class CocoConSuite(EvalSuite):
         return str(Path(run_cfg.data.root) / "cococon_test.json")
 
     def load(self, config, args, root):
-        import logging
-
         from unicon.data.cococon import load_cococon
 
         data = load_cococon(config.data, config.images_root, config.skip_missing).subset(config.max_samples)
@@ -86,8 +86,6 @@ class CocoConSuite(EvalSuite):
         return data
 
     def run(self, run: EvalRun) -> Outcome:
-        import time
-
         from unicon.evaluation.cococon.metrics import evaluated_tasks
         from unicon.evaluation.cococon.runner import (
             TABLE_COLUMNS, evaluate_model, generation_settings, table_rows, write_outputs,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from unicon.config import DRIFT_CHAINS, DriftEvalConfig
@@ -137,8 +138,6 @@ class DriftSuite(EvalSuite):
         """The embedders of ``c.embedders`` that can run here (``where``: the world's path, for the
         messages); the default CLIP, when untrained, is skipped with a warning. Epoch end: a missing
         one is skipped (logged); standalone it is an error."""
-        from pathlib import Path
-
         from unicon.embedders.factory import load_embedders
         from unicon.evaluation.drift.metrics import without_clip
 
@@ -160,8 +159,6 @@ class DriftSuite(EvalSuite):
     def _standalone_inputs(self, c, args) -> DriftInputs:
         """``--world``, ``--seeds`` or ND400, ``--geneval`` (default: the world's, else GenEval-R) and
         ``--detector``; a merge loads no embedder or detector."""
-        from pathlib import Path
-
         from unicon.data.drift_seeds import balanced, geneval_seeds, is_geneval_file, load_seeds, nd400_seeds
         from unicon.data.geneval import geneval_r_path
         from unicon.evaluation.drift.geneval import ClipColorClassifier, check_detector_spec, load_detector
@@ -213,8 +210,6 @@ class DriftSuite(EvalSuite):
         MGG (``c.geneval``): ``num_chains`` prompts of ``c.geneval_prompts`` (default: the world's
         ``geneval_metadata.jsonl``) spread over the tasks, scored by the ShapesWorld detector.
         Embedders missing on disk are skipped with a warning."""
-        from pathlib import Path
-
         from unicon.data.drift_seeds import balanced, geneval_seeds, load_seeds
         from unicon.evaluation.drift.geneval import ShapesDetector
         from unicon.evaluation.drift.runner import chains_for

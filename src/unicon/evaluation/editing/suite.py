@@ -16,7 +16,7 @@ tau_b of the score, its ablations and components against every criterion,
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from unicon.config import EDITING_EPS, EditingEvalConfig
@@ -108,8 +108,6 @@ class EditingSuite(EvalSuite):
         return EditingInputs(samples, world)
 
     def run(self, run: EvalRun) -> Outcome:
-        import dataclasses
-
         from unicon.evaluation.editing.judges import build_judge
         from unicon.evaluation.editing.runner import TABLE_COLUMNS, evaluate_editing, table_rows
         from unicon.loggers import environment_info
@@ -125,7 +123,7 @@ class EditingSuite(EvalSuite):
                 **run.checkpoint_info(), "backend": run.record("backend", getattr(run.model, "backend", None)),
                 "data": str(c.data), "limit": c.max_samples, "batch_size": c.batch_size,
                 "own_edits_requested": c.own_edits, "world": str(inputs.world) if inputs.world else None,
-                "image_generation": dataclasses.asdict(image_config) if c.own_edits else None,
+                "image_generation": asdict(image_config) if c.own_edits else None,
                 "judge_settings": run.judge_settings(judge=args.judge) if args.judge else None,
                 "environment": environment_info(),
             }

@@ -11,7 +11,7 @@ loaded only for UEG instances; a merge loads none (the shards judged every insta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from unicon.config import JUDGE_MAX_NEW_TOKENS, RealUnifyEvalConfig
 from unicon.evaluation.cli_common import Flag
@@ -107,8 +107,6 @@ class RealUnifySuite(EvalSuite):
         return judge
 
     def run(self, run: EvalRun) -> Outcome:
-        import dataclasses
-
         from unicon.evaluation.realunify.runner import TABLE_COLUMNS, evaluate_realunify, table_rows
         from unicon.loggers import environment_info
         from unicon.worlds.shapes import load_world
@@ -123,7 +121,7 @@ class RealUnifySuite(EvalSuite):
                 **run.checkpoint_info(), "data": str(c.data), "limit": c.max_samples, "edit_prompt": c.edit_prompt,
                 "answer_mode": c.answer_mode, "letter_parse": c.letter_parse,
                 "generation": {"max_new_tokens": c.max_new_tokens, "batch_size": c.batch_size,
-                               "image": dataclasses.asdict(image_config)},
+                               "image": asdict(image_config)},
                 "judge_settings": run.judge_settings(judge=c.judge),
                 "environment": environment_info(),
             }

@@ -11,6 +11,7 @@ what one process writes.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from unicon.config import ShapesEvalConfig
@@ -47,8 +48,6 @@ class ShapesSuite(EvalSuite):
         return Path(config.data)
 
     def run(self, run: EvalRun) -> Outcome:
-        import dataclasses
-
         from unicon import jsonsafe
         from unicon.evaluation.shapes.metrics import logged_scalars
         from unicon.evaluation.shapes.plots import plot_examples

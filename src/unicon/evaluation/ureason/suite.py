@@ -10,6 +10,7 @@ none (the shards judged every instance).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from unicon.config import JUDGE_MAX_NEW_TOKENS, UReasonEvalConfig
 from unicon.errors import UserError
@@ -79,8 +80,6 @@ class UReasonSuite(EvalSuite):
         return judge
 
     def run(self, run: EvalRun) -> Outcome:
-        import dataclasses
-
         from unicon.evaluation.ureason.runner import TABLE_COLUMNS, evaluate_ureason, table_rows
         from unicon.loggers import environment_info
 
