@@ -8,12 +8,12 @@ from typing import Sequence
 
 from matplotlib.figure import Figure
 
+from unicon.evaluation.correlation import kendall
+
 
 def scatter_figure(records: Sequence[dict], names: Sequence[str]) -> Figure:
     """One panel per metric: its score (y) against the human rating (x), a little horizontal jitter-free
     transparency so that tied ratings show as dense columns; the panel title has τ_b."""
-    from unicon.evaluation.correlation import kendall
-
     cols = min(4, max(1, len(names)))
     rows = max(1, math.ceil(len(names) / cols))
     fig = Figure(figsize=(3.0 * cols, 2.6 * rows))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 from PIL import Image
 
 from unicon.evaluation.drift.metrics import MAPPINGS, decay
@@ -25,15 +26,9 @@ STRIP_COLUMNS = ["chain", "id", "images", "captions"]
 Trail = tuple[str, str, Sequence[Any]]  # (chain, seed id, caption or image per generation)
 
 
-def _figure(**kwargs):
-    from matplotlib.figure import Figure
-
-    return Figure(**kwargs)
-
-
 def plot_curves(mcd: dict, path: Path, title: str = "") -> Path:
     """S_delta(g) per mapping (one panel each, one line per embedder, dashed: the decay fit), like Fig. 6."""
-    fig = _figure(figsize=(16, 3.6))
+    fig = Figure(figsize=(16, 3.6))
     axes = fig.subplots(1, 4, squeeze=False)
     for ax, mapping in zip(axes[0], MAPPINGS):
         chain, _, src, tgt = MAPPINGS[mapping]
@@ -64,7 +59,7 @@ def plot_mgg_heatmap(mgg: dict, path: Path) -> Path:
     gens = sorted(mgg["per_generation"])
     tasks = list(next(iter(mgg["per_generation"].values()))["tasks"])
     grid = np.array([[mgg["per_generation"][g]["tasks"].get(t, np.nan) for g in gens] for t in tasks])
-    fig = _figure(figsize=(1.2 + 0.6 * len(gens), 0.8 + 0.5 * len(tasks)))
+    fig = Figure(figsize=(1.2 + 0.6 * len(gens), 0.8 + 0.5 * len(tasks)))
     ax = fig.subplots()
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(gens)), [str(g) for g in gens])
@@ -84,7 +79,7 @@ def plot_mgg_heatmap(mgg: dict, path: Path) -> Path:
 def plot_strips(trails: Sequence[Trail], path: Path, max_gens: int = 8) -> Path:
     """One row per chain: its items at generations ``0..max_gens`` (images, or wrapped captions)."""
     G = min(len(trails[0][2]) - 1, max_gens)
-    fig = _figure(figsize=(2.2 * (G + 1), 2.6 * len(trails)))
+    fig = Figure(figsize=(2.2 * (G + 1), 2.6 * len(trails)))
     axes = fig.subplots(len(trails), G + 1, squeeze=False)
     for r, (chain, id_, items) in enumerate(trails):
         for g in range(G + 1):

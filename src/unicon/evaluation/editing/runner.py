@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 
 from unicon.config import EditingEvalConfig
 from unicon.data.mixture import read_edits
@@ -88,8 +89,6 @@ TABLE_COLUMNS = ["id", "instruction", "source", "edited", "cos_image", "sim_text
 
 def table_rows(records: Sequence[dict], samples: Sequence[EditSample], limit: int | None = None) -> list[list[Any]]:
     """The first ``limit`` records as table rows, the source and edited images as PIL images."""
-    from PIL import Image
-
     by_id = {s.id: s for s in samples}
     rows = []
     for r in records[:limit] if limit is not None else records:
@@ -142,8 +141,6 @@ def own_edit_rows(world_root: str | Path, n: int) -> list[dict]:
 
 def _own_edits(model, rows: list[dict], world_root: Path, indices: list[int], batch_size: int,
                image_config: ImageGenerationConfig | None, eps: float, out: Path | None) -> dict[int, dict]:
-    from PIL import Image
-
     from unicon.worlds.shapes import Scene, load_world
     from unicon.worlds.shapes_edit import Edit, edit_matches
 

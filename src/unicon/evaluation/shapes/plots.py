@@ -8,6 +8,10 @@ import textwrap
 from pathlib import Path
 from typing import Sequence
 
+import matplotlib.patches as patches
+import numpy as np
+from matplotlib.figure import Figure
+
 #: the picture, ``<out>/<name>.png``, logged as ``shapes/fig/<name>``
 FIGURES = ("shapes_eval",)
 
@@ -17,9 +21,6 @@ NAMES = {"vqa": "VQA", "caption": "caption", "grounding": "localization", "t2i":
 
 def plot_examples(examples: Sequence[dict], path: Path, per_task: int) -> Path:
     """A grid: one row per task, ``per_task`` examples each (see the module docstring)."""
-    import matplotlib.patches as patches
-    from matplotlib.figure import Figure
-
     tasks = [t for t in NAMES if any(e["task"] == t for e in examples)]
     fig = Figure(figsize=(2.4 * per_task, 2.9 * len(tasks)))
     axes = fig.subplots(len(tasks), per_task, squeeze=False)
@@ -27,8 +28,6 @@ def plot_examples(examples: Sequence[dict], path: Path, per_task: int) -> Path:
         items = [e for e in examples if e["task"] == task][:per_task]
         for ax, e in zip(row, items):
             if task == "edit":  # the source and the edited image side by side
-                import numpy as np
-
                 shown = np.concatenate([np.asarray(e["image"].convert("RGB")),
                                         np.asarray(e["prediction"].convert("RGB").resize(e["image"].size))], axis=1)
             else:

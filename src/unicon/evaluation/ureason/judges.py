@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import re
+from collections import Counter
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
@@ -369,8 +370,6 @@ def refined_prompt_implies(text: str, pattern: dict, cfg=None) -> bool:
     (``a left of b`` and ``b right of a`` are the same statement). Cell positions (``row``/``col``)
     cannot be said in the grammar and are not required.
     """
-    from collections import Counter
-
     try:
         spec = parse_caption(text, cfg)
     except CaptionParseError:
