@@ -142,11 +142,11 @@ def resume_checkpoint(cfg: DictConfig, reads: CheckpointReads) -> dict:
     resuming it would go back and redo (and overwrite) the later steps. The others that cannot be
     read (a save cut short, a DeepSpeed folder without its ``complete.json``) do not count."""
     allow_pickle = bool(cfg.model.allow_pickle)
-    resumed = reads.read(cfg.resume, allow_pickle)  # readable, ours
+    resume = Path(cfg.resume)
+    resumed = reads.read(resume, allow_pickle)  # readable, ours
     if cfg.resume_older:
         return resumed
-    step = reads.step(cfg.resume, allow_pickle)  # from the read above
-    resume = Path(cfg.resume)
+    step = int(resumed.get("global_step", -1))
     newest, newest_step = None, step
     for path in folder_checkpoints(resume.parent):
         if path.resolve() == resume.resolve():
