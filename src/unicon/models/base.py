@@ -126,6 +126,9 @@ class UnifiedModel(nn.Module, abc.ABC):
 
     #: human-readable backend name, e.g. ``"ofa"`` or ``"janus"``
     backend: str = "abstract"
+    #: the files of a world directory whose vocabulary a from-scratch model reads (OFA: the
+    #: ShapesWorld's ``tokenizer.json`` and ``world.json``); none for a backend with its own
+    world_vocabulary_files: tuple[str, ...] = ()
     #: the tokenizer whose codes ``score_image``/``generate_image`` use
     image_tokenizer: ImageTokenizer | None = None
     #: the instruction captioning is scored and generated with (the CocoCon anchor task);

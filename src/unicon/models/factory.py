@@ -133,7 +133,7 @@ def _vocabulary(plan: ModelPlan, cls: type[UnifiedModel]) -> Iterator[str | Path
     if not plan.world_files:
         yield plan.world_root
         return
-    unknown = sorted(set(plan.world_files) - set(getattr(cls, "world_vocabulary_files", ())))
+    unknown = sorted(set(plan.world_files) - set(cls.world_vocabulary_files))
     if unknown:
         raise UserError(f"{plan.source}: unexpected stored world files {unknown}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,6 +208,6 @@ def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str,
     """
     if model_cfg.get("pretrained") or world_root is None:
         return {}
-    names = getattr(backend_class(model_cfg.get("backend", "ofa")), "world_vocabulary_files", ())
+    names = backend_class(model_cfg.get("backend", "ofa")).world_vocabulary_files
     root = Path(world_root)
     return {name: (root / name).read_text() for name in names if (root / name).is_file()}

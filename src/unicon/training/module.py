@@ -66,7 +66,6 @@ from omegaconf import DictConfig, OmegaConf
 from unicon.config import EVAL_TASKS
 from unicon.data.mixture import TRAINABLE_TASKS
 from unicon.losses.consistency import consistency_loss, rank_diagnostics
-from unicon.models.factory import world_vocabulary
 from unicon.models.base import Scores, UnifiedModel
 from unicon.training.optim import build_optimizer, decay_groups
 
@@ -154,9 +153,12 @@ class ConsistencyModule(L.LightningModule):
         self.model = model
         self.cfg = cfg
         self.gamma_rng = torch.Generator().manual_seed(int(cfg.seed))
-        # read once: every checkpoint carries the vocabulary files the run started with; a model loaded
-        # from an init_from directory brings its own (a shipped model's tokenizer, whatever data.root's is)
-        self.world_files = world_vocabulary(cfg.model, cfg.data.root)
+        # read once: every checkpoint carries the vocabulary files the run started with (those the model's
+        # backend reads from data.root); a model loaded from an init_from directory brings its own (a
+        # shipped model's tokenizer, whatever data.root's is)
+        root = None if cfg.model.get("pretrained") else cfg.data.root
+        self.world_files = {name: (Path(root) / name).read_text() for name in model.world_vocabulary_files
+                            if root is not None and (Path(root) / name).is_file()}
         if cfg.get("init_from") and Path(cfg.init_from).is_dir():
             for name in self.world_files:
                 if (Path(cfg.init_from) / name).is_file():
