@@ -51,7 +51,7 @@ import torch
 from unicon.core import config_dict, torch_dtype
 from unicon.errors import UserError
 from unicon.models.base import UnifiedModel
-from unicon.models.lora import apply_lora, has_lora
+from unicon.models.lora import apply_lora
 from unicon.models.registry import backend_class
 
 __all__ = ["ModelPlan", "apply_model_options", "build", "build_model", "enable_gradient_checkpointing",
@@ -107,18 +107,20 @@ def build(plan: ModelPlan) -> UnifiedModel:
         if plan.weights is not None:
             _load_weights(model, plan.weights(), plan.source)
     if plan.training is not None:
-        model = _for_training(model, plan.training, from_checkpoint=plan.source is not None)
+        model = _for_training(model, plan)
     return model
 
 
-def _for_training(model: UnifiedModel, model_cfg: Any, from_checkpoint: bool) -> UnifiedModel:
-    """A run's ``model:`` section applied to the model it starts from: its options (a built model
-    has them already), gradient checkpointing and LoRA (a LoRA run's checkpoint holds its adapters)."""
-    if from_checkpoint:
+def _for_training(model: UnifiedModel, plan: ModelPlan) -> UnifiedModel:
+    """The run's ``model:`` section (``plan.training``) applied to the model it starts from: its
+    options (a model built from that section has them already), gradient checkpointing, and its LoRA
+    adapters unless the checkpoint brought some (``plan.lora``: a LoRA run's checkpoint)."""
+    model_cfg = plan.training
+    if plan.source is not None:
         model = apply_model_options(model, model_cfg).train()
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if model_cfg.lora.enabled and not has_lora(model):
+    if model_cfg.lora.enabled and plan.lora is None:
         try:
             apply_lora(model, model_cfg.lora)
         except ValueError as e:
