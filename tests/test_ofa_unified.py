@@ -530,9 +530,7 @@ def test_load_model_accepts_save_pretrained_dirs_and_lightning_ckpts(tiny_world,
     with pytest.raises(UserError, match="not a unicon model directory"):
         load_model(tmp_path)
     # unicon train stores the world's vocabulary files: the .ckpt then loads without the world
-    from unicon.models import world_vocabulary
-
-    moved = {**ckpt, "unicon_world_files": world_vocabulary(cfg["model"], tiny_world),
+    moved = {**ckpt, "unicon_world_files": OFAUnifiedModel.world_vocabulary(tiny_world),
              "unicon_config": {**cfg, "data": {**cfg["data"], "root": str(tmp_path / "world-was-deleted")}}}
     assert set(moved["unicon_world_files"]) == {"tokenizer.json", "world.json"}
     torch.save(moved, tmp_path / "moved.ckpt")

@@ -25,7 +25,7 @@ from unicon.models import decoupled, janus, vqgan  # noqa: F401  (in-tree backen
 from unicon.models.ofa import unified  # noqa: F401
 from unicon.models.base import EditingNotSupported, ImageGenerationConfig, UnifiedModel
 from unicon.models.factory import (
-    ModelPlan, apply_model_options, build, build_model, enable_gradient_checkpointing, world_vocabulary,
+    ModelPlan, apply_model_options, build, build_model, enable_gradient_checkpointing,
 )
 from unicon.models.checkpoints import (
     ARCHITECTURE_KEYS, DEEPSPEED_COMPLETE_FILE, DEEPSPEED_TAG_FILE, PICKLE_OPT_IN, TRAINING_CONFIG_NAME,
@@ -42,4 +42,4 @@ __all__ = ["ARCHITECTURE_KEYS", "DEEPSPEED_COMPLETE_FILE", "DEEPSPEED_TAG_FILE",
            "checkpoint_plan", "deepspeed_checkpoint_step", "deepspeed_client_state", "enable_gradient_checkpointing",
            "export_checkpoint", "export_model", "has_lora", "is_deepspeed_checkpoint", "load_for_training",
            "load_lightning_checkpoint", "load_model", "read_deepspeed_checkpoint", "read_training_checkpoint",
-           "recorded_model_section", "resumable_deepspeed_state", "training_plan", "world_vocabulary"]
+           "recorded_model_section", "resumable_deepspeed_state", "training_plan"]

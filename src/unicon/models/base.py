@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -134,6 +135,17 @@ class UnifiedModel(nn.Module, abc.ABC):
     #: the instruction captioning is scored and generated with (the CocoCon anchor task);
     #: backends override it (OFA: " what does the image describe?")
     caption_prompt: str = "Describe the image."
+
+    @classmethod
+    def world_vocabulary(cls, world_root: str | Path | None) -> dict[str, str]:
+        """Text of :attr:`world_vocabulary_files` under ``world_root`` (the files present; ``{}`` without
+        a root). ``unicon train`` stores them in every ``.ckpt`` (key ``unicon_world_files``), so a
+        checkpoint loads without the world, and rebuilding the world cannot change an old run's
+        vocabulary."""
+        if world_root is None:
+            return {}
+        root = Path(world_root)
+        return {name: (root / name).read_text() for name in cls.world_vocabulary_files if (root / name).is_file()}
 
     # ---- training mode ------------------------------------------------------------
     def freeze_batchnorm(self) -> "UnifiedModel":

@@ -11,8 +11,6 @@
 * :func:`apply_model_options` -- ``dtype``, ``freeze_batchnorm`` and ``freeze``, also applied to a
   model a run starts from a checkpoint with (:func:`build` of its plan);
 * :func:`enable_gradient_checkpointing` -- ``model.gradient_checkpointing`` of a training run;
-* :func:`world_vocabulary` -- the world files a from-scratch model's vocabulary comes from (stored
-  in every training checkpoint).
 
 Reading and writing model files (checkpoints, exports) is :mod:`unicon.models.checkpoints`' business,
 never this module's: a plan arrives with what was read (a training checkpoint's weights as a function
@@ -54,8 +52,7 @@ from unicon.models.base import UnifiedModel
 from unicon.models.lora import apply_lora
 from unicon.models.registry import backend_class
 
-__all__ = ["ModelPlan", "apply_model_options", "build", "build_model", "enable_gradient_checkpointing",
-           "world_vocabulary"]
+__all__ = ["ModelPlan", "apply_model_options", "build", "build_model", "enable_gradient_checkpointing"]
 
 
 @dataclass
@@ -199,17 +196,3 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
             return
     raise UserError(f"model.gradient_checkpointing: the {getattr(model, 'backend', type(model).__name__)} "
                     "backend has no gradient_checkpointing_enable()")
-
-
-def world_vocabulary(model_cfg: Any, world_root: str | Path | None) -> dict[str, str]:
-    """Text of the world files a from-scratch model's vocabulary comes from (``{}`` otherwise): the
-    ``world_vocabulary_files`` its backend class names (OFA: ``tokenizer.json``, ``world.json``).
-
-    ``unicon train`` stores them in every ``.ckpt`` (key ``unicon_world_files``), so a checkpoint
-    loads without the world, and rebuilding the world cannot change an old run's vocabulary.
-    """
-    if model_cfg.get("pretrained") or world_root is None:
-        return {}
-    names = backend_class(model_cfg.get("backend", "ofa")).world_vocabulary_files
-    root = Path(world_root)
-    return {name: (root / name).read_text() for name in names if (root / name).is_file()}

@@ -156,9 +156,7 @@ class ConsistencyModule(L.LightningModule):
         # read once: every checkpoint carries the vocabulary files the run started with (those the model's
         # backend reads from data.root); a model loaded from an init_from directory brings its own (a
         # shipped model's tokenizer, whatever data.root's is)
-        root = None if cfg.model.get("pretrained") else cfg.data.root
-        self.world_files = {name: (Path(root) / name).read_text() for name in model.world_vocabulary_files
-                            if root is not None and (Path(root) / name).is_file()}
+        self.world_files = model.world_vocabulary(None if cfg.model.get("pretrained") else cfg.data.root)
         if cfg.get("init_from") and Path(cfg.init_from).is_dir():
             for name in self.world_files:
                 if (Path(cfg.init_from) / name).is_file():
