@@ -53,6 +53,9 @@ BASE_EVALUATIONS = (
 )
 
 
+GEU_CATEGORY_NAMES = ("mental_reconstruction", "mental_tracking", "attentional_focusing", "cognitive_navigation")
+
+
 def _geu(m: dict, setting: str, what: str) -> float | None:
     """GEU share of ``what`` ("acc" or "parsed") over the four GEU categories, from realunify.json's metrics."""
     n = sum(v for k, v in m.items() if k.startswith("n/") and k[2:] in GEU_CATEGORY_NAMES)
@@ -61,9 +64,6 @@ def _geu(m: dict, setting: str, what: str) -> float | None:
     if what == "acc":
         return m[f"acc_{setting}/geu"] / 100.0
     return 1.0 - m[f"unparseable_{setting}/geu"] / n
-
-
-GEU_CATEGORY_NAMES = ("mental_reconstruction", "mental_tracking", "attentional_focusing", "cognitive_navigation")
 
 
 def _get(m: dict, *path: str) -> float | None:
@@ -156,7 +156,6 @@ MODELS = {
 }
 
 
-
 def git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
 
@@ -242,7 +241,7 @@ def evaluate(args: argparse.Namespace) -> int:
         extra["other_world"] = world_info(other)
     if "{clip}" in named:
         clip = Path(args.clip)
-        if not (clip / "open_clip_config.json").is_file() and not clip.is_dir():
+        if not clip.is_dir():
             subprocess.run([sys.executable, "-m", "unicon.embedders.clip", "--train-shapes", str(world), "--out",
                             str(clip), "--steps", str(CLIP_STEPS)], check=True, cwd=REPO)
         fill["clip"] = str(clip)

@@ -10,7 +10,7 @@
   ``backend`` (:mod:`unicon.models.registry`) builds it, :func:`apply_model_options` follows;
 * :func:`apply_model_options` -- ``dtype``, ``freeze_batchnorm`` and ``freeze``, also applied to a
   model a run starts from a checkpoint with (:func:`build` of its plan);
-* :func:`enable_gradient_checkpointing` -- ``model.gradient_checkpointing`` of a training run;
+* :func:`enable_gradient_checkpointing` -- ``model.gradient_checkpointing`` of a training run.
 
 Reading and writing model files (checkpoints, exports) is :mod:`unicon.models.checkpoints`' business,
 never this module's: a plan arrives with what was read (a training checkpoint's weights as a function
